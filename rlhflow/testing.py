@@ -1,0 +1,68 @@
+"""Tiny, real models for tests and smoke runs: a small byte-level BPE tokenizer with a ChatML
+template (like SmolLM2's) and a randomly initialised Llama of a few hundred thousand parameters.
+Everything is built locally in about a second; nothing is downloaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from rlhflow.models import prepare_tokenizer, save_plain
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Please explain how photosynthesis works in simple terms.",
+    "Here are three clear steps: first, second, and finally third.",
+    "Thank you for asking! I am happy to help with your question.",
+    "user assistant system You are a helpful assistant.",
+    "Water boils at one hundred degrees Celsius at sea level.",
+    "A good answer is relevant, helpful, polite and well structured.",
+    "yes no maybe hello world great thanks sorry cannot answer that",
+    "0 1 2 3 4 5 6 7 8 9 ! ? . , : ; - ( ) ' \" \n",
+]
+
+
+def tiny_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return prepare_tokenizer(fast)
+
+
+def tiny_llama(tokenizer: PreTrainedTokenizerFast, *, hidden: int = 32, layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.eval()
+
+
+def write_tiny_model(out_dir: str | Path, *, hidden: int = 32, layers: int = 2, seed: int = 0) -> Path:
+    """A tiny model dir usable anywhere a model spec is expected (`sft.model`, `reward_model.backbone`)."""
+    tok = tiny_tokenizer()
+    save_plain(tiny_llama(tok, hidden=hidden, layers=layers, seed=seed), tok, out_dir)
+    return Path(out_dir)
