@@ -177,7 +177,8 @@ class EvaluateConfig(Section):
 class TrackingConfig(Section):
     experiment: str = "rlhf"
     tracking_uri: str | None = Field(None, description="default: $MLFLOW_TRACKING_URI, else sqlite:///<repo>/mlflow.db")
-    register_models: bool = True
+    log_models: bool = Field(True, description="log the SFT model, reward model and policy as MLflow models")
+    register_models: bool = Field(True, description="register the reward model and policy (alias `candidate`)")
 
 
 class Config(Section):

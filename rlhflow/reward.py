@@ -1,0 +1,175 @@
+"""Reward model: Bradley-Terry pairwise training with trl's RewardTrainer, and scoring of decoded text.
+
+Loss (Bradley-Terry): L = -log sigmoid(r(x, y_chosen) - r(x, y_rejected)), averaged over pairs,
+plus TRL's optional centring term c * mean((r_c + r_r)^2) that keeps scores near zero.
+
+The reward model scores *text*: prompt and response are encoded with the reward model's own tokenizer
+(`encode_pair`), in training and in scoring alike. So the policy and the reward model may use different
+tokenizers, and the same function defines what the reward model sees everywhere. After training, scores
+are normalised with the mean and std over the training responses, so that a KL coefficient keeps its
+meaning whatever the scale of the head.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
+
+from rlhflow.models import disable_dropout, resolve_model
+
+NORM_FILE = "reward_normalization.json"
+Messages = list[dict[str, str]]
+
+
+def prepare_reward_tokenizer(tok: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    # Right padding: encoders pool the first ([CLS]) token, decoders read the last non-pad token; both need
+    # real tokens where they look. Left truncation keeps the end of long prompts next to the response.
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token or tok.unk_token
+    tok.padding_side = "right"
+    tok.truncation_side = "left"
+    return tok
+
+
+def encode_pair(tok: PreTrainedTokenizerBase, prompt_messages: Messages, response: str, max_length: int) -> list[int]:
+    """Token ids of (prompt, response) as the reward model sees them, at most `max_length` long."""
+    if tok.chat_template:
+        ids = tok.apply_chat_template(prompt_messages + [{"role": "assistant", "content": response}], tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)[-max_length:]  # keep the end: the score is read at the last token
+    prompt = "\n".join(m["content"] if m["role"] == "user" else f"{m['role']}: {m['content']}" for m in prompt_messages)
+    # Encoder pair encoding ([CLS] prompt [SEP] response [SEP]); only the prompt is cut when too long.
+    enc = tok(prompt, response, truncation="only_first", max_length=max_length)
+    if len(enc["input_ids"]) > max_length:  # the response alone is too long: cut it too
+        enc = tok(prompt, response, truncation="longest_first", max_length=max_length)
+    return list(enc["input_ids"])
+
+
+def load_backbone(spec: str, *, trust_remote_code: bool = False):
+    """A sequence-classification model with one output (the score) and its tokenizer."""
+    src = resolve_model(spec)
+    tok = prepare_reward_tokenizer(AutoTokenizer.from_pretrained(src.location, trust_remote_code=trust_remote_code,
+                                                                 **src.kwargs()))
+    model = AutoModelForSequenceClassification.from_pretrained(
+        src.location, num_labels=1, trust_remote_code=trust_remote_code, **src.kwargs()
+    )
+    model.config.pad_token_id = tok.pad_token_id
+    return disable_dropout(model), tok
+
+
+class RewardModel:
+    """Scores (prompt, response) pairs; `score` returns normalised rewards as a float tensor [B]."""
+
+    def __init__(self, model, tokenizer, *, max_length: int, mean: float = 0.0, std: float = 1.0,
+                 batch_size: int = 32, device: str | torch.device = "cpu"):
+        self.model = model.to(device).eval()
+        self.tokenizer = prepare_reward_tokenizer(tokenizer)
+        self.max_length = max_length
+        self.mean, self.std = mean, std
+        self.batch_size = batch_size
+        self.device = torch.device(device)
+
+    @classmethod
+    def load(cls, model_dir: str | os.PathLike, *, batch_size: int = 32, device: str | torch.device = "cpu"):
+        model_dir = Path(model_dir)
+        norm = json.loads((model_dir / NORM_FILE).read_text())
+        model = AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True)
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        return cls(disable_dropout(model), tok, max_length=norm["max_length"], mean=norm["mean"], std=norm["std"],
+                   batch_size=batch_size, device=device)
+
+    @torch.no_grad()
+    def raw_scores(self, prompt_messages: list[Messages], responses: list[str]) -> torch.Tensor:
+        ids = [encode_pair(self.tokenizer, p, r, self.max_length) for p, r in zip(prompt_messages, responses)]
+        out = []
+        for i in range(0, len(ids), self.batch_size):
+            batch = self.tokenizer.pad({"input_ids": ids[i : i + self.batch_size]}, return_tensors="pt")
+            logits = self.model(**{k: v.to(self.device) for k, v in batch.items()}).logits
+            out.append(logits[:, 0].float().cpu())
+        return torch.cat(out) if out else torch.zeros(0)
+
+    def score(self, prompt_messages: list[Messages], responses: list[str]) -> torch.Tensor:
+        return (self.raw_scores(prompt_messages, responses) - self.mean) / self.std
+
+    __call__ = score
+
+
+def pair_dataset(rows, tok: PreTrainedTokenizerBase, max_length: int):
+    """A tokenized `datasets.Dataset` (chosen_ids, rejected_ids) that RewardTrainer takes as processed."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({
+        "chosen_ids": [encode_pair(tok, r["prompt_messages"], r["chosen"], max_length) for r in rows],
+        "rejected_ids": [encode_pair(tok, r["prompt_messages"], r["rejected"], max_length) for r in rows],
+    })
+
+
+def train_reward_model(cfg, train_rows: list[dict], *, backbone: str, out_dir: str | os.PathLike,
+                       work_dir: str | os.PathLike, seed: int = 0, log_fn: Callable[[dict, int], None] | None = None,
+                       trust_remote_code: bool = False) -> RewardModel:
+    """Train with trl's RewardTrainer on `train_rows` (dicts with prompt_messages/chosen/rejected) and save a
+    plain model dir with its score normalisation to `out_dir`. `cfg` is the `reward_model` params section."""
+    from transformers import TrainerCallback
+    from trl import RewardConfig, RewardTrainer
+
+    model, tok = load_backbone(backbone, trust_remote_code=trust_remote_code)
+    train = pair_dataset(train_rows, tok, cfg.max_length)
+
+    class _LogCallback(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if log_fn and logs:
+                log_fn({f"rm/train_{k}": v for k, v in logs.items() if isinstance(v, (int, float))}, state.global_step)
+
+    args = RewardConfig(
+        output_dir=str(work_dir), num_train_epochs=cfg.epochs, per_device_train_batch_size=cfg.batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps, learning_rate=cfg.learning_rate,
+        weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_ratio, lr_scheduler_type="linear",
+        center_rewards_coefficient=cfg.center_rewards_coefficient, max_length=None, disable_dropout=True,
+        logging_steps=5, save_strategy="no", eval_strategy="no", report_to="none", seed=seed,
+        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, disable_tqdm=False,
+    )
+    trainer = RewardTrainer(model=model, args=args, train_dataset=train, processing_class=tok,
+                            callbacks=[_LogCallback()])
+    trainer.train()
+
+    model = trainer.model.eval()
+    rm = RewardModel(model, tok, max_length=cfg.max_length, batch_size=cfg.eval_batch_size,
+                     device=next(model.parameters()).device)
+    # Normalise by the scores of all training responses (chosen and rejected alike).
+    scores = torch.cat([
+        rm.raw_scores([r["prompt_messages"] for r in train_rows], [r["chosen"] for r in train_rows]),
+        rm.raw_scores([r["prompt_messages"] for r in train_rows], [r["rejected"] for r in train_rows]),
+    ])
+    rm.mean, rm.std = float(scores.mean()), float(scores.std().clamp_min(1e-6))
+    save_reward_model(rm, out_dir)
+    return rm
+
+
+def save_reward_model(rm: RewardModel, out_dir: str | os.PathLike) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rm.model.save_pretrained(out, safe_serialization=True)
+    rm.tokenizer.save_pretrained(out)
+    (out / NORM_FILE).write_text(json.dumps({"mean": rm.mean, "std": rm.std, "max_length": rm.max_length}, indent=2))
+
+
+def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> float:
+    """Fraction of pairs where the chosen response scores higher (ties count half)."""
+    if len(chosen) == 0:
+        return math.nan
+    return float(((chosen > rejected).float() + 0.5 * (chosen == rejected).float()).mean())
+
+
+def evaluate_pairs(rm: RewardModel, rows: list[dict]) -> dict[str, float]:
+    chosen = rm.score([r["prompt_messages"] for r in rows], [r["chosen"] for r in rows])
+    rejected = rm.score([r["prompt_messages"] for r in rows], [r["rejected"] for r in rows])
+    margin = chosen - rejected
+    return {"accuracy": pairwise_accuracy(chosen, rejected), "margin_mean": float(margin.mean()),
+            "chosen_mean": float(chosen.mean()), "rejected_mean": float(rejected.mean()), "pairs": float(len(rows))}

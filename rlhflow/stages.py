@@ -1,0 +1,141 @@
+"""The one stage list. It drives the Prefect flow (flows/pipeline.py runs these in order) and dvc.yaml
+(generated from it: `python -m rlhflow.stages > dvc.yaml`; a test checks the two agree).
+
+Paths are written as DVC templates (`${sft.out_dir}`) that DVC fills from params.yaml, and that
+`Stage.resolve` fills from the typed config for the flow, so both read the same values.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from rlhflow.config import Config
+
+VALIDATED = "${validate.out_dir}"
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    description: str
+    params: list[str]  # params.yaml sections (or dotted keys) the stage reads
+    deps: list[str]  # code and data it reads (templated paths)
+    outs: list[str]  # what it writes, DVC-cached
+    metrics: list[str] = field(default_factory=list)  # small JSON files, kept in git
+    plots: list[str] = field(default_factory=list)  # data files behind the plots in PLOTS
+    persist: list[str] = field(default_factory=list)  # outputs kept between runs (checkpoints)
+
+    @property
+    def module(self) -> str:
+        return f"tasks.{self.name}"
+
+    def resolve(self, cfg: Config, template: str) -> str:
+        """Fill `${a.b}` from the typed config, as DVC fills it from params.yaml."""
+        params = cfg.to_params()
+
+        def lookup(match: re.Match) -> str:
+            node: Any = params
+            for part in match.group(1).split("."):
+                node = node[part]
+            return str(node)
+
+        return re.sub(r"\$\{([^}]+)\}", lookup, template)
+
+
+def _metrics(stage: str) -> str:
+    return "${metrics_dir}/" + f"{stage}.json"
+
+
+STAGES: list[Stage] = [
+    Stage(
+        name="demo_data",
+        description="generate the deterministic demo preference data",
+        params=["data.demo"],
+        deps=["rlhflow/data/demo.py", "tasks/demo_data.py"],
+        outs=["${data.demo.out_dir}/preferences.jsonl"],
+    ),
+    Stage(
+        name="validate",
+        description="read preference data, run the Great Expectations suite, write train/test splits",
+        params=["seed", "data", "validate", "sft.model"],
+        deps=["${data.preferences}", "rlhflow/data/formats.py", "rlhflow/validation.py", "tasks/validate.py"],
+        outs=[VALIDATED, "${validate.report_dir}"],
+        metrics=[_metrics("validate")],
+    ),
+    Stage(
+        name="sft",
+        description="load the SFT model, keep a plain safetensors copy, baseline perplexity and samples",
+        params=["seed", "sft"],
+        deps=[VALIDATED, "rlhflow/models.py", "rlhflow/policy.py", "tasks/sft.py"],
+        outs=["${sft.out_dir}"],
+        metrics=[_metrics("sft")],
+    ),
+    Stage(
+        name="reward_model",
+        description="train the Bradley-Terry reward model with trl's RewardTrainer",
+        params=["seed", "reward_model"],
+        deps=[VALIDATED, "${sft.out_dir}", "rlhflow/reward.py", "tasks/reward_model.py"],
+        outs=["${reward_model.out_dir}"],
+        metrics=[_metrics("reward_model")],
+    ),
+    Stage(
+        name="ppo",
+        description="PPO fine-tuning of the SFT policy against the reward model",
+        params=["seed", "ppo"],
+        deps=[VALIDATED, "${sft.out_dir}", "${reward_model.out_dir}", "rlhflow/ppo", "rlhflow/policy.py",
+              "tasks/ppo.py"],
+        outs=["${ppo.out_dir}"],
+        metrics=[_metrics("ppo")],
+        plots=["${metrics_dir}/ppo_history.csv"],
+    ),
+    Stage(
+        name="evaluate",
+        description="SFT vs PPO policy on held-out prompts: reward, win rate, KL, perplexity, RM accuracy",
+        params=["seed", "evaluate"],
+        deps=[VALIDATED, "${sft.out_dir}", "${reward_model.out_dir}", "${ppo.out_dir}", "rlhflow/metrics.py",
+              "tasks/evaluate.py"],
+        outs=["${evaluate.report_dir}"],
+        metrics=[_metrics("evaluate")],
+    ),
+]
+
+STAGE_NAMES = [s.name for s in STAGES]
+
+# Top-level dvc.yaml plots (`dvc plots show`): several curves per figure, drawn from the stages' plot files.
+PLOTS: list[dict[str, Any]] = [
+    {"ppo_reward": {"title": "PPO: reward-model score per update", "x": "step",
+                    "y": {"${metrics_dir}/ppo_history.csv": ["ppo/score_mean", "ppo/reward_total_mean"]}}},
+    {"ppo_kl": {"title": "PPO: KL to the reference per update", "x": "step",
+                "y": {"${metrics_dir}/ppo_history.csv": ["ppo/kl"]}}},
+]
+
+
+def get_stage(name: str) -> Stage:
+    for stage in STAGES:
+        if stage.name == name:
+            return stage
+    raise KeyError(f"unknown stage {name!r}; stages: {', '.join(STAGE_NAMES)}")
+
+
+def dvc_yaml() -> str:
+    """dvc.yaml, generated from STAGES."""
+    stages: dict[str, Any] = {}
+    for s in STAGES:
+        entry: dict[str, Any] = {"desc": s.description, "cmd": f"python -m {s.module}", "params": s.params,
+                                 "deps": s.deps, "outs": s.outs}
+        if s.metrics:
+            entry["metrics"] = [{m: {"cache": False}} for m in s.metrics]
+        if s.plots:
+            entry["plots"] = [{p: {"cache": False}} for p in s.plots]
+        stages[s.name] = entry
+    header = "# Generated from rlhflow/stages.py by `python -m rlhflow.stages > dvc.yaml`; do not edit by hand.\n"
+    return header + yaml.safe_dump({"stages": stages, "plots": PLOTS}, sort_keys=False, width=120)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(dvc_yaml())

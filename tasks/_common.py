@@ -1,0 +1,95 @@
+"""What every stage shares: the MLflow stage run, timing, the metrics file, the Prefect task and the CLI.
+
+A stage module defines `run(cfg, ctx) -> dict[str, float]` (its metrics) and ends with
+`task = stage_task(NAME, run)` and `if __name__ == "__main__": cli(NAME, run)`. The Prefect flow and
+`python -m tasks.<stage>` (what dvc.yaml calls) therefore run exactly the same code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+# Quiet, offline defaults for the libraries the stages use (users can override them in the environment).
+os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+from rlhflow import tracking  # noqa: E402
+from rlhflow.config import Config, ConfigError, load_config  # noqa: E402
+from rlhflow.stages import get_stage  # noqa: E402
+
+
+@dataclass
+class StageContext:
+    """Handed to a stage body: where to log, and the runs its metrics go to."""
+
+    stage: str
+    parent_run_id: str | None = None
+    run_id: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None, *, on_parent: bool = False) -> None:
+        tracking.log_metrics(metrics, step=step, run_ids=[self.parent_run_id] if on_parent else [])
+
+
+StageBody = Callable[[Config, StageContext], dict[str, float]]
+
+
+def run_stage(name: str, body: StageBody, cfg: Config, parent_run_id: str | None = None) -> dict[str, float]:
+    """Run one stage inside its MLflow child run; write metrics/<stage>.json when the stage declares one."""
+    stage = get_stage(name)
+    sections = [p.split(".")[0] for p in stage.params]
+    with tracking.stage_run(cfg, name, sorted(set(sections)), parent_run_id=parent_run_id) as run:
+        ctx = StageContext(stage=name, parent_run_id=parent_run_id, run_id=run.info.run_id)
+        start = time.perf_counter()
+        metrics = dict(body(cfg, ctx) or {})
+        metrics[f"time/{name}_s"] = time.perf_counter() - start
+        ctx.log_metrics({f"time/{name}_s": metrics[f"time/{name}_s"]})
+        if stage.metrics:
+            tracking.write_stage_metrics(cfg, name, metrics)
+    return metrics
+
+
+def stage_task(name: str, body: StageBody):
+    """The stage as a Prefect task: no retries (training is not idempotent), no result caching."""
+    from prefect import task
+    from prefect.cache_policies import NO_CACHE
+
+    @task(name=name, retries=0, cache_policy=NO_CACHE, log_prints=True)
+    def _task(cfg: Config, parent_run_id: str | None = None) -> dict[str, float]:
+        return run_stage(name, body, cfg, parent_run_id)
+
+    return _task
+
+
+def parse_args(argv: list[str] | None, description: str) -> tuple[Config, argparse.Namespace]:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--params", default=None, help="params file (default: the repo's params.yaml)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one params.yaml value for this run, e.g. --set ppo.kl_coef=0.1 (repeatable)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.params, args.overrides)
+    except ConfigError as err:
+        parser.exit(2, f"error: {err}\n")
+    return cfg, args
+
+
+def cli(name: str, body: StageBody, argv: list[str] | None = None) -> None:
+    cfg, _ = parse_args(argv, f"Run the {name} stage alone: {get_stage(name).description}.")
+    try:
+        metrics = run_stage(name, body, cfg)
+    except Exception as err:  # a clear one-paragraph error, not a traceback, for data and config problems
+        if isinstance(err, (ValueError, FileNotFoundError)):
+            sys.stderr.write(f"\n{name} failed: {err}\n")
+            sys.exit(1)
+        raise
+    for key, value in sorted(metrics.items()):
+        print(f"{key:32s} {value:.4f}")

@@ -1,0 +1,27 @@
+"""Stage demo_data: write the deterministic demo preference data (`data.demo` params)."""
+
+from __future__ import annotations
+
+from rlhflow.config import Config
+from tasks._common import StageContext, cli, stage_task
+
+NAME = "demo_data"
+
+
+def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
+    from rlhflow.data.demo import write_demo
+
+    path = write_demo(cfg.data.demo, cfg.path(cfg.data.demo.out_dir))
+    rows = sum(1 for _ in open(path))
+    return {"demo/pairs": rows}
+
+
+def uses_demo_data(cfg: Config) -> bool:
+    """True when the pipeline reads the demo generator's output (the offline default)."""
+    return cfg.path(cfg.data.preferences) == cfg.path(cfg.data.demo.out_dir) / "preferences.jsonl"
+
+
+task = stage_task(NAME, run)
+
+if __name__ == "__main__":
+    cli(NAME, run)

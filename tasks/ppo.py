@@ -1,0 +1,91 @@
+"""Stage ppo: PPO fine-tuning of the SFT policy against the reward model (or a programmatic reward named by
+`ppo.reward_fn`), with the frozen SFT model as the KL reference. Every update's statistics go to MLflow under
+`ppo/` and to metrics/ppo_history.csv (the DVC plot); the final policy is registered as `rlhf-policy`."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from rlhflow.config import Config
+from tasks._common import StageContext, cli, stage_task
+
+NAME = "ppo"
+REGISTERED_NAME = "rlhf-policy"
+
+
+def load_reward_fn(spec: str) -> Callable:
+    """`package.module:function`, called as fn(prompt_messages_batch, responses) -> sequence of floats."""
+    module_name, _, attr = spec.partition(":")
+    if not attr:
+        raise ValueError(f"ppo.reward_fn {spec!r} must look like 'package.module:function'")
+    fn = getattr(importlib.import_module(module_name), attr, None)
+    if not callable(fn):
+        raise ValueError(f"ppo.reward_fn {spec!r}: {attr!r} is not a callable in {module_name}")
+    return fn
+
+
+def make_score_fn(cfg: Config, device) -> Callable:
+    import torch
+
+    if cfg.ppo.reward_fn:
+        fn = load_reward_fn(cfg.ppo.reward_fn)
+        return lambda prompts, responses: torch.as_tensor(list(fn(prompts, responses)), dtype=torch.float32)
+    from rlhflow.reward import RewardModel
+
+    return RewardModel.load(cfg.path(cfg.reward_model.out_dir), batch_size=cfg.reward_model.eval_batch_size,
+                            device=device).score
+
+
+def write_history(path, history: list[dict]) -> None:
+    import pandas as pd
+
+    from rlhflow.fsutil import write_text_atomic
+
+    write_text_atomic(path, pd.DataFrame(history).to_csv(index=False))
+
+
+def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
+    import torch
+
+    from rlhflow import tracking
+    from rlhflow.data.formats import read_jsonl
+    from rlhflow.fsutil import atomic_dir
+    from rlhflow.models import load_causal_lm, load_tokenizer, pick_device
+    from rlhflow.ppo.trainer import PPOTrainer
+
+    device = pick_device(cfg.device)
+    sft_dir = str(cfg.path(cfg.sft.out_dir))
+    tokenizer = load_tokenizer(sft_dir)
+    policy = load_causal_lm(sft_dir, pad_token_id=tokenizer.pad_token_id)
+    ref_policy = None if cfg.ppo.lora.enabled else load_causal_lm(sft_dir, pad_token_id=tokenizer.pad_token_id)
+    train = read_jsonl(cfg.path(cfg.validate.out_dir) / "train.jsonl")
+    prompts = list(train.drop_duplicates("prompt")["prompt_messages"])
+
+    torch.manual_seed(cfg.seed)
+    trainer = PPOTrainer(cfg.ppo, policy=policy, ref_policy=ref_policy, tokenizer=tokenizer,
+                         score_fn=make_score_fn(cfg, device), prompts=prompts, device=device, seed=cfg.seed,
+                         checkpoint_dir=cfg.path(cfg.ppo.checkpoint_dir),
+                         log_fn=lambda stats, step: ctx.log_metrics(stats, step=step))
+    history = trainer.train()
+    write_history(cfg.path(cfg.metrics_dir) / "ppo_history.csv", [{"step": i + 1, **h} for i, h in enumerate(history)])
+
+    out_dir = cfg.path(cfg.ppo.out_dir)
+    with atomic_dir(out_dir) as tmp:
+        trainer.save(tmp)
+    last = history[-max(1, len(history) // 4):]  # the final quarter of updates, smoothed
+    metrics = {f"{k}_final": sum(h[k] for h in last) / len(last)
+               for k in ("ppo/score_mean", "ppo/kl", "ppo/entropy", "ppo/response_length") if k in history[-1]}
+    metrics["ppo/score_mean_first"] = history[0].get("ppo/score_mean", float("nan"))
+    metrics["ppo/updates"] = float(len(history))
+    ctx.log_metrics(metrics)
+    if cfg.tracking.log_models:
+        tracking.log_model_dir(out_dir, name="policy", task="text-generation",
+                               registered_name=REGISTERED_NAME if cfg.tracking.register_models else None)
+    return metrics
+
+
+task = stage_task(NAME, run)
+
+if __name__ == "__main__":
+    cli(NAME, run)

@@ -1,0 +1,64 @@
+"""Stage reward_model: train a Bradley-Terry reward model with trl's RewardTrainer on the validated train
+pairs; report pairwise accuracy on held-out pairs (and on real human preference pairs from hh-rlhf when
+that file is present); register the model as `rlhf-reward-model` (alias `candidate`)."""
+
+from __future__ import annotations
+
+from rlhflow.config import Config
+from tasks._common import StageContext, cli, stage_task
+
+NAME = "reward_model"
+REGISTERED_NAME = "rlhf-reward-model"
+
+
+def backbone_spec(cfg: Config) -> str:
+    return str(cfg.path(cfg.sft.out_dir)) if cfg.reward_model.backbone == "sft" else cfg.reward_model.backbone
+
+
+def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
+    import tempfile
+
+    import mlflow
+
+    from rlhflow import tracking
+    from rlhflow.data.formats import load_preferences, read_jsonl
+    from rlhflow.fsutil import atomic_dir
+    from rlhflow.reward import evaluate_pairs, train_reward_model
+
+    rm_cfg = cfg.reward_model
+    validated = cfg.path(cfg.validate.out_dir)
+    train_rows = read_jsonl(validated / "train.jsonl").to_dict("records")
+    test_rows = read_jsonl(validated / "test.jsonl").to_dict("records")
+
+    hh_rows: list[dict] = []
+    hh_path = cfg.path(rm_cfg.hh_eval_path) if rm_cfg.hh_eval_path else None
+    if hh_path and hh_path.exists():
+        hh = load_preferences(str(hh_path)).to_dict("records")
+        hh_rows = hh[-rm_cfg.hh_eval_rows:]  # held out: taken from the end, training rows from the start
+        train_rows = train_rows + hh[: min(rm_cfg.hh_train_rows, len(hh) - len(hh_rows))]
+
+    tracking.log_dataset(validated / "train.jsonl", name="preferences-train", context="training")
+    out_dir = cfg.path(rm_cfg.out_dir)
+    with atomic_dir(out_dir) as tmp, tempfile.TemporaryDirectory() as work:
+        rm = train_reward_model(rm_cfg, train_rows, backbone=backbone_spec(cfg), out_dir=tmp, work_dir=work,
+                                seed=cfg.seed, log_fn=lambda m, step: ctx.log_metrics(m, step=step),
+                                trust_remote_code=cfg.sft.trust_remote_code)
+        held_out = evaluate_pairs(rm, test_rows)
+        metrics = {"rm/accuracy": held_out["accuracy"], "rm/margin": held_out["margin_mean"],
+                   "rm/eval_pairs": held_out["pairs"], "rm/train_pairs": float(len(train_rows)),
+                   "rm/score_mean": rm.mean, "rm/score_std": rm.std}
+        if hh_rows:
+            hh_eval = evaluate_pairs(rm, hh_rows)
+            metrics.update({"rm/accuracy_hh": hh_eval["accuracy"], "rm/margin_hh": hh_eval["margin_mean"]})
+    ctx.log_metrics(metrics)
+    mlflow.log_dict({"normalization": {"mean": rm.mean, "std": rm.std}}, "reward_normalization.json")
+    if cfg.tracking.log_models:
+        tracking.log_model_dir(out_dir, name="reward_model", task="text-classification",
+                               registered_name=REGISTERED_NAME if cfg.tracking.register_models else None)
+    return metrics
+
+
+task = stage_task(NAME, run)
+
+if __name__ == "__main__":
+    cli(NAME, run)
