@@ -1,0 +1,51 @@
+import pytest
+
+from rlhflow.config import REPO_ROOT, Config, ConfigError, apply_overrides, load_config
+
+
+def test_params_yaml_matches_the_config_model():
+    cfg = load_config()
+    assert cfg.to_params().keys() == Config().to_params().keys()
+    assert cfg.tracking.experiment == "rlhf"
+
+
+def test_overrides_are_typed():
+    cfg = load_config(overrides=["ppo.kl_coef=0.1", "ppo.adaptive_kl.enabled=true", 'ppo.stop_strings=["\\n\\n"]',
+                                 "data.preferences=/abs/path.jsonl"])
+    assert cfg.ppo.kl_coef == 0.1 and isinstance(cfg.ppo.kl_coef, float)
+    assert cfg.ppo.adaptive_kl.enabled is True
+    assert cfg.ppo.stop_strings == ["\n\n"]
+    assert cfg.data.preferences == "/abs/path.jsonl"
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("ppo.kl_coeff=0.1", "ppo.kl_coeff"),  # unknown key
+        ("ppo.steps=many", "ppo.steps"),  # wrong type
+        ("ppo.cliprange=-1", "ppo.cliprange"),  # out of range
+        ("ppo.kl_estimator=k2", "ppo.kl_estimator"),  # not one of the choices
+        ("nonsense.key=1", "nonsense"),
+    ],
+)
+def test_bad_parameters_fail_with_the_key_named(override, named):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[override])
+    assert named in str(err.value)
+
+
+def test_minibatch_must_divide_batch():
+    with pytest.raises(ConfigError, match="mini_batch_size"):
+        load_config(overrides=["ppo.batch_size=10", "ppo.mini_batch_size=4"])
+
+
+def test_override_without_equals_is_rejected():
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        apply_overrides({}, ["ppo.kl_coef"])
+
+
+def test_paths_resolve_against_the_repo_not_the_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config()
+    assert cfg.path(cfg.sft.out_dir) == REPO_ROOT / "models" / "sft"
+    assert cfg.path("/abs/x") == __import__("pathlib").Path("/abs/x")
