@@ -1,0 +1,384 @@
+"""The data-validation suite for preference pairs, run with Great Expectations.
+
+`split_by_prompt` splits pairs into train/test by a stable hash of the prompt. `validate_preferences`
+runs one expectation suite on each split (an ephemeral GE context, a pandas dataframe batch),
+maps every failing row back to its `source_row` in the input, writes `validation.json` and
+`validation.html`, and raises `DataValidationError` naming the failed expectations and their rows.
+
+Checks that GE has no single expectation for are expressed through helper columns or GE's
+multi-column expectations: token lengths go into `<column>_tokens` columns (computed with the
+tokenizer the models use), chosen != rejected is `expect_select_column_values_to_be_unique_within_record`,
+and a prompt leaking between splits is a boolean `prompt_in_other_split` column expected to be False.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from rlhflow.config import ValidateConfig
+
+# GE reads these at import time: no usage analytics from a pipeline run.
+os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
+
+TEXT_COLUMNS = ("prompt", "chosen", "rejected")
+SPLITS = ("train", "test")
+SNIPPET_CHARS = 60
+
+
+class DataValidationError(ValueError):
+    """The preference data failed validation; `.result` holds the full `ValidationResult`."""
+
+    def __init__(self, result: "ValidationResult"):
+        self.result = result
+        super().__init__(result.failure_message())
+
+
+@dataclass
+class ExpectationOutcome:
+    """One expectation, merged over the splits it ran on."""
+
+    expectation: str  # GE's name, e.g. expect_column_values_to_not_be_null
+    column: str  # the column(s) it is about, e.g. "chosen" or "chosen, rejected"
+    description: str  # what it means for preference data, in words
+    success: bool = True
+    unexpected_count: int = 0
+    unexpected_per_split: dict[str, int] = field(default_factory=dict)
+    examples: list[dict] = field(default_factory=list)  # {"split", "source_row", "snippet"}
+    observed: dict[str, Any] = field(default_factory=dict)  # per split, for table-level expectations
+    errors: list[str] = field(default_factory=list)  # GE could not evaluate it
+
+    @property
+    def name(self) -> str:
+        return f"{self.expectation}({self.column})"
+
+    def failure_line(self) -> str:
+        if self.errors:
+            return f"{self.name}: could not be evaluated: {'; '.join(self.errors)}"
+        if not self.unexpected_count:
+            found = ", ".join(f"{split}: {value}" for split, value in self.observed.items())
+            return f"{self.name}: {self.description} failed ({found})"
+        shown = "; ".join(f"{e['split']} row {e['source_row']}: {e['snippet']}" for e in self.examples)
+        more = self.unexpected_count - len(self.examples)
+        return (
+            f"{self.name}: {self.unexpected_count} row{'s' if self.unexpected_count != 1 else ''} — {shown}"
+            + (f"; ... and {more} more" if more > 0 else "")
+        )
+
+
+@dataclass
+class ValidationResult:
+    success: bool
+    expectations: list[ExpectationOutcome]
+    statistics: dict[str, dict[str, float]]  # per split: rows, prompts, token length means and maxima
+    report_json: str = ""
+    report_html: str = ""
+
+    @property
+    def failed(self) -> list[ExpectationOutcome]:
+        return [e for e in self.expectations if not e.success]
+
+    def summary(self) -> dict[str, float]:
+        """Flat numeric values for MLflow metrics."""
+        out = {
+            "validate/success": float(self.success),
+            "validate/expectations_evaluated": float(len(self.expectations)),
+            "validate/expectations_passed": float(len(self.expectations) - len(self.failed)),
+            "validate/expectations_failed": float(len(self.failed)),
+            "validate/unexpected_rows": float(sum(e.unexpected_count for e in self.expectations)),
+        }
+        for split, stats in self.statistics.items():
+            for key, value in stats.items():
+                out[f"validate/{split}_{key}"] = float(value)
+        return out
+
+    def failure_message(self) -> str:
+        lines = [
+            f"data validation failed: {len(self.failed)} of {len(self.expectations)} expectations failed"
+            + (f" (report: {self.report_html})" if self.report_html else "")
+        ]
+        lines += [f"  {e.failure_line()}" for e in self.failed]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "success": self.success,
+            "summary": self.summary(),
+            "statistics": self.statistics,
+            "expectations": [asdict(e) | {"name": e.name} for e in self.expectations],
+        }
+
+
+# ---- splitting ------------------------------------------------------------------------------------------
+
+
+def _prompt_hash(prompt: Any, seed: int) -> float:
+    """A number in [0, 1) that depends only on the prompt text and the seed (stable across runs)."""
+    digest = hashlib.sha256(f"{seed}\x00{prompt}".encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def split_by_prompt(df: pd.DataFrame, test_fraction: float, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Split pairs by prompt: a prompt's pairs all go to one split, decided by a hash of its text."""
+    if not 0 < test_fraction < 1:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    hashes = {p: _prompt_hash(p, seed) for p in df["prompt"].astype(str).unique()}
+    test_prompts = {p for p, h in hashes.items() if h < test_fraction}
+    # With very few prompts the threshold can leave a split empty; move the closest prompt over.
+    if len(hashes) >= 2 and not test_prompts:
+        test_prompts = {min(hashes, key=hashes.get)}
+    elif len(hashes) >= 2 and len(test_prompts) == len(hashes):
+        test_prompts.discard(max(hashes, key=hashes.get))
+    in_test = df["prompt"].astype(str).isin(test_prompts)
+    return df[~in_test].reset_index(drop=True), df[in_test].reset_index(drop=True)
+
+
+# ---- the suite --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Check:
+    expectation: Any  # a GE Expectation
+    column: str  # for messages
+    description: str
+    show: tuple[str, ...]  # columns whose values illustrate an offending row
+
+
+def _checks(df: pd.DataFrame, cfg: ValidateConfig) -> list[_Check]:
+    import great_expectations.expectations as gxe
+
+    present = [c for c in TEXT_COLUMNS if c in df.columns]
+    checks = [_Check(gxe.ExpectTableRowCountToBeBetween(min_value=1), "table", "the split has rows", ())]
+    for column in TEXT_COLUMNS:
+        checks.append(_Check(gxe.ExpectColumnToExist(column=column), column, f"column {column} is present", ()))
+    for column in present:
+        show = (column,) if column == "prompt" else ("prompt", column)
+        checks += [
+            _Check(gxe.ExpectColumnValuesToNotBeNull(column=column), column, f"{column} is never null",
+                   ("prompt",) if column != "prompt" else ()),
+            _Check(gxe.ExpectColumnValuesToBeOfType(column=column, type_="str"), column, f"{column} values are strings",
+                   (column,)),
+            _Check(gxe.ExpectColumnValuesToNotMatchRegex(column=column, regex=r"^\s*$"), column,
+                   f"{column} is not empty or whitespace", show),
+        ]
+    bounds = {"prompt": (None, cfg.max_prompt_tokens)}
+    bounds |= {c: (cfg.min_tokens, cfg.max_response_tokens) for c in ("chosen", "rejected")}
+    for column in present:
+        low, high = bounds[column]
+        words = f"at most {high}" if low is None else f"between {low} and {high}"
+        checks.append(_Check(
+            gxe.ExpectColumnValuesToBeBetween(column=f"{column}_tokens", min_value=low, max_value=high),
+            f"{column}_tokens", f"{column} is {words} tokens long", (f"{column}_tokens", column)))
+    if "chosen" in present and "rejected" in present:
+        checks.append(_Check(
+            gxe.ExpectSelectColumnValuesToBeUniqueWithinRecord(column_list=["chosen", "rejected"]),
+            "chosen, rejected", "chosen differs from rejected", ("chosen",)))
+    if len(present) == len(TEXT_COLUMNS):
+        checks.append(_Check(
+            gxe.ExpectCompoundColumnsToBeUnique(column_list=list(TEXT_COLUMNS)), "prompt, chosen, rejected",
+            "no duplicate (prompt, chosen, rejected) pairs", ("prompt", "chosen")))
+    if "prompt_in_other_split" in df.columns:
+        checks.append(_Check(
+            gxe.ExpectColumnValuesToBeInSet(column="prompt_in_other_split", value_set=[False]), "prompt_in_other_split",
+            "no prompt is shared between train and test", ("prompt",)))
+    return checks
+
+
+def _with_helper_columns(df: pd.DataFrame, tokenizer) -> pd.DataFrame:
+    """A copy indexed 0..n-1 with `source_row` and `<column>_tokens` (NaN where the text is missing)."""
+    df = df.reset_index(drop=True).copy()
+    if "source_row" not in df.columns:
+        df["source_row"] = range(1, len(df) + 1)
+    for column in TEXT_COLUMNS:
+        if column in df.columns:
+            df[f"{column}_tokens"] = _token_counts(df[column], tokenizer)
+    return df
+
+
+def _mark_shared_prompts(train: pd.DataFrame, test: pd.DataFrame) -> None:
+    """Helper column `prompt_in_other_split`. (A GE value set of the other split's prompts would be
+    re-serialised thousands of times inside GE, which gets slow for large datasets.)"""
+    if "prompt" in train.columns and "prompt" in test.columns:
+        prompts = {split: {p for p in df["prompt"] if isinstance(p, str)} for split, df in (("train", train), ("test", test))}
+        train["prompt_in_other_split"] = train["prompt"].isin(prompts["test"])
+        test["prompt_in_other_split"] = test["prompt"].isin(prompts["train"])
+
+
+def _token_counts(values: pd.Series, tokenizer, batch_size: int = 4096) -> pd.Series:
+    counts = pd.Series(float("nan"), index=values.index, dtype="float64")
+    texts = {i: v for i, v in values.items() if isinstance(v, str) and v.strip()}  # blanks have their own check
+    keys = list(texts)
+    for start in range(0, len(keys), batch_size):
+        batch = keys[start : start + batch_size]
+        ids = tokenizer([texts[i] for i in batch], add_special_tokens=False)["input_ids"]
+        counts.loc[batch] = [len(x) for x in ids]
+    return counts
+
+
+def _snippet(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if not isinstance(value, str):
+        return repr(value)
+    flat = " ".join(value.split()) if value.strip() else value
+    return json.dumps(flat[:SNIPPET_CHARS] + ("…" if len(flat) > SNIPPET_CHARS else ""), ensure_ascii=False)
+
+
+def _error_messages(info: Any) -> list[str]:
+    """GE 1.x puts exception details either flat or nested per metric; collect the messages."""
+    if not isinstance(info, dict):
+        return []
+    if info.get("raised_exception"):
+        return [str(info.get("exception_message"))]
+    return [m for value in info.values() for m in _error_messages(value)]
+
+
+def _run_suite(context, split: str, df: pd.DataFrame, checks: list[_Check]) -> dict[str, dict]:
+    """Validate one split; returns GE's result per check (keyed by the check's position)."""
+    import great_expectations as gx
+
+    batch = (
+        context.data_sources.add_pandas(f"preferences_{split}")
+        .add_dataframe_asset(split)
+        .add_batch_definition_whole_dataframe("all_rows")
+        .get_batch(batch_parameters={"dataframe": df})
+    )
+    # The suite is not saved to the context: saving re-serialises it on every added expectation.
+    suite = gx.ExpectationSuite(name=f"preferences_{split}")
+    for i, check in enumerate(checks):
+        check.expectation.meta = {"check": i}
+        suite.add_expectation(check.expectation)
+    results = batch.validate(suite, result_format={"result_format": "COMPLETE"})
+    return {r.expectation_config.meta["check"]: r for r in results.results}  # results come back reordered
+
+
+def _merge(outcomes: dict[str, ExpectationOutcome], split: str, df: pd.DataFrame, check: _Check, result,
+           max_examples: int) -> None:
+    name = f"{check.expectation.expectation_type}({check.column})"
+    outcome = outcomes.setdefault(name, ExpectationOutcome(check.expectation.expectation_type, check.column,
+                                                           check.description))
+    res = result.result or {}
+    errors = _error_messages(result.exception_info)
+    outcome.errors += [f"{split}: {e}" for e in errors]
+    outcome.success = outcome.success and bool(result.success) and not errors
+    if "observed_value" in res:
+        outcome.observed[split] = res["observed_value"]
+    if check.expectation.expectation_type == "expect_column_to_exist" and not result.success:
+        outcome.observed[split] = f"missing (columns: {', '.join(c for c in df.columns if not c.endswith('_tokens'))})"
+    indexes = res.get("unexpected_index_list") or []
+    count = int(res.get("unexpected_count") or len(indexes))
+    if count:
+        outcome.unexpected_per_split[split] = count
+        outcome.unexpected_count += count
+    for index in indexes[: max(0, max_examples - len(outcome.examples))]:
+        row = df.loc[index]
+        shown = ", ".join(f"{c}={_snippet(row[c])}" for c in check.show if c in df.columns)
+        outcome.examples.append({"split": split, "source_row": int(row["source_row"]), "snippet": shown})
+
+
+def _statistics(df: pd.DataFrame) -> dict[str, float]:
+    stats = {"rows": float(len(df))}
+    if "prompt" in df.columns:
+        stats["prompts"] = float(df["prompt"].astype(str).nunique())
+    for column in TEXT_COLUMNS:
+        tokens = df.get(f"{column}_tokens")
+        if tokens is not None and tokens.notna().any():
+            stats[f"mean_{column}_tokens"] = round(float(tokens.mean()), 2)
+            stats[f"max_{column}_tokens"] = float(tokens.max())
+    return stats
+
+
+def validate_preferences(train_df: pd.DataFrame, test_df: pd.DataFrame, *, cfg: ValidateConfig, tokenizer,
+                         report_dir: Path) -> ValidationResult:
+    """Run the suite on both splits, write the JSON and HTML reports, raise DataValidationError on failure."""
+    import great_expectations as gx
+    from great_expectations.data_context.types.base import ProgressBarsConfig
+
+    context = gx.get_context(mode="ephemeral")
+    context.variables.progress_bars = ProgressBarsConfig(globally=False)
+
+    frames = {"train": _with_helper_columns(train_df, tokenizer), "test": _with_helper_columns(test_df, tokenizer)}
+    _mark_shared_prompts(frames["train"], frames["test"])
+    outcomes: dict[str, ExpectationOutcome] = {}
+    for split, df in frames.items():
+        checks = _checks(df, cfg)
+        results = _run_suite(context, split, df, checks)
+        for i, check in enumerate(checks):  # in suite order: GE returns results reordered
+            _merge(outcomes, split, df, check, results[i], cfg.examples_per_failure)
+
+    expectations = list(outcomes.values())
+    result = ValidationResult(
+        success=all(e.success for e in expectations),
+        expectations=expectations,
+        statistics={split: _statistics(df) for split, df in frames.items()},
+    )
+    report_dir = Path(report_dir)
+    result.report_json = str(report_dir / "validation.json")
+    result.report_html = str(report_dir / "validation.html")
+    _write_atomic(Path(result.report_json), json.dumps(result.to_dict(), indent=2, ensure_ascii=False, default=str))
+    _write_atomic(Path(result.report_html), render_html(result))
+    if not result.success:
+        raise DataValidationError(result)
+    return result
+
+
+# ---- reports ------------------------------------------------------------------------------------------
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def render_html(result: ValidationResult) -> str:
+    """A self-contained page: overall status, split statistics, every expectation with example rows."""
+    esc = html.escape
+    status = "passed" if result.success else "FAILED"
+    stat_keys = sorted({k for stats in result.statistics.values() for k in stats})
+    stats_rows = "".join(
+        f"<tr><td>{esc(k)}</td>" + "".join(f"<td>{result.statistics[s].get(k, '')}</td>" for s in result.statistics)
+        + "</tr>" for k in stat_keys
+    )
+    exp_rows = []
+    for e in result.expectations:
+        counts = ", ".join(f"{s}: {n}" for s, n in e.unexpected_per_split.items()) or "0"
+        details = [f"{esc(x['split'])} row {x['source_row']}: {esc(x['snippet'])}" for x in e.examples]
+        details += [esc(f"{s}: {v}") for s, v in e.observed.items() if not e.success]
+        details += [esc(err) for err in e.errors]
+        exp_rows.append(
+            f"<tr class='{'ok' if e.success else 'bad'}'><td>{'✓' if e.success else '✗'}</td>"
+            f"<td><code>{esc(e.expectation)}</code></td><td>{esc(e.column)}</td><td>{esc(e.description)}</td>"
+            f"<td>{esc(counts)}</td><td>{'<br>'.join(details)}</td></tr>"
+        )
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>Preference data validation: {status}</title>
+<style>
+body {{ font-family: sans-serif; margin: 2em; }} table {{ border-collapse: collapse; margin-bottom: 2em; }}
+td, th {{ border: 1px solid #ccc; padding: 4px 8px; vertical-align: top; text-align: left; }}
+tr.ok td:first-child {{ color: #080; }} tr.bad {{ background: #fdd; }}
+</style></head><body>
+<h1>Preference data validation: {status}</h1>
+<p>{len(result.expectations) - len(result.failed)} of {len(result.expectations)} expectations passed
+(Great Expectations suite; rows are numbered as in the input file).</p>
+<h2>Statistics</h2>
+<table><tr><th></th>{''.join(f'<th>{esc(s)}</th>' for s in result.statistics)}</tr>{stats_rows}</table>
+<h2>Expectations</h2>
+<table><tr><th></th><th>expectation</th><th>column</th><th>meaning</th><th>unexpected rows</th><th>examples</th></tr>
+{''.join(exp_rows)}</table>
+</body></html>
+"""

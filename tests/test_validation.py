@@ -1,0 +1,177 @@
+"""The Great Expectations suite: good data passes; each kind of bad data fails naming split and source rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from rlhflow.config import ValidateConfig
+from rlhflow.data.formats import load_preferences
+from rlhflow.testing import tiny_tokenizer
+from rlhflow.validation import DataValidationError, split_by_prompt, validate_preferences
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def pairs(n: int, start_row: int = 1, prefix: str = "train") -> pd.DataFrame:
+    return pd.DataFrame({
+        "prompt": [f"{prefix} question {i}: how do I boil water?" for i in range(n)],
+        "chosen": [f"Put a pot of water on the stove and heat it for {i + 2} minutes." for i in range(n)],
+        "rejected": ["No." for _ in range(n)],
+        "source_row": list(range(start_row, start_row + n)),
+    })
+
+
+def run(train, test, tokenizer, tmp_path, **cfg):
+    return validate_preferences(train, test, cfg=ValidateConfig(**cfg), tokenizer=tokenizer, report_dir=tmp_path)
+
+
+def failure(train, test, tokenizer, tmp_path, **cfg) -> DataValidationError:
+    with pytest.raises(DataValidationError) as err:
+        run(train, test, tokenizer, tmp_path, **cfg)
+    return err.value
+
+
+def failed_line(err: DataValidationError, name: str) -> str:
+    lines = [line for line in str(err).splitlines() if line.strip().startswith(name)]
+    assert lines, f"{name} not among the failures:\n{err}"
+    return lines[0]
+
+
+# ---- splitting ----------------------------------------------------------------------------------------
+
+
+def test_split_by_prompt_is_deterministic_and_keeps_prompts_together():
+    df = pd.concat([pairs(200), pairs(200)], ignore_index=True)  # every prompt twice
+    train, test = split_by_prompt(df, 0.2, seed=0)
+    assert len(train) + len(test) == len(df)
+    assert not set(train["prompt"]) & set(test["prompt"])
+    assert 0.1 < len(test) / len(df) < 0.3
+    again_train, _ = split_by_prompt(df.sample(frac=1, random_state=1), 0.2, seed=0)
+    assert set(again_train["prompt"]) == set(train["prompt"])  # row order does not matter
+    other_train, _ = split_by_prompt(df, 0.2, seed=1)
+    assert set(other_train["prompt"]) != set(train["prompt"])
+    # A prompt's split depends on its text only, not on what else is in the data.
+    sub_train, sub_test = split_by_prompt(df.iloc[:50], 0.2, seed=0)
+    assert set(sub_train["prompt"]) <= set(train["prompt"]) and set(sub_test["prompt"]) <= set(test["prompt"])
+
+
+def test_split_never_leaves_a_split_empty():
+    train, test = split_by_prompt(pairs(2), 0.01, seed=0)
+    assert len(train) == 1 and len(test) == 1
+
+
+# ---- good data ----------------------------------------------------------------------------------------
+
+
+def test_valid_data_passes_and_writes_reports(tokenizer, tmp_path):
+    result = run(pairs(8), pairs(3, prefix="test"), tokenizer, tmp_path)
+    assert result.success and not result.failed
+    summary = result.summary()
+    assert summary["validate/train_rows"] == 8 and summary["validate/test_rows"] == 3
+    assert summary["validate/expectations_failed"] == 0
+    assert summary["validate/expectations_passed"] == len(result.expectations) >= 15
+    assert summary["validate/train_mean_chosen_tokens"] > summary["validate/train_mean_rejected_tokens"] > 0
+    report = json.loads((tmp_path / "validation.json").read_text())
+    assert report["success"] is True and len(report["expectations"]) == len(result.expectations)
+    page = (tmp_path / "validation.html").read_text()
+    assert "Preference data validation: passed" in page and "expect_column_values_to_not_be_null" in page
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["validation.html", "validation.json"]
+
+
+# ---- bad data: each names the expectation, the split and the source rows ------------------------------------
+
+
+def test_missing_column(tokenizer, tmp_path):
+    err = failure(pairs(4).drop(columns="rejected"), pairs(2, prefix="test"), tokenizer, tmp_path)
+    line = failed_line(err, "expect_column_to_exist(rejected)")
+    assert "train: missing" in line and "prompt, chosen, source_row" in line
+    assert (tmp_path / "validation.json").exists()  # reports are written on failure too
+
+
+def test_nulls(tokenizer, tmp_path):
+    train = pairs(6, start_row=10)
+    train.loc[[1, 4], "chosen"] = None
+    err = failure(train, pairs(2, prefix="test"), tokenizer, tmp_path)
+    line = failed_line(err, "expect_column_values_to_not_be_null(chosen)")
+    assert "2 rows" in line and "train row 11:" in line and "train row 14:" in line
+    assert 'prompt="train question 1' in line  # the row is shown by its prompt, as the value is null
+
+
+def test_empty_and_whitespace_strings(tokenizer, tmp_path):
+    test = pairs(4, start_row=101, prefix="test")
+    test.loc[2, "rejected"] = "   \n"
+    test.loc[3, "prompt"] = ""
+    err = failure(pairs(4), test, tokenizer, tmp_path)
+    assert "test row 103:" in failed_line(err, "expect_column_values_to_not_match_regex(rejected)")
+    assert "test row 104:" in failed_line(err, "expect_column_values_to_not_match_regex(prompt)")
+
+
+def test_chosen_equal_to_rejected(tokenizer, tmp_path):
+    train = pairs(5)
+    train.loc[[0, 3], "rejected"] = train.loc[[0, 3], "chosen"]
+    err = failure(train, pairs(2, prefix="test"), tokenizer, tmp_path)
+    line = failed_line(err, "expect_select_column_values_to_be_unique_within_record(chosen, rejected)")
+    assert "2 rows" in line and 'train row 1: chosen="Put a pot' in line and "train row 4:" in line
+
+
+def test_duplicate_pairs(tokenizer, tmp_path):
+    train = pd.concat([pairs(4), pairs(1).assign(source_row=9)], ignore_index=True)
+    err = failure(train, pairs(2, prefix="test"), tokenizer, tmp_path)
+    line = failed_line(err, "expect_compound_columns_to_be_unique(prompt, chosen, rejected)")
+    assert "2 rows" in line and "train row 1:" in line and "train row 9:" in line
+
+
+def test_over_long_texts(tokenizer, tmp_path):
+    train = pairs(4)
+    train.loc[2, "chosen"] = "water " * 200
+    train.loc[1, "prompt"] = "please " * 200
+    err = failure(train, pairs(2, prefix="test"), tokenizer, tmp_path, max_response_tokens=64, max_prompt_tokens=64)
+    line = failed_line(err, "expect_column_values_to_be_between(chosen_tokens)")
+    assert "1 row" in line and "train row 3: chosen_tokens=" in line
+    assert "train row 2: prompt_tokens=" in failed_line(err, "expect_column_values_to_be_between(prompt_tokens)")
+
+
+def test_prompts_leaking_between_train_and_test(tokenizer, tmp_path):
+    train, test = pairs(5), pairs(3, start_row=50, prefix="test")
+    test.loc[1, "prompt"] = train.loc[3, "prompt"]
+    err = failure(train, test, tokenizer, tmp_path)
+    line = failed_line(err, "expect_column_values_to_be_in_set(prompt_in_other_split)")
+    assert "2 rows" in line and "train row 4:" in line and "test row 51:" in line
+
+
+def test_wrong_types(tokenizer, tmp_path):
+    train = pairs(4).astype({"chosen": object})
+    train.loc[1, "chosen"] = 42
+    train.loc[2, "chosen"] = ["a", "list"]
+    err = failure(train, pairs(2, prefix="test"), tokenizer, tmp_path)
+    line = failed_line(err, "expect_column_values_to_be_of_type(chosen)")
+    assert "2 rows" in line and "train row 2: chosen=42" in line and "train row 3:" in line
+
+
+def test_examples_are_limited_and_the_html_shows_failures(tokenizer, tmp_path):
+    train = pairs(12)
+    train["rejected"] = train["chosen"]
+    err = failure(train, pairs(2, prefix="test"), tokenizer, tmp_path, examples_per_failure=3)
+    line = failed_line(err, "expect_select_column_values_to_be_unique_within_record")
+    assert "12 rows" in line and line.count("train row") == 3 and "and 9 more" in line
+    assert err.result.summary()["validate/expectations_failed"] == 1
+    page = (tmp_path / "validation.html").read_text()
+    assert "Preference data validation: FAILED" in page and "train row 1:" in page
+
+
+def test_rows_are_named_by_their_line_in_the_input_file(tokenizer, tmp_path):
+    good = [json.dumps({"prompt": f"Question {i}?", "chosen": f"Answer {i}.", "rejected": "No."}) for i in range(6)]
+    bad = json.dumps({"prompt": "Question 9?", "chosen": "Same.", "rejected": "Same."})
+    path = tmp_path / "prefs.jsonl"
+    path.write_text("\n".join(good[:3] + ["", bad] + good[3:]) + "\n")  # the bad pair is on line 5
+    df = load_preferences(path)
+    train, test = df[df["prompt"] != "Question 0?"], df[df["prompt"] == "Question 0?"]
+    err = failure(train, test, tokenizer, tmp_path / "report")
+    assert "train row 5:" in failed_line(err, "expect_select_column_values_to_be_unique_within_record")
