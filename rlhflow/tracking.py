@@ -129,18 +129,22 @@ def write_stage_metrics(cfg: Config, stage: str, metrics: dict[str, float]) -> P
     return path
 
 
-MODEL_PIP_REQUIREMENTS = ["torch", "transformers", "safetensors", "accelerate"]
+MODEL_PIP_REQUIREMENTS = ["torch", "transformers", "safetensors", "accelerate", "pandas"]
 
 
-def log_model_dir(model_dir: str | os.PathLike, *, name: str, task: str, registered_name: str | None = None,
+def log_model_dir(model_dir: str | os.PathLike, *, name: str, kind: str, registered_name: str | None = None,
                   alias: str = "candidate") -> str | None:
-    """Log a saved model dir as an MLflow transformers model; register it and point `alias` at the new
-    version. Call this only once the stage has succeeded: a failed run registers nothing."""
+    """Log a saved model dir as an MLflow pyfunc model (`kind`: "policy" or "reward"); register it and point
+    `alias` at the new version. Call this only once the stage has succeeded: a failed run registers nothing."""
     import mlflow
 
-    info = mlflow.transformers.log_model(
-        transformers_model=str(model_dir), name=name, task=task, pip_requirements=MODEL_PIP_REQUIREMENTS,
-        registered_model_name=registered_name,
+    from rlhflow.serving import PolicyPyfunc, RewardPyfunc
+
+    python_model = {"policy": PolicyPyfunc, "reward": RewardPyfunc}[kind]()
+    info = mlflow.pyfunc.log_model(
+        name=name, python_model=python_model, artifacts={"model_dir": str(model_dir)},
+        pip_requirements=MODEL_PIP_REQUIREMENTS, registered_model_name=registered_name,
+        code_paths=[str(REPO_ROOT / "rlhflow")],  # the wrappers' own code travels with the model
     )
     if registered_name and info.registered_model_version is not None:
         mlflow.MlflowClient().set_registered_model_alias(registered_name, alias, str(info.registered_model_version))

@@ -42,7 +42,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     policy = load_causal_lm(policy_dir, pad_token_id=tokenizer.pad_token_id).to(device).eval()
     rm = RewardModel.load(cfg.path(cfg.reward_model.out_dir), batch_size=cfg.reward_model.eval_batch_size, device=device)
 
-    test = read_jsonl(cfg.path(cfg.validate.out_dir) / "test.jsonl")
+    test = read_jsonl(cfg.path(cfg.validate_.out_dir) / "test.jsonl")
     prompts_df = test.drop_duplicates("prompt").head(e.n_prompts)
     prompts = list(prompts_df["prompt_messages"])
 

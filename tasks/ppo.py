@@ -59,7 +59,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     tokenizer = load_tokenizer(sft_dir)
     policy = load_causal_lm(sft_dir, pad_token_id=tokenizer.pad_token_id)
     ref_policy = None if cfg.ppo.lora.enabled else load_causal_lm(sft_dir, pad_token_id=tokenizer.pad_token_id)
-    train = read_jsonl(cfg.path(cfg.validate.out_dir) / "train.jsonl")
+    train = read_jsonl(cfg.path(cfg.validate_.out_dir) / "train.jsonl")
     prompts = list(train.drop_duplicates("prompt")["prompt_messages"])
 
     torch.manual_seed(cfg.seed)
@@ -80,7 +80,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     metrics["ppo/updates"] = float(len(history))
     ctx.log_metrics(metrics)
     if cfg.tracking.log_models:
-        tracking.log_model_dir(out_dir, name="policy", task="text-generation",
+        tracking.log_model_dir(out_dir, name="policy", kind="policy",
                                registered_name=REGISTERED_NAME if cfg.tracking.register_models else None)
     return metrics
 

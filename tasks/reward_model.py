@@ -26,7 +26,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.reward import evaluate_pairs, train_reward_model
 
     rm_cfg = cfg.reward_model
-    validated = cfg.path(cfg.validate.out_dir)
+    validated = cfg.path(cfg.validate_.out_dir)
     train_rows = read_jsonl(validated / "train.jsonl").to_dict("records")
     test_rows = read_jsonl(validated / "test.jsonl").to_dict("records")
 
@@ -53,7 +53,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     ctx.log_metrics(metrics)
     mlflow.log_dict({"normalization": {"mean": rm.mean, "std": rm.std}}, "reward_normalization.json")
     if cfg.tracking.log_models:
-        tracking.log_model_dir(out_dir, name="reward_model", task="text-classification",
+        tracking.log_model_dir(out_dir, name="reward_model", kind="reward",
                                registered_name=REGISTERED_NAME if cfg.tracking.register_models else None)
     return metrics
 

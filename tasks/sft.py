@@ -31,7 +31,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
 
     device = pick_device(cfg.device)
     model.to(device).eval()
-    test = read_jsonl(cfg.path(cfg.validate.out_dir) / "test.jsonl")
+    test = read_jsonl(cfg.path(cfg.validate_.out_dir) / "test.jsonl")
     held_out = test.drop_duplicates("prompt").head(s.perplexity_rows)
     ppl = perplexity(model, tokenizer, list(held_out["prompt_messages"]), list(held_out["chosen"]), batch_size=s.batch_size)
     metrics = {"sft/perplexity": ppl, "sft/parameters": float(sum(p.numel() for p in model.parameters()))}
@@ -44,7 +44,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
         mlflow.log_table({"prompt": list(rows["prompt"]), "response": list(out.texts)}, artifact_file="sft_samples.json")
     ctx.log_metrics(metrics)
     if cfg.tracking.log_models:
-        tracking.log_model_dir(out_dir, name="sft_model", task="text-generation")
+        tracking.log_model_dir(out_dir, name="sft_model", kind="policy")
     return metrics
 
 

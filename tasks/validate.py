@@ -30,21 +30,21 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.models import load_tokenizer
     from rlhflow.validation import DataValidationError, split_by_prompt, validate_preferences
 
-    limit = cfg.validate.max_rows
+    limit = cfg.validate_.max_rows
     data = load_preferences(_source(cfg, cfg.data.preferences), hf_split=cfg.data.hf_split, max_rows=limit)
     if cfg.data.test_preferences:
         train = data
         test = load_preferences(_source(cfg, cfg.data.test_preferences), hf_split=cfg.data.hf_split, max_rows=limit)
     else:
-        train, test = split_by_prompt(data, cfg.validate.test_fraction, cfg.seed)
+        train, test = split_by_prompt(data, cfg.validate_.test_fraction, cfg.seed)
     tokenizer = load_tokenizer(cfg.sft.model, trust_remote_code=cfg.sft.trust_remote_code)
 
-    out_dir, report_dir = cfg.path(cfg.validate.out_dir), cfg.path(cfg.validate.report_dir)
+    out_dir, report_dir = cfg.path(cfg.validate_.out_dir), cfg.path(cfg.validate_.report_dir)
     failed_dir = report_dir.with_name(report_dir.name + ".failed")
     try:
         with atomic_dir(report_dir) as tmp_report:
             try:
-                result = validate_preferences(train, test, cfg=cfg.validate, tokenizer=tokenizer, report_dir=tmp_report)
+                result = validate_preferences(train, test, cfg=cfg.validate_, tokenizer=tokenizer, report_dir=tmp_report)
             except DataValidationError:
                 shutil.rmtree(failed_dir, ignore_errors=True)
                 shutil.copytree(tmp_report, failed_dir)

@@ -1,0 +1,48 @@
+"""MLflow pyfunc wrappers, so the logged models load and predict anywhere with `mlflow.pyfunc.load_model`:
+
+    policy = mlflow.pyfunc.load_model("models:/rlhf-policy@candidate")
+    policy.predict(pd.DataFrame({"prompt": ["How do I boil an egg?"]}))           # -> list of responses
+    rm = mlflow.pyfunc.load_model("models:/rlhf-reward-model@candidate")
+    rm.predict(pd.DataFrame({"prompt": [...], "response": [...]}))                 # -> list of rewards
+"""
+
+from __future__ import annotations
+
+import mlflow.pyfunc
+
+
+def _messages(prompt: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": prompt}]
+
+
+class PolicyPyfunc(mlflow.pyfunc.PythonModel):
+    """Generates a response per prompt (params: max_new_tokens, temperature)."""
+
+    def load_context(self, context):
+        from rlhflow.models import load_causal_lm, load_tokenizer
+
+        self.tokenizer = load_tokenizer(context.artifacts["model_dir"])
+        self.model = load_causal_lm(context.artifacts["model_dir"], pad_token_id=self.tokenizer.pad_token_id).eval()
+
+    def predict(self, context, model_input, params=None):
+        from rlhflow.policy import encode_prompts, generate
+
+        params = params or {}
+        prompts = [_messages(p) for p in model_input["prompt"]]
+        query, mask = encode_prompts(self.tokenizer, prompts, int(params.get("max_prompt_length", 512)))
+        out = generate(self.model, self.tokenizer, query, mask, max_new_tokens=int(params.get("max_new_tokens", 64)),
+                       temperature=float(params.get("temperature", 0.7)), generator_seed=params.get("seed"))
+        return list(out.texts)
+
+
+class RewardPyfunc(mlflow.pyfunc.PythonModel):
+    """Normalised reward of each (prompt, response) row."""
+
+    def load_context(self, context):
+        from rlhflow.reward import RewardModel
+
+        self.rm = RewardModel.load(context.artifacts["model_dir"])
+
+    def predict(self, context, model_input, params=None):
+        prompts = [_messages(p) for p in model_input["prompt"]]
+        return [float(x) for x in self.rm.score(prompts, list(model_input["response"]))]
