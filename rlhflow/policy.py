@@ -1,0 +1,304 @@
+"""Generation and log-probabilities for causal LMs, shared by PPO and the evaluation stage.
+
+- `encode_prompts`: chat messages -> left-padded prompt ids (chat template with the generation prompt).
+- `generate`: batched sampling with a KV cache; responses cut after the first EOS or stop string and
+  right-padded with the pad id; `ended` says which rows finished by themselves.
+- `sequence_logprobs`: per-token log-probs (and entropy) of the response tokens under logits / temperature,
+  with position ids that account for left padding. PPO's policy, old policy and reference, and the
+  evaluation's KL and perplexity, all go through this one function.
+- Value models: `ValueHead` on the policy's last hidden state (`value_model="shared"`: one forward gives
+  logits and values) or a `Critic` (its own copy of the backbone plus a head, `value_model="separate"`),
+  both behind `PolicyAndValue.forward`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+from rlhflow.ppo.core import entropy_from_logits, logprobs_from_logits
+
+Messages = list[dict]
+
+# ---- prompts -------------------------------------------------------------------------------------
+
+
+def _prompt_text(tokenizer: PreTrainedTokenizerBase, messages: Messages | str) -> tuple[str, bool]:
+    """The prompt as text, and whether the tokenizer should add its special tokens (BOS) to it."""
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return text, False  # the template already holds the special tokens it wants
+    if len(messages) == 1:
+        return messages[0]["content"], True
+    turns = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+    return "\n\n".join(turns) + "\n\nAssistant:", True
+
+
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompt_messages: Sequence[Messages | str],
+                   max_prompt_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenize prompts (chat template + generation prompt when the tokenizer has one, plain text otherwise),
+    keep the last `max_prompt_length` tokens of each, left-pad to the longest. Returns (input_ids, attention_mask)."""
+    rows = []
+    for messages in prompt_messages:
+        text, add_special = _prompt_text(tokenizer, messages)
+        ids = tokenizer(text, add_special_tokens=add_special)["input_ids"]
+        rows.append(ids[-max_prompt_length:])  # truncate from the left: the end of the prompt matters most
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, ids in enumerate(rows):
+        if ids:
+            input_ids[i, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[i, width - len(ids):] = 1
+    return input_ids, attention_mask
+
+
+# ---- generation ----------------------------------------------------------------------------------
+
+
+@dataclass
+class GenerationOutput:
+    query_response: torch.Tensor  # [B, P+T] prompt (left-padded) followed by response (right-padded)
+    response: torch.Tensor  # [B, T] response ids, pad id after the end
+    response_mask: torch.Tensor  # [B, T] 1 on real response tokens (EOS / stop-string token included)
+    ended: torch.Tensor  # [B] bool: emitted EOS or a stop string (False: ran into max_new_tokens)
+    texts: list[str] = field(default_factory=list)  # responses decoded without special tokens, cut at stop strings
+    attention_mask: torch.Tensor | None = None  # [B, P+T] prompt mask followed by response_mask
+
+    @property
+    def context_length(self) -> int:
+        return self.query_response.shape[1] - self.response.shape[1]
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stop_strings: Sequence[str] = ()) -> list[int]:
+    """EOS plus the stop strings that are single tokens of the vocabulary (e.g. '<|eot_id|>')."""
+    ids = [tokenizer.eos_token_id]
+    vocab = tokenizer.get_vocab()
+    for s in stop_strings:
+        if s in vocab and vocab[s] not in ids:
+            ids.append(vocab[s])
+    return ids
+
+
+def _cut_response(tokenizer, ids: list[int], eos_ids: set[int], stop_strings: Sequence[str]) -> tuple[int, bool, str]:
+    """(number of tokens kept, ended, text) for one sampled response."""
+    eos_at = next((i for i, t in enumerate(ids) if t in eos_ids), None)
+    body = ids if eos_at is None else ids[:eos_at]
+    text = tokenizer.decode(body, skip_special_tokens=True)
+    hits = [text.find(s) for s in stop_strings if s and s in text]
+    if hits:
+        # the stop string appears before any EOS: keep tokens up to the one that completes it (binary search
+        # over prefixes: "contains a stop string" only turns on as the prefix grows)
+        lo, hi = 1, len(body)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            prefix = tokenizer.decode(body[:mid], skip_special_tokens=True)
+            if any(s and s in prefix for s in stop_strings):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo, True, text[: min(hits)]
+    if eos_at is not None:
+        return eos_at + 1, True, text
+    return len(ids), False, text
+
+
+@torch.no_grad()
+def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, input_ids: torch.Tensor,
+             attention_mask: torch.Tensor, *, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+             top_p: float = 1.0, stop_strings: Sequence[str] = (), generator_seed: int | None = None,
+             ) -> GenerationOutput:
+    """Sample one response per prompt (do_sample, KV cache) from logits / temperature, then top-k / top-p.
+
+    A response ends at the first EOS (or a stop string that is a single vocabulary token) or at the token that
+    completes a stop string; that token is kept as the last real token (it carries the score) and everything
+    after it becomes pad. `texts` are decoded without special tokens and cut before the stop string.
+    `generator_seed` makes the sampling reproducible without touching the global RNG."""
+    stop_strings = [s for s in stop_strings if s]
+    eos_ids = stop_token_ids(tokenizer, stop_strings)
+    gen_config = GenerationConfig(
+        do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
+        eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
+        # neutral values, so a model's own generation defaults cannot change the sampling distribution
+        repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0, typical_p=1.0,
+        epsilon_cutoff=0.0, eta_cutoff=0.0, min_new_tokens=0, use_cache=True,
+        stop_strings=stop_strings or None,
+    )
+    extra = {"tokenizer": tokenizer} if stop_strings else {}
+    was_training = model.training
+    model.eval()
+    if generator_seed is None:  # sample from (and advance) the caller's RNG
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_config, **extra)
+    else:  # a private, seeded RNG stream: the global state is left as it was
+        cuda = [input_ids.device.index or 0] if input_ids.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(generator_seed)
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_config,
+                                 **extra)
+    model.train(was_training)
+
+    context_length = input_ids.shape[1]
+    response = out[:, context_length:].clone()
+    B, T = response.shape
+    response_mask = torch.zeros_like(response)
+    ended = torch.zeros(B, dtype=torch.bool)
+    texts = []
+    eos_set = set(eos_ids)
+    for i, ids in enumerate(response.tolist()):
+        keep, ended[i], text = _cut_response(tokenizer, ids, eos_set, stop_strings)
+        response_mask[i, :keep] = 1
+        texts.append(text)
+    response = response.masked_fill(response_mask == 0, tokenizer.pad_token_id)
+    query_response = torch.cat([input_ids, response], dim=1)
+    return GenerationOutput(
+        query_response=query_response, response=response, response_mask=response_mask, ended=ended.to(out.device),
+        texts=texts, attention_mask=torch.cat([attention_mask, response_mask], dim=1),
+    )
+
+
+# ---- log-probabilities ---------------------------------------------------------------------------
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that start at 0 on the first real token of each left-padded row."""
+    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+def response_forward(model: nn.Module, query_response: torch.Tensor, attention_mask: torch.Tensor,
+                     context_length: int, *, output_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward pass; returns the logits that predict each response token [B, T, V] and, when asked, the
+    last hidden state at the same positions [B, T, H] (the state s_t from which token t is sampled).
+    Only the last T+1 positions go through the LM head (`logits_to_keep`)."""
+    T = query_response.shape[1] - context_length
+    kwargs = dict(input_ids=query_response, attention_mask=attention_mask,
+                  position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+    if output_hidden:
+        kwargs["output_hidden_states"] = True
+    try:
+        out = model(**kwargs, logits_to_keep=T + 1)
+    except TypeError:  # a model without `logits_to_keep`
+        out = model(**kwargs)
+    logits = out.logits[:, -(T + 1):-1]
+    hidden = out.hidden_states[-1][:, context_length - 1:-1] if output_hidden else None
+    return logits, hidden
+
+
+def _logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, return_entropy: bool,
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits = logits.float() / temperature
+    logprobs = logprobs_from_logits(logits, tokens)
+    return logprobs, (entropy_from_logits(logits) if return_entropy else None)
+
+
+def sequence_logprobs(model: nn.Module, query_response: torch.Tensor, attention_mask: torch.Tensor,
+                      context_length: int, temperature: float = 1.0, *, return_entropy: bool = False,
+                      chunk_size: int | None = None):
+    """Log-probs [B, T] of the response tokens (query_response[:, context_length:]) under logits / temperature;
+    with return_entropy also the per-token entropy [B, T]. Padding positions are 0. chunk_size bounds the
+    number of rows per forward pass (memory) without changing the result."""
+    B = query_response.shape[0]
+    step = chunk_size or B
+    logprobs, entropies = [], []
+    for start in range(0, B, step):
+        qr, am = query_response[start:start + step], attention_mask[start:start + step]
+        logits, _ = response_forward(model, qr, am, context_length)
+        lp, ent = _logprobs_and_entropy(logits, qr[:, context_length:], temperature, return_entropy)
+        logprobs.append(lp)
+        entropies.append(ent)
+    mask = attention_mask[:, context_length:].bool()
+    logprobs = torch.cat(logprobs).masked_fill(~mask, 0.0)
+    if not return_entropy:
+        return logprobs
+    return logprobs, torch.cat(entropies).masked_fill(~mask, 0.0)
+
+
+# ---- value models --------------------------------------------------------------------------------
+
+
+def hidden_size_of(model: nn.Module) -> int:
+    config = model.config
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    return int(config.hidden_size)
+
+
+class ValueHead(nn.Module):
+    """V(s_t) = w . h_t + b. Initialised small (std `init_std`, 0 by default) so that at the start the value
+    loss sends no gradient into a shared backbone and values begin at 0."""
+
+    def __init__(self, hidden_size: int, init_std: float = 0.0):
+        super().__init__()
+        self.summary = nn.Linear(hidden_size, 1)
+        nn.init.normal_(self.summary.weight, std=init_std) if init_std > 0 else nn.init.zeros_(self.summary.weight)
+        nn.init.zeros_(self.summary.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.summary(hidden.to(self.summary.weight.dtype)).squeeze(-1)
+
+
+def policy_backbone(policy: nn.Module) -> nn.Module:
+    """The transformer body of a causal LM (without the LM head), unwrapping a peft model."""
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    return base.get_decoder()
+
+
+class Critic(nn.Module):
+    """A separate value model: its own copy of the policy's backbone (the SFT weights) plus a value head."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int, init_std: float = 0.0):
+        super().__init__()
+        self.backbone = backbone
+        self.head = ValueHead(hidden_size, init_std)
+
+    @classmethod
+    def from_policy(cls, policy: nn.Module, init_std: float = 0.0) -> "Critic":
+        return cls(copy.deepcopy(policy_backbone(policy)), hidden_size_of(policy), init_std)
+
+    def forward(self, query_response: torch.Tensor, attention_mask: torch.Tensor, context_length: int) -> torch.Tensor:
+        out = self.backbone(input_ids=query_response, attention_mask=attention_mask,
+                            position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+        return self.head(out.last_hidden_state[:, context_length - 1:-1])
+
+
+class PolicyAndValue(nn.Module):
+    """The trainable pair. shared: the value head reads the policy's last hidden state (one forward pass);
+    separate: a `Critic` with its own backbone (a second forward pass)."""
+
+    def __init__(self, policy: nn.Module, value_model: str = "shared", critic: Critic | None = None):
+        super().__init__()
+        if value_model not in ("shared", "separate"):
+            raise ValueError(f"value_model must be 'shared' or 'separate', got {value_model!r}")
+        self.policy = policy
+        self.value_model = value_model
+        if value_model == "shared":
+            self.value_head = ValueHead(hidden_size_of(policy))
+        else:
+            self.critic = critic if critic is not None else Critic.from_policy(policy)
+
+    def value_module(self) -> nn.Module:
+        return self.value_head if self.value_model == "shared" else self.critic
+
+    def forward(self, query_response: torch.Tensor, attention_mask: torch.Tensor, context_length: int,
+                temperature: float, *, return_entropy: bool = False):
+        """(logprobs [B,T], values [B,T], entropy [B,T] or None) for the response tokens; padding is 0."""
+        tokens = query_response[:, context_length:]
+        if self.value_model == "shared":
+            logits, hidden = response_forward(self.policy, query_response, attention_mask, context_length,
+                                              output_hidden=True)
+            values = self.value_head(hidden)
+        else:
+            logits, _ = response_forward(self.policy, query_response, attention_mask, context_length)
+            values = self.critic(query_response, attention_mask, context_length)
+        logprobs, entropy = _logprobs_and_entropy(logits, tokens, temperature, return_entropy)
+        mask = attention_mask[:, context_length:].bool()
+        logprobs, values = logprobs.masked_fill(~mask, 0.0), values.float().masked_fill(~mask, 0.0)
+        if entropy is not None:
+            entropy = entropy.masked_fill(~mask, 0.0)
+        return logprobs, values, entropy

@@ -1,0 +1,244 @@
+"""The PPO math as pure tensor functions (no models, no I/O).
+
+Shapes: B responses of T response tokens. `mask` is 1 on real response tokens (up to and including EOS or the
+token that completed a stop string) and 0 on the right padding after them. Every function that reduces over
+tokens takes that mask, so padding never counts.
+
+References: Ziegler et al. 2019 (adaptive KL), Schulman et al. 2016 (GAE), Schulman et al. 2017 (PPO),
+Huang et al. 2024 ("The N+ implementation details of RLHF with PPO"), Schulman's "Approximating KL
+divergence" note (k1/k3 estimators).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# ---- masked statistics ---------------------------------------------------------------------------
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of x over the positions where mask is 1 (over all of them, or along `dim`)."""
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1.0)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of x over the masked positions; unbiased (n-1) by default."""
+    mean = masked_mean(x, mask)
+    centered_sq = (x - mean) ** 2
+    var = masked_mean(centered_sq, mask)
+    if unbiased:
+        n = mask.sum()
+        if n < 2:
+            return torch.zeros_like(var)
+        var = var * n / (n - 1)
+    return var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the masked positions; padding stays 0. shift_mean=False keeps the mean
+    (only rescales), as used for rewards by some implementations."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask.to(x.dtype)
+
+
+# ---- KL to the reference and per-token rewards ---------------------------------------------------
+
+
+def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from the sampled token's log-probabilities.
+
+    k1 = log p - log p_ref                 (unbiased, can be negative)
+    k3 = (r - 1) - log r, r = p_ref / p    (unbiased, always >= 0, lower variance)
+    """
+    log_ratio = logprobs - ref_logprobs  # log p - log p_ref
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k3":
+        log_r = -log_ratio  # log(p_ref / p)
+        return torch.expm1(log_r) - log_r  # (r - 1) - log r, expm1 for precision near r = 1
+    raise ValueError(f"unknown KL estimator {estimator!r} (expected 'k1' or 'k3')")
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last real token of each (right-padded) row: where the reward model's score goes."""
+    return (mask.sum(dim=1).long() - 1).clamp(min=0)
+
+
+def penalize_missing_eos(scores: torch.Tensor, ended: torch.Tensor, penalty: float | None) -> torch.Tensor:
+    """score - penalty for every response that never emitted EOS or a stop string (None: no penalty)."""
+    if penalty is None:
+        return scores
+    return scores - penalty * (~ended.bool()).to(scores.dtype)
+
+
+def per_token_rewards(scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, mask: torch.Tensor) -> torch.Tensor:
+    """r_t = -beta * kl_t on every real token, plus the sequence score on the last real token."""
+    rewards = -kl_coef * kl * mask.to(kl.dtype)
+    rows = torch.arange(rewards.shape[0], device=rewards.device)
+    rewards[rows, last_token_index(mask)] += scores.to(rewards.dtype)
+    return rewards
+
+
+# ---- advantages ----------------------------------------------------------------------------------
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the response tokens; returns (advantages, returns).
+
+    delta_t = r_t + gamma * V_{t+1} - V_t      (V after the last real token is 0: the episode ends there)
+    A_t     = delta_t + gamma * lam * A_{t+1}
+    R_t     = A_t + V_t                         (the value targets)
+    """
+    mask = mask.to(values.dtype)
+    rewards, values = rewards * mask, values * mask  # padding: no reward, no value, so nothing flows back
+    T = rewards.shape[1]
+    advantages = torch.zeros_like(rewards)
+    next_adv = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(T)):
+        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(values[:, 0])
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_adv = delta + gamma * lam * next_adv
+        advantages[:, t] = next_adv
+    advantages = advantages * mask
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+# ---- losses --------------------------------------------------------------------------------------
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                cliprange: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Clipped surrogate: L = mean_t -min(rho A, clip(rho, 1-eps, 1+eps) A), rho = pi / pi_old.
+
+    Returns (loss, clipfrac = share of tokens where the clipped term is the active one,
+    approxkl = 0.5 * mean (log pi - log pi_old)^2, a cheap estimate of KL(pi_old || pi))."""
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask)  # max of negatives = -min of objectives
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped > unclipped).float(), mask)
+        approxkl = 0.5 * masked_mean(log_ratio**2, mask)
+    return loss, clipfrac, approxkl
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               cliprange_value: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss: 0.5 * mean_t max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clip(V - V_old, +-eps_v).
+
+    cliprange_value=None gives the plain 0.5 * (V - R)^2. Returns (loss, value clipfrac)."""
+    unclipped = (values - returns) ** 2
+    if cliprange_value is None:
+        return 0.5 * masked_mean(unclipped, mask), torch.zeros((), device=values.device)
+    v_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    clipped = (v_clipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped > unclipped).float(), mask)
+    return loss, clipfrac
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """H = logsumexp(l) - sum_v softmax(l)_v * l_v, per position."""
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] without materialising the full log-softmax."""
+    picked = torch.gather(logits, -1, tokens.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+# ---- KL coefficient controllers ------------------------------------------------------------------
+
+
+class FixedKLController:
+    """beta stays at its initial value."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """Ziegler et al.: e = clip(KL / target - 1, -0.2, 0.2); beta <- beta * (1 + e * n_steps / horizon).
+
+    KL above target makes beta grow, below makes it shrink; n_steps is the number of samples (responses)
+    seen since the last update, so the adaptation speed does not depend on the batch size."""
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int):
+        self.value = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + proportional_error * n_steps / self.horizon
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+
+
+# ---- running reward statistics -------------------------------------------------------------------
+
+
+class RunningMoments:
+    """Running mean and standard deviation of all scores seen so far (Chan et al.'s parallel update)."""
+
+    def __init__(self) -> None:
+        self.mean = 0.0
+        self.var = 1.0  # population variance of the samples seen
+        self.count = 0
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.var) if self.count > 1 and self.var > 0 else 1.0
+
+    def update(self, xs: torch.Tensor) -> None:
+        xs = xs.detach().double().flatten()
+        n = xs.numel()
+        if n == 0:
+            return
+        batch_mean = xs.mean().item()
+        batch_var = xs.var(unbiased=False).item()
+        if self.count == 0:
+            self.mean, self.var, self.count = batch_mean, batch_var, n
+            return
+        total = self.count + n
+        delta = batch_mean - self.mean
+        m2 = self.var * self.count + batch_var * n + delta**2 * self.count * n / total
+        self.mean += delta * n / total
+        self.var = m2 / total
+        self.count = total
+
+    def normalize(self, xs: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+        return (xs - self.mean) / (self.std + eps)
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "var": self.var, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean, self.var, self.count = float(state["mean"]), float(state["var"]), int(state["count"])

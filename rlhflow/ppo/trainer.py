@@ -1,0 +1,408 @@
+"""The PPO engine: rollout, advantages, clipped updates, KL control, checkpoints.
+
+One update (`PPOTrainer.update`):
+  1. rollout, no gradients: draw `batch_size` prompts, sample responses (temperature, top-k/p, EOS and stop
+     strings), one forward pass for the old log-probs and values (shared value head) and one for the
+     reference log-probs (a frozen copy, or with LoRA the same model with the adapter disabled);
+  2. score the decoded texts, subtract the missing-EOS penalty, normalise the scores;
+  3. per-token rewards r_t = -beta * kl_t (+ score on the last token), GAE, whitened advantages;
+  4. `ppo_epochs` passes over shuffled minibatches: clipped policy loss + vf_coef * clipped value loss
+     - entropy_coef * entropy, gradient clipping, AdamW;
+  5. update the KL coefficient, log the stats, checkpoint every `checkpoint_every` updates.
+All models run in eval mode (no dropout); gradients flow regardless.
+
+Stats passed to log_fn(stats, update) after every update:
+  ppo/score_mean, ppo/score_std   raw scores from score_fn (before the EOS penalty and normalisation)
+  ppo/reward_total_mean           mean over responses of sum_t r_t (penalised, normalised score + KL penalty)
+  ppo/kl, ppo/kl_coef             mean over responses of summed per-token KL (configured estimator); beta used
+  ppo/entropy                     mean per-token entropy of the sampling policy (logits / temperature)
+  ppo/policy_loss, ppo/value_loss, ppo/clipfrac, ppo/value_clipfrac, ppo/approxkl   means over minibatches
+  ppo/returns_mean, ppo/advantages_mean   token means (advantages before whitening)
+  ppo/response_length, ppo/eos_fraction, ppo/lr
+  time/generation_s (sampling), time/forward_s (old/ref log-probs and values), time/scoring_s (score_fn),
+  time/training_s (the PPO epochs)
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from rlhflow.config import REPO_ROOT, PPOConfig
+from rlhflow.models import disable_dropout, save_plain
+from rlhflow.policy import Critic, PolicyAndValue, encode_prompts, generate, sequence_logprobs
+from rlhflow.ppo import core
+
+ScoreFn = Callable[[list, list[str]], "torch.Tensor | Sequence[float]"]
+CHECKPOINT_PREFIX = "step-"
+# config fields that may change between a run and its resumption without changing what the run means
+_RESUMABLE_CHANGES = {"steps", "checkpoint_every", "checkpoint_dir", "out_dir"}
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, score or KL became NaN/inf; the message names the quantity and the update."""
+
+    def __init__(self, quantity: str, update: int):
+        super().__init__(f"non-finite {quantity} in PPO update {update}; no checkpoint was written for it")
+        self.quantity, self.update = quantity, update
+
+
+def _resolve(path: str | os.PathLike) -> Path:
+    """Relative paths are relative to the repository root, as everywhere in params.yaml."""
+    p = Path(os.path.expanduser(str(path)))
+    return p if p.is_absolute() else REPO_ROOT / p
+
+
+def _is_peft(model: torch.nn.Module) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
+
+
+def _trim_padding(qr: torch.Tensor, am: torch.Tensor, context_length: int):
+    """Drop the columns that are padding in every row (left of the prompts, right of the responses); the
+    result is unchanged (positions come from the mask) and the forward pass is cheaper."""
+    real = am.bool()
+    prompt_cols = real[:, :context_length].any(dim=0)
+    left = min(int(prompt_cols.float().argmax()) if prompt_cols.any() else 0, context_length - 1)
+    t_max = max(int(real[:, context_length:].sum(dim=1).max()), 1)
+    return qr[:, left:context_length + t_max], am[:, left:context_length + t_max], context_length - left, t_max
+
+
+def _pad_to(x: torch.Tensor, T: int) -> torch.Tensor:
+    return F.pad(x, (0, T - x.shape[1])) if x.shape[1] < T else x
+
+
+class PPOTrainer:
+    def __init__(self, cfg: PPOConfig, *, policy: torch.nn.Module, tokenizer, score_fn: ScoreFn,
+                 prompts: Sequence[list[dict]], ref_policy: torch.nn.Module | None = None,
+                 device: str | torch.device = "cpu", seed: int = 0,
+                 log_fn: Callable[[dict[str, float], int], None] | None = None,
+                 checkpoint_dir: str | os.PathLike | None = None):
+        """checkpoint_dir overrides cfg.checkpoint_dir (relative paths are relative to the repository root)."""
+        if not prompts:
+            raise ValueError("PPOTrainer needs at least one prompt")
+        if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+            raise ValueError("the tokenizer needs a pad token distinct from EOS (see rlhflow.models.prepare_tokenizer)")
+        self.cfg, self.tokenizer, self.score_fn, self.log_fn = cfg, tokenizer, score_fn, log_fn
+        self.prompts = list(prompts)
+        self.device = torch.device(device)
+        self.seed = seed
+        self.checkpoint_dir = _resolve(checkpoint_dir if checkpoint_dir is not None else cfg.checkpoint_dir)
+
+        policy = disable_dropout(policy).to(self.device)
+        critic = None
+        if cfg.value_model == "separate":  # a copy of the SFT backbone, taken before any adapter is added
+            critic = Critic.from_policy(policy).to(self.device)
+        if cfg.lora.enabled:
+            policy = self._add_lora(policy)
+            if critic is not None:
+                critic.backbone = self._add_lora(critic.backbone)
+            if cfg.lora.dropout > 0:
+                warnings.warn("ppo.lora.dropout > 0 is inactive: PPO runs every model in eval mode (no dropout)")
+        # the reference: given, or with LoRA the adapter-free base (no copy), else a frozen copy of the start policy
+        if ref_policy is None and not _is_peft(policy):
+            ref_policy = copy.deepcopy(policy)
+        if ref_policy is not None:
+            ref_policy = disable_dropout(ref_policy).to(self.device).eval().requires_grad_(False)
+        self.ref_policy = ref_policy
+
+        self.model = PolicyAndValue(policy, cfg.value_model, critic).to(self.device).eval()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, eps=cfg.adam_eps,
+                                           weight_decay=cfg.weight_decay)
+        if cfg.adaptive_kl.enabled:
+            self.kl_ctl = core.AdaptiveKLController(cfg.kl_coef, cfg.adaptive_kl.target, cfg.adaptive_kl.horizon)
+        else:
+            self.kl_ctl = core.FixedKLController(cfg.kl_coef)
+        self.running_scores = core.RunningMoments()
+
+        self.step = 0  # updates done
+        self.history: list[dict[str, float]] = []
+        self.py_rng = random.Random(seed)  # prompt order
+        self.generator = torch.Generator().manual_seed(seed)  # minibatch shuffles
+        self._prompt_queue: list[int] = []  # what is left of the current shuffled pass over the prompts
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        return self.model.policy
+
+    def _add_lora(self, model: torch.nn.Module) -> torch.nn.Module:
+        if _is_peft(model):
+            return model
+        from peft import LoraConfig, get_peft_model
+
+        lora = self.cfg.lora
+        with torch.random.fork_rng():  # seeded adapter init that leaves the caller's RNG alone
+            torch.manual_seed(self.seed)
+            return get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                    target_modules=list(lora.target_modules)))
+
+    # ---- rollout ---------------------------------------------------------------------------------
+
+    def _next_prompts(self) -> list[int]:
+        """batch_size prompt indices, cycling through seeded shuffles of the whole prompt set."""
+        while len(self._prompt_queue) < self.cfg.batch_size:
+            order = list(range(len(self.prompts)))
+            self.py_rng.shuffle(order)
+            self._prompt_queue.extend(order)
+        idx, self._prompt_queue = self._prompt_queue[:self.cfg.batch_size], self._prompt_queue[self.cfg.batch_size:]
+        return idx
+
+    def _in_chunks(self, fn, qr, am, context_length, T):
+        """Run fn(qr, am, ctx) -> tensors [b, t] over minibatch-sized row chunks, padding trimmed, joined to [B, T]."""
+        outs = []
+        for start in range(0, qr.shape[0], self.cfg.mini_batch_size):
+            sl = slice(start, start + self.cfg.mini_batch_size)
+            q, a, ctx, _ = _trim_padding(qr[sl], am[sl], context_length)
+            outs.append([_pad_to(t, T) for t in fn(q, a, ctx)])
+        return [torch.cat(parts) for parts in zip(*outs)]
+
+    def _ref_logprobs(self, q, a, ctx):
+        t = self.cfg.temperature
+        if self.ref_policy is not None:
+            return (sequence_logprobs(self.ref_policy, q, a, ctx, t),)
+        with self.policy.disable_adapter():  # LoRA: the reference is the base weights
+            return (sequence_logprobs(self.policy, q, a, ctx, t),)
+
+    @torch.no_grad()
+    def _rollout(self, update: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        cfg, dev = self.cfg, self.device
+        idx = self._next_prompts()
+        messages = [self.prompts[i] for i in idx]
+        input_ids, prompt_mask = encode_prompts(self.tokenizer, messages, cfg.max_prompt_length)
+
+        t0 = time.perf_counter()
+        gen = generate(self.policy, self.tokenizer, input_ids.to(dev), prompt_mask.to(dev),
+                       max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                       top_p=cfg.top_p, stop_strings=cfg.stop_strings,
+                       generator_seed=self.seed * 1_000_003 + update)  # a fresh, reproducible stream per update
+        t1 = time.perf_counter()
+        qr, am, ctx = gen.query_response, gen.attention_mask, gen.context_length
+        T = gen.response.shape[1]
+        mask = gen.response_mask.float()
+        # old log-probs, values and entropy in one pass (shared head); reference log-probs in another
+        old_logprobs, old_values, entropy = self._in_chunks(
+            lambda q, a, c: self.model(q, a, c, cfg.temperature, return_entropy=True), qr, am, ctx, T)
+        (ref_logprobs,) = self._in_chunks(self._ref_logprobs, qr, am, ctx, T)
+        t2 = time.perf_counter()
+
+        raw_scores = self.score_fn(messages, gen.texts)
+        raw_scores = torch.as_tensor(raw_scores, dtype=torch.float32).to(dev).flatten()
+        t3 = time.perf_counter()
+        if raw_scores.shape[0] != len(messages):
+            raise ValueError(f"score_fn returned {raw_scores.shape[0]} scores for {len(messages)} responses")
+        if not torch.isfinite(raw_scores).all():
+            raise NonFiniteError("score", update)
+
+        scores = core.penalize_missing_eos(raw_scores, gen.ended, cfg.missing_eos_penalty)
+        if cfg.reward_normalization == "whiten":
+            scores = core.masked_whiten(scores, torch.ones_like(scores))
+        elif cfg.reward_normalization == "running":
+            self.running_scores.update(scores)
+            scores = self.running_scores.normalize(scores)
+
+        kl = core.kl_per_token(old_logprobs, ref_logprobs, cfg.kl_estimator) * mask
+        if not torch.isfinite(kl).all():
+            raise NonFiniteError("KL", update)
+        kl_coef = self.kl_ctl.value
+        rewards = core.per_token_rewards(scores, kl, kl_coef, mask)
+        advantages, returns = core.gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
+        stats = {
+            "ppo/score_mean": raw_scores.mean().item(),
+            "ppo/score_std": raw_scores.std(correction=0).item(),
+            "ppo/reward_total_mean": rewards.sum(1).mean().item(),
+            "ppo/kl": kl.sum(1).mean().item(),
+            "ppo/kl_coef": kl_coef,
+            "ppo/entropy": core.masked_mean(entropy, mask).item(),
+            "ppo/returns_mean": core.masked_mean(returns, mask).item(),
+            "ppo/advantages_mean": core.masked_mean(advantages, mask).item(),  # before whitening
+            "ppo/response_length": mask.sum(1).mean().item(),
+            "ppo/eos_fraction": gen.ended.float().mean().item(),
+            "time/generation_s": t1 - t0,
+            "time/forward_s": t2 - t1,
+            "time/scoring_s": t3 - t2,
+        }
+        if cfg.whiten_advantages:
+            advantages = core.masked_whiten(advantages, mask)
+        batch = dict(query_response=qr, attention_mask=am, mask=mask, logprobs=old_logprobs, values=old_values,
+                     advantages=advantages, returns=returns)
+        batch["context_length"] = ctx
+        return batch, stats
+
+    # ---- optimisation ----------------------------------------------------------------------------
+
+    def _optimize(self, batch: dict, update: int) -> dict[str, float]:
+        cfg = self.cfg
+        B, ctx = batch["query_response"].shape[0], batch["context_length"]
+        sums: dict[str, float] = {}
+        n = 0
+        for _ in range(cfg.ppo_epochs):
+            order = torch.randperm(B, generator=self.generator).to(self.device)
+            for start in range(0, B, cfg.mini_batch_size):
+                mb = order[start:start + cfg.mini_batch_size]
+                qr, am, c, t = _trim_padding(batch["query_response"][mb], batch["attention_mask"][mb], ctx)
+                mask = batch["mask"][mb][:, :t]
+                logprobs, values, entropy = self.model(qr, am, c, cfg.temperature,
+                                                       return_entropy=cfg.entropy_coef > 0)
+                pg_loss, clipfrac, approxkl = core.policy_loss(
+                    logprobs, batch["logprobs"][mb][:, :t], batch["advantages"][mb][:, :t], mask, cfg.cliprange)
+                vf_loss, vf_clipfrac = core.value_loss(
+                    values, batch["values"][mb][:, :t], batch["returns"][mb][:, :t], mask, cfg.cliprange_value)
+                loss = pg_loss + cfg.vf_coef * vf_loss
+                if cfg.entropy_coef > 0:
+                    loss = loss - cfg.entropy_coef * core.masked_mean(entropy, mask)  # entropy bonus
+                if not torch.isfinite(loss):
+                    raise NonFiniteError("loss", update)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
+                self.optimizer.step()
+                for key, value in (("policy_loss", pg_loss), ("value_loss", vf_loss), ("clipfrac", clipfrac),
+                                   ("approxkl", approxkl), ("value_clipfrac", vf_clipfrac)):
+                    sums[key] = sums.get(key, 0.0) + float(value.detach())
+                n += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return {f"ppo/{k}": v / n for k, v in sums.items()}
+
+    def update(self) -> dict[str, float]:
+        """One PPO update (rollout + optimisation + KL control); returns its stats."""
+        update = self.step + 1
+        batch, stats = self._rollout(update)
+        t0 = time.perf_counter()
+        stats.update(self._optimize(batch, update))
+        stats["time/training_s"] = time.perf_counter() - t0
+        stats["ppo/lr"] = self.optimizer.param_groups[0]["lr"]
+        self.kl_ctl.update(stats["ppo/kl"], n_steps=self.cfg.batch_size)
+        self.step = update
+        self.history.append(stats)
+        if self.log_fn is not None:
+            self.log_fn(stats, update)
+        if self.cfg.checkpoint_every and update % self.cfg.checkpoint_every == 0:
+            self.save_checkpoint()
+        return stats
+
+    def train(self) -> list[dict[str, float]]:
+        """Run (or resume, from the latest checkpoint in cfg.checkpoint_dir) until cfg.steps updates are done."""
+        if self.step == 0:  # a fresh trainer picks up where an interrupted run left off
+            self.load_checkpoint()
+        bar = tqdm(total=self.cfg.steps, initial=self.step, desc="ppo", unit="update")
+        try:
+            while self.step < self.cfg.steps:
+                stats = self.update()
+                bar.set_postfix(reward=f"{stats['ppo/score_mean']:.3f}", kl=f"{stats['ppo/kl']:.3f}")
+                bar.update(1)
+        finally:
+            bar.close()
+        return self.history
+
+    # ---- saving ------------------------------------------------------------------------------------
+
+    def _value_state(self) -> dict[str, torch.Tensor]:
+        module = self.model.value_module()
+        if isinstance(module, Critic) and _is_peft(module.backbone):
+            module = copy.deepcopy(module)
+            module.backbone = module.backbone.merge_and_unload()
+        return {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+
+    def save(self, out_dir: str | os.PathLike | None = None) -> Path:
+        """The policy as a plain model dir (LoRA merged) in out_dir (default cfg.out_dir), plus
+        `value_head.safetensors` (the value head, or with value_model=separate the whole critic: backbone.*, head.*)."""
+        out = _resolve(out_dir if out_dir is not None else self.cfg.out_dir)
+        policy = self.policy
+        if _is_peft(policy):
+            policy = copy.deepcopy(policy).merge_and_unload()
+        save_plain(policy, self.tokenizer, out)
+        save_file(self._value_state(), str(out / "value_head.safetensors"),
+                  metadata={"value_model": self.cfg.value_model})
+        return out
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+
+    def _trainable_state(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().contiguous().cpu() for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def save_checkpoint(self) -> Path:
+        """Write checkpoint_dir/step-NNNNNN atomically (a temp dir renamed into place); older ones are removed."""
+        root = self.checkpoint_dir
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"{CHECKPOINT_PREFIX}{self.step:06d}"
+        tmp = root / f".tmp-{final.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_file(self._trainable_state(), str(tmp / "trainable.safetensors"))
+        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        rng = {"torch": torch.get_rng_state(), "generator": self.generator.get_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, tmp / "rng.pt")
+        py_state = self.py_rng.getstate()
+        state = {
+            "step": self.step,
+            "kl_controller": self.kl_ctl.state_dict(),
+            "running_scores": self.running_scores.state_dict(),
+            "prompt_queue": self._prompt_queue,
+            "python_rng": [py_state[0], list(py_state[1]), py_state[2]],
+            "history": self.history,
+            "config": self.cfg.model_dump(),
+        }
+        (tmp / "trainer_state.json").write_text(json.dumps(state))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in self._checkpoints(root):
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    @staticmethod
+    def _checkpoints(root: Path) -> list[Path]:
+        if not root.is_dir():
+            return []
+        return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
+                      and (p / "trainer_state.json").exists())
+
+    def load_checkpoint(self, path: str | os.PathLike | None = None) -> bool:
+        """Restore everything from `path` or the latest checkpoint in cfg.checkpoint_dir; False when none exists."""
+        if path is None:
+            found = self._checkpoints(self.checkpoint_dir)
+            if not found:
+                return False
+            path = found[-1]
+        path = Path(path)
+        state = json.loads((path / "trainer_state.json").read_text())
+        changed = sorted(k for k, v in self.cfg.model_dump().items()
+                         if k not in _RESUMABLE_CHANGES and state["config"].get(k) != v)
+        if changed:
+            warnings.warn(f"resuming from {path} with changed PPO settings: {', '.join(changed)}")
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in load_file(str(path / "trainable.safetensors")).items():
+                params[name].copy_(tensor)
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=self.device))
+        rng = torch.load(path / "rng.pt", weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        self.generator.set_state(rng["generator"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        version, internal, gauss = state["python_rng"]
+        self.py_rng.setstate((version, tuple(internal), gauss))
+        self.kl_ctl.load_state_dict(state["kl_controller"])
+        self.running_scores.load_state_dict(state["running_scores"])
+        self._prompt_queue = list(state["prompt_queue"])
+        self.history = state["history"]
+        self.step = int(state["step"])
+        return True
+
+
+__all__ = ["NonFiniteError", "PPOTrainer"]

@@ -1,0 +1,166 @@
+"""Prompt encoding, sampling and log-probabilities on the tiny Llama."""
+
+import copy
+
+import pytest
+import torch
+
+from rlhflow.policy import (
+    Critic,
+    PolicyAndValue,
+    _cut_response,
+    encode_prompts,
+    generate,
+    sequence_logprobs,
+)
+from rlhflow.ppo.core import entropy_from_logits
+from rlhflow.testing import tiny_llama, tiny_tokenizer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run faster on one thread, and far faster when other work shares the 2 cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny_llama(tok)
+
+
+MESSAGES = [
+    [{"role": "user", "content": "hello"}],
+    [{"role": "system", "content": "You are a helpful assistant."},
+     {"role": "user", "content": "Please explain how photosynthesis works in simple terms."}],
+]
+
+
+def test_encode_prompts_left_pads_with_generation_prompt(tok):
+    ids, mask = encode_prompts(tok, MESSAGES, max_prompt_length=512)
+    assert ids.shape == mask.shape and ids.shape[0] == 2
+    short = int(mask[0].sum())
+    assert mask[0, : ids.shape[1] - short].sum() == 0 and (ids[0, : ids.shape[1] - short] == tok.pad_token_id).all()
+    for row in ids:
+        assert tok.decode(row).endswith("<|im_start|>assistant\n")  # add_generation_prompt
+    full = tok.apply_chat_template(MESSAGES[1], add_generation_prompt=True, tokenize=False)
+    assert tok.decode(ids[1]) == full
+
+
+def test_encode_prompts_truncates_from_the_left(tok):
+    ids, mask = encode_prompts(tok, MESSAGES, max_prompt_length=6)
+    assert ids.shape[1] == 6 and mask.all()
+    full = tok(tok.apply_chat_template(MESSAGES[1], add_generation_prompt=True, tokenize=False),
+               add_special_tokens=False)["input_ids"]
+    assert ids[1].tolist() == full[-6:]
+
+
+def test_encode_prompts_plain_text_without_template(tok):
+    plain = copy.deepcopy(tok)
+    plain.chat_template = None
+    ids, mask = encode_prompts(plain, [[{"role": "user", "content": "hello world"}], "thanks"], 64)
+    assert plain.decode(ids[0][mask[0].bool()]) == "hello world"
+    assert plain.decode(ids[1][mask[1].bool()]) == "thanks"
+
+
+def _left_padded_batch(tok):
+    """Two sequences of different prompt and response lengths, as PPO builds them."""
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    responses = [[20, 21, 22], [23, 24, 25, 26, 27]]
+    P, T = max(map(len, prompts)), max(map(len, responses))
+    qr = torch.full((2, P + T), tok.pad_token_id)
+    am = torch.zeros((2, P + T), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        qr[i, P - len(p):P], am[i, P - len(p):P] = torch.tensor(p), 1
+        qr[i, P:P + len(r)], am[i, P:P + len(r)] = torch.tensor(r), 1
+    return prompts, responses, qr, am, P
+
+
+def test_logprobs_of_left_padded_batch_equal_each_sequence_alone(tok, model):
+    prompts, responses, qr, am, P = _left_padded_batch(tok)
+    batch_lp, batch_ent = sequence_logprobs(model, qr, am, P, temperature=0.7, return_entropy=True)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        alone = torch.tensor([p + r])
+        lp = sequence_logprobs(model, alone, torch.ones_like(alone), len(p), temperature=0.7)
+        assert torch.allclose(batch_lp[i, : len(r)], lp[0], atol=1e-5)
+        assert (batch_lp[i, len(r):] == 0).all()  # padding is 0
+        # and by hand: log_softmax(logits / T) at the positions that predict each response token
+        logits = model(alone).logits[0, len(p) - 1:-1] / 0.7
+        manual = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
+        assert torch.allclose(lp[0], manual, atol=1e-5)
+        assert torch.allclose(batch_ent[i, : len(r)], entropy_from_logits(logits), atol=1e-5)
+
+
+def test_chunked_logprobs_equal_unchunked(tok, model):
+    _, _, qr, am, P = _left_padded_batch(tok)
+    full = sequence_logprobs(model, qr, am, P, 1.0)
+    assert torch.allclose(sequence_logprobs(model, qr, am, P, 1.0, chunk_size=1), full, atol=1e-6)
+
+
+def test_policy_and_value_shared_and_separate(tok, model):
+    _, responses, qr, am, P = _left_padded_batch(tok)
+    expected = sequence_logprobs(model, qr, am, P, 0.7)
+    for mode in ("shared", "separate"):
+        pv = PolicyAndValue(copy.deepcopy(model), mode)
+        lp, values, ent = pv(qr, am, P, 0.7, return_entropy=True)
+        assert torch.allclose(lp, expected, atol=1e-5)
+        assert values.shape == lp.shape and (values == 0).all()  # zero-initialised head
+        assert ent.shape == lp.shape and (ent[0, len(responses[0]):] == 0).all()
+    critic = Critic.from_policy(model)
+    assert all(p.data_ptr() != q.data_ptr() for p, q in zip(critic.backbone.parameters(), model.parameters()))
+
+
+def test_generate_shapes_padding_and_seeding(tok, model):
+    ids, mask = encode_prompts(tok, MESSAGES * 3, 64)
+    state = torch.get_rng_state()
+    out = generate(model, tok, ids, mask, max_new_tokens=10, temperature=1.0, generator_seed=123)
+    assert torch.equal(torch.get_rng_state(), state)  # a seeded call leaves the global RNG alone
+    again = generate(model, tok, ids, mask, max_new_tokens=10, temperature=1.0, generator_seed=123)
+    assert torch.equal(out.query_response, again.query_response) and out.texts == again.texts
+    B, T = out.response.shape
+    assert B == 6 and T <= 10 and out.context_length == ids.shape[1]
+    assert torch.equal(out.query_response[:, : ids.shape[1]], ids)
+    assert torch.equal(out.attention_mask, torch.cat([mask, out.response_mask], 1))
+    for i in range(B):
+        n = int(out.response_mask[i].sum())
+        assert out.response_mask[i, :n].all()  # real tokens form a prefix
+        assert (out.response[i, n:] == tok.pad_token_id).all()
+        if out.ended[i]:
+            assert out.response[i, n - 1] == tok.eos_token_id
+        else:
+            assert n == 10 and tok.eos_token_id not in out.response[i].tolist()
+        assert out.texts[i] == tok.decode(out.response[i, :n], skip_special_tokens=True)
+
+
+def test_generate_stops_at_stop_strings(tok, model):
+    ids, mask = encode_prompts(tok, MESSAGES * 4, 64)
+    out = generate(model, tok, ids, mask, max_new_tokens=12, temperature=1.0, stop_strings=["e"], generator_seed=0)
+    assert out.ended.any()  # "e" is common enough in 12 random tokens
+    for i in range(len(out.texts)):
+        n = int(out.response_mask[i].sum())
+        kept = out.response[i, :n].tolist()
+        if out.ended[i] and kept[-1] != tok.eos_token_id:
+            assert "e" in tok.decode(kept) and "e" not in tok.decode(kept[:-1])  # cut at the completing token
+            assert "e" not in out.texts[i] and tok.decode(kept).startswith(out.texts[i])
+        assert "e" not in out.texts[i]
+
+
+def test_cut_response_rules(tok):
+    ids = tok("hello world yes no", add_special_tokens=False)["input_ids"]
+    eos = tok.eos_token_id
+    # no EOS, no stop string: everything kept, not ended
+    assert _cut_response(tok, ids, {eos}, []) == (len(ids), False, "hello world yes no")
+    # EOS: kept up to and including it
+    assert _cut_response(tok, ids[:2] + [eos] + ids[2:], {eos}, []) == (3, True, tok.decode(ids[:2]))
+    # stop string: kept up to the token completing it, text cut before it
+    keep, ended, text = _cut_response(tok, ids, {eos}, ["yes"])
+    assert ended and text == "hello world " and "yes" in tok.decode(ids[:keep]) and "yes" not in tok.decode(ids[:keep - 1])
+    # EOS before the stop string wins
+    assert _cut_response(tok, ids[:1] + [eos] + ids[1:], {eos}, ["yes"])[:2] == (2, True)

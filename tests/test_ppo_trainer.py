@@ -1,0 +1,199 @@
+"""The PPO engine end to end on the tiny Llama with programmatic rewards (CPU, fixed seeds)."""
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from rlhflow.config import PPOConfig
+from rlhflow.policy import sequence_logprobs
+from rlhflow.ppo import NonFiniteError, PPOTrainer, core
+from rlhflow.testing import tiny_llama, tiny_tokenizer
+
+PROMPTS = [[{"role": "user", "content": c}] for c in (
+    "hello world", "explain water", "thanks", "say yes", "fox dog", "steps one two", "help me", "boils")]
+
+STAT_KEYS = {
+    "ppo/score_mean", "ppo/score_std", "ppo/reward_total_mean", "ppo/kl", "ppo/kl_coef", "ppo/entropy",
+    "ppo/clipfrac", "ppo/approxkl", "ppo/policy_loss", "ppo/value_loss", "ppo/value_clipfrac", "ppo/returns_mean",
+    "ppo/advantages_mean", "ppo/response_length", "ppo/eos_fraction", "ppo/lr", "time/generation_s",
+    "time/scoring_s", "time/training_s",
+}
+
+
+def vowel_fraction(prompts, texts):
+    """The programmatic reward: the share of characters of the response that are vowels."""
+    return torch.tensor([sum(ch in "aeiou" for ch in t) / max(len(t), 1) for t in texts])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run faster on one thread, and far faster when other work shares the 2 cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def make_trainer(tok, tmp_path, score_fn=vowel_fraction, seed=0, **overrides):
+    params = dict(steps=4, batch_size=16, mini_batch_size=8, ppo_epochs=2, learning_rate=1e-2, max_new_tokens=8,
+                  temperature=1.0, kl_coef=0.01, missing_eos_penalty=None, checkpoint_every=0,
+                  checkpoint_dir=str(tmp_path / "ckpt"), out_dir=str(tmp_path / "policy"))
+    params.update(overrides)
+    return PPOTrainer(PPOConfig(**params), policy=tiny_llama(tok, seed=0), tokenizer=tok, score_fn=score_fn,
+                      prompts=PROMPTS, seed=seed)
+
+
+@pytest.mark.parametrize("value_model", ["shared", "separate"])
+def test_reward_rises(tok, tmp_path, value_model):
+    """Vowel share starts near 0.14 and passes 0.5 (mean of the last 3 updates) within 25 updates."""
+    trainer = make_trainer(tok, tmp_path, steps=25, value_model=value_model)
+    logged = []
+    trainer.log_fn = lambda stats, step: logged.append(step)
+    history = trainer.train()
+    scores = [h["ppo/score_mean"] for h in history]
+    assert len(history) == 25 and logged == list(range(1, 26))
+    assert sum(scores[:3]) / 3 < 0.25
+    assert sum(scores[-3:]) / 3 > 0.5, scores
+    assert history[0]["ppo/kl"] == pytest.approx(0.0, abs=1e-5)  # the policy starts as the reference
+    assert history[-1]["ppo/kl"] > 1.0
+    assert set(history[-1]) >= STAT_KEYS
+    assert all(math.isfinite(v) for h in history for v in h.values())
+
+
+def test_missing_eos_penalty_in_the_rewards(tok, tmp_path):
+    """Score 0 and no KL term: each response's total reward is -penalty when it did not end, else 0."""
+    trainer = make_trainer(tok, tmp_path, score_fn=lambda p, t: torch.zeros(len(t)), kl_coef=0.0,
+                           missing_eos_penalty=1.0, stop_strings=["e"], max_new_tokens=12)
+    stats = trainer.update()
+    assert 0.0 < stats["ppo/eos_fraction"] < 1.0
+    assert stats["ppo/reward_total_mean"] == pytest.approx(-(1.0 - stats["ppo/eos_fraction"]), abs=1e-6)
+    assert stats["ppo/score_mean"] == 0.0  # the raw score is reported before the penalty
+
+
+@pytest.mark.parametrize("normalization", ["whiten", "running"])
+def test_reward_normalization(tok, tmp_path, normalization):
+    trainer = make_trainer(tok, tmp_path, kl_coef=0.0, reward_normalization=normalization)
+    stats = trainer.update()
+    assert stats["ppo/reward_total_mean"] == pytest.approx(0.0, abs=1e-5)  # scores centred
+    assert stats["ppo/score_mean"] > 0.05  # raw scores are not
+    if normalization == "running":
+        assert trainer.running_scores.count == 16
+
+
+def test_adaptive_kl_coefficient_in_the_loop(tok, tmp_path):
+    trainer = make_trainer(tok, tmp_path, kl_coef=0.1, adaptive_kl={"enabled": True, "target": 1.0, "horizon": 100})
+    first, second = trainer.update(), trainer.update()
+    assert first["ppo/kl_coef"] == 0.1
+    # KL of the first update is 0 < target: e = -0.2, beta = 0.1 * (1 - 0.2 * 16 / 100)
+    assert second["ppo/kl_coef"] == pytest.approx(0.1 * 0.968)
+
+
+def _without_times(history):
+    return [{k: v for k, v in h.items() if not k.startswith("time/")} for h in history]
+
+
+RESUME_VARIANTS = {
+    "shared": dict(reward_normalization="running", adaptive_kl={"enabled": True, "target": 1.0, "horizon": 50}),
+    "separate+lora": dict(value_model="separate", lora={"enabled": True, "r": 4, "alpha": 8}, learning_rate=5e-2,
+                          kl_estimator="k3"),
+}
+
+
+@pytest.mark.parametrize("variant", list(RESUME_VARIANTS))
+def test_resume_equals_uninterrupted_run(tok, tmp_path, variant):
+    extra = RESUME_VARIANTS[variant]
+    full = make_trainer(tok, tmp_path / "a", steps=6, checkpoint_every=3, **extra)
+    full_history = full.train()
+
+    first = make_trainer(tok, tmp_path / "b", steps=3, checkpoint_every=3, **extra)
+    first.train()
+    ckpt_dir = tmp_path / "b" / "ckpt"
+    assert [p.name for p in ckpt_dir.iterdir()] == ["step-000003"]
+    assert {p.name for p in (ckpt_dir / "step-000003").iterdir()} == {
+        "trainable.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json"}
+
+    resumed = make_trainer(tok, tmp_path / "b", steps=6, checkpoint_every=3, **extra)
+    resumed_history = resumed.train()
+    assert resumed.step == 6 and len(resumed_history) == 6
+    assert [p.name for p in ckpt_dir.iterdir()] == ["step-000006"]  # older checkpoints are removed
+    for a, b in zip(_without_times(full_history), _without_times(resumed_history)):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    for (name, p), (_, q) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.allclose(p, q, atol=1e-6), name
+    assert resumed.kl_ctl.value == pytest.approx(full.kl_ctl.value)
+    assert resumed.running_scores.state_dict() == pytest.approx(full.running_scores.state_dict())
+
+
+def test_non_finite_score_raises_without_checkpoint(tok, tmp_path):
+    calls = []
+
+    def score(prompts, texts):
+        calls.append(1)
+        return torch.full((len(texts),), float("nan") if len(calls) == 2 else 0.5)
+
+    trainer = make_trainer(tok, tmp_path, score_fn=score, checkpoint_every=1)
+    with pytest.raises(NonFiniteError, match="score.*update 2"):
+        trainer.train()
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step-000001"]
+
+
+@pytest.mark.parametrize("quantity,target", [("loss", "value_loss"), ("KL", "kl_per_token")])
+def test_non_finite_loss_and_kl_raise(tok, tmp_path, monkeypatch, quantity, target):
+    original = getattr(core, target)
+
+    def poisoned(*args, **kwargs):
+        out = original(*args, **kwargs)
+        return (out[0] * float("inf"), out[1]) if isinstance(out, tuple) else out * float("inf")
+
+    monkeypatch.setattr(core, target, poisoned)
+    trainer = make_trainer(tok, tmp_path, checkpoint_every=1)
+    with pytest.raises(NonFiniteError, match=f"{quantity} in PPO update 1"):
+        trainer.update()
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_save_writes_a_plain_model_and_value_head(tok, tmp_path):
+    trainer = make_trainer(tok, tmp_path, steps=2)
+    trainer.train()
+    out = trainer.save(tmp_path / "policy")
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        assert torch.allclose(reloaded(ids).logits, trainer.policy(ids).logits, atol=1e-5)
+    head = load_file(str(out / "value_head.safetensors"))
+    assert set(head) == {"summary.weight", "summary.bias"}
+
+
+def test_lora_reference_is_the_adapter_free_base(tok, tmp_path):
+    trainer = make_trainer(tok, tmp_path, steps=3, learning_rate=5e-2, lora={"enabled": True, "r": 4, "alpha": 8})
+    assert trainer.ref_policy is None  # no second copy of the weights
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n or n.startswith("value_head.") for n in trainable)
+    history = trainer.train()
+    assert history[0]["ppo/kl"] == pytest.approx(0.0, abs=1e-6)  # LoRA B starts at 0: policy == reference
+    assert history[-1]["ppo/kl"] > 0.0
+
+    # the reference is still the SFT model
+    sft = tiny_llama(tok, seed=0)
+    qr = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    am = torch.ones_like(qr)
+    with torch.no_grad(), trainer.policy.disable_adapter():
+        ref = sequence_logprobs(trainer.policy, qr, am, 4, 1.0)
+    assert torch.allclose(ref, sequence_logprobs(sft, qr, am, 4, 1.0), atol=1e-6)
+
+    out = trainer.save(tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.allclose(merged(qr).logits, trainer.policy(input_ids=qr).logits, atol=1e-5)
+        assert not torch.allclose(merged(qr).logits, sft(qr).logits, atol=1e-4)
+
