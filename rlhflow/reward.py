@@ -45,11 +45,9 @@ def encode_pair(tok: PreTrainedTokenizerBase, prompt_messages: Messages, respons
             ids = ids["input_ids"]
         return list(ids)[-max_length:]  # keep the end: the score is read at the last token
     prompt = "\n".join(m["content"] if m["role"] == "user" else f"{m['role']}: {m['content']}" for m in prompt_messages)
-    # Encoder pair encoding ([CLS] prompt [SEP] response [SEP]); only the prompt is cut when too long.
-    enc = tok(prompt, response, truncation="only_first", max_length=max_length)
-    if len(enc["input_ids"]) > max_length:  # the response alone is too long: cut it too
-        enc = tok(prompt, response, truncation="longest_first", max_length=max_length)
-    return list(enc["input_ids"])
+    # Encoder pair encoding: [CLS] prompt [SEP] response [SEP]. When too long, the longer part is cut first,
+    # from its beginning (truncation_side="left"), so the end of the prompt stays next to the response.
+    return list(tok(prompt, response, truncation="longest_first", max_length=max_length)["input_ids"])
 
 
 def load_backbone(spec: str, *, trust_remote_code: bool = False):
@@ -139,25 +137,24 @@ def train_reward_model(cfg, train_rows: list[dict], *, backbone: str, out_dir: s
                             callbacks=[_LogCallback()])
     trainer.train()
 
-    model = trainer.model.eval()
-    rm = RewardModel(model, tok, max_length=cfg.max_length, batch_size=cfg.eval_batch_size,
-                     device=next(model.parameters()).device)
+    # Score with the saved model, exactly as every later stage will load it.
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    trainer.model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    write_normalization(out, mean=0.0, std=1.0, max_length=cfg.max_length)
+    rm = RewardModel.load(out, batch_size=cfg.eval_batch_size, device=trainer.model.device)
     # Normalise by the scores of all training responses (chosen and rejected alike).
-    scores = torch.cat([
-        rm.raw_scores([r["prompt_messages"] for r in train_rows], [r["chosen"] for r in train_rows]),
-        rm.raw_scores([r["prompt_messages"] for r in train_rows], [r["rejected"] for r in train_rows]),
-    ])
+    prompts = [r["prompt_messages"] for r in train_rows]
+    scores = torch.cat([rm.raw_scores(prompts, [r["chosen"] for r in train_rows]),
+                        rm.raw_scores(prompts, [r["rejected"] for r in train_rows])])
     rm.mean, rm.std = float(scores.mean()), float(scores.std().clamp_min(1e-6))
-    save_reward_model(rm, out_dir)
+    write_normalization(out, mean=rm.mean, std=rm.std, max_length=cfg.max_length)
     return rm
 
 
-def save_reward_model(rm: RewardModel, out_dir: str | os.PathLike) -> None:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    rm.model.save_pretrained(out, safe_serialization=True)
-    rm.tokenizer.save_pretrained(out)
-    (out / NORM_FILE).write_text(json.dumps({"mean": rm.mean, "std": rm.std, "max_length": rm.max_length}, indent=2))
+def write_normalization(model_dir: Path, *, mean: float, std: float, max_length: int) -> None:
+    (model_dir / NORM_FILE).write_text(json.dumps({"mean": mean, "std": std, "max_length": max_length}, indent=2))
 
 
 def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> float:
