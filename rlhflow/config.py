@@ -83,7 +83,7 @@ class RewardModelConfig(Section):
     )
     out_dir: str = "models/reward_model"
     max_length: int = Field(256, ge=8)
-    epochs: float = Field(2.0, gt=0)
+    epochs: float = Field(1.0, gt=0)
     batch_size: int = Field(16, ge=1)
     gradient_accumulation_steps: int = Field(1, ge=1)
     learning_rate: float = Field(1e-4, gt=0)
@@ -115,10 +115,10 @@ class LoraConfig(Section):
 
 class PPOConfig(Section):
     steps: int = Field(24, ge=1, description="PPO updates (each one rollout batch)")
-    batch_size: int = Field(16, ge=1, description="prompts per rollout")
-    mini_batch_size: int = Field(8, ge=1)
+    batch_size: int = Field(8, ge=1, description="prompts per rollout")
+    mini_batch_size: int = Field(4, ge=1)
     ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
-    learning_rate: float = Field(3e-6, gt=0)
+    learning_rate: float = Field(1e-5, gt=0)
     adam_eps: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
@@ -131,7 +131,9 @@ class PPOConfig(Section):
     stop_strings: list[str] = Field(default_factory=list, description="extra stop strings besides EOS")
     # advantage estimation
     gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(0.95, ge=0, le=1)
+    # lam=1: every response token gets credit for the final score while the value head is still untrained;
+    # with few updates (the CPU default) lam=0.95 leaves early tokens almost no signal (0.95^47 ~ 0.09)
+    lam: float = Field(1.0, ge=0, le=1)
     whiten_advantages: bool = True
     reward_normalization: Literal["none", "whiten", "running"] = "none"
     # losses
@@ -264,4 +266,6 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 
 
 def write_params(cfg: Config, path: str | os.PathLike) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_params(), sort_keys=False))
+    header = ("# Every hyperparameter of the pipeline, one section per stage. Types, bounds and descriptions:\n"
+              "# rlhflow/config.py. Override one value for a run: --set section.key=value\n")
+    Path(path).write_text(header + yaml.safe_dump(cfg.to_params(), sort_keys=False))

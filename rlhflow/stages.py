@@ -58,6 +58,7 @@ STAGES: list[Stage] = [
         params=["data.demo"],
         deps=["rlhflow/data/demo.py", "tasks/demo_data.py"],
         outs=["${data.demo.out_dir}/preferences.jsonl"],
+        metrics=[_metrics("demo_data")],
     ),
     Stage(
         name="validate",

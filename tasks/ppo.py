@@ -37,6 +37,31 @@ def make_score_fn(cfg: Config, device) -> Callable:
                             device=device).score
 
 
+def inputs_fingerprint(cfg: Config) -> str:
+    """What a checkpoint must have been made from to be resumed: the same PPO settings (the run length aside),
+    seed, SFT model and reward model."""
+    import json
+
+    files = [cfg.path(cfg.sft.out_dir) / "model.safetensors", cfg.path(cfg.reward_model.out_dir) / "model.safetensors"]
+    stamps = {str(f): [f.stat().st_size, f.stat().st_mtime_ns] if f.exists() else None for f in files}
+    settings = cfg.ppo.model_dump(exclude={"steps", "checkpoint_every", "checkpoint_dir", "out_dir"})
+    return json.dumps({"ppo": settings, "seed": cfg.seed, "inputs": stamps}, sort_keys=True)
+
+
+def prepare_checkpoint_dir(cfg: Config):
+    """Keep the checkpoints of an interrupted run with the same inputs (to resume); drop anything else."""
+    import shutil
+
+    ckpt_dir = cfg.path(cfg.ppo.checkpoint_dir)
+    marker = ckpt_dir / "inputs.json"
+    fingerprint = inputs_fingerprint(cfg)
+    if ckpt_dir.exists() and (not marker.exists() or marker.read_text() != fingerprint):
+        shutil.rmtree(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    marker.write_text(fingerprint)
+    return ckpt_dir
+
+
 def write_history(path, history: list[dict]) -> None:
     import pandas as pd
 
@@ -46,6 +71,8 @@ def write_history(path, history: list[dict]) -> None:
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
+    import shutil
+
     import torch
 
     from rlhflow import tracking
@@ -58,14 +85,14 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     sft_dir = str(cfg.path(cfg.sft.out_dir))
     tokenizer = load_tokenizer(sft_dir)
     policy = load_causal_lm(sft_dir, pad_token_id=tokenizer.pad_token_id)
-    ref_policy = None if cfg.ppo.lora.enabled else load_causal_lm(sft_dir, pad_token_id=tokenizer.pad_token_id)
     train = read_jsonl(cfg.path(cfg.validate_.out_dir) / "train.jsonl")
     prompts = list(train.drop_duplicates("prompt")["prompt_messages"])
 
     torch.manual_seed(cfg.seed)
-    trainer = PPOTrainer(cfg.ppo, policy=policy, ref_policy=ref_policy, tokenizer=tokenizer,
+    checkpoint_dir = prepare_checkpoint_dir(cfg)
+    trainer = PPOTrainer(cfg.ppo, policy=policy, tokenizer=tokenizer,
                          score_fn=make_score_fn(cfg, device), prompts=prompts, device=device, seed=cfg.seed,
-                         checkpoint_dir=cfg.path(cfg.ppo.checkpoint_dir),
+                         checkpoint_dir=checkpoint_dir,
                          log_fn=lambda stats, step: ctx.log_metrics(stats, step=step))
     history = trainer.train()
     write_history(cfg.path(cfg.metrics_dir) / "ppo_history.csv", [{"step": i + 1, **h} for i, h in enumerate(history)])
@@ -73,6 +100,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     out_dir = cfg.path(cfg.ppo.out_dir)
     with atomic_dir(out_dir) as tmp:
         trainer.save(tmp)
+    shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
     last = history[-max(1, len(history) // 4):]  # the final quarter of updates, smoothed
     metrics = {f"{k}_final": sum(h[k] for h in last) / len(last)
                for k in ("ppo/score_mean", "ppo/kl", "ppo/entropy", "ppo/response_length") if k in history[-1]}
