@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip install --disable-pip-version-check -q
 # pip's find-links notices are noise here; real errors still fail the pipe
-QUIET := 2>&1 | grep -v "^WARNING: Location" || true
+QUIET := 2>&1 | { grep -v "^WARNING: Location" || true; }
 
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export DO_NOT_TRACK ?= 1

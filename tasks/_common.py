@@ -62,7 +62,7 @@ def stage_task(name: str, body: StageBody):
     from prefect import task
     from prefect.cache_policies import NO_CACHE
 
-    @task(name=name, retries=0, cache_policy=NO_CACHE, log_prints=True)
+    @task(name=name, retries=0, cache_policy=NO_CACHE)
     def _task(cfg: Config, parent_run_id: str | None = None) -> dict[str, float]:
         return run_stage(name, body, cfg, parent_run_id)
 
