@@ -118,7 +118,7 @@ class PPOConfig(Section):
     batch_size: int = Field(8, ge=1, description="prompts per rollout")
     mini_batch_size: int = Field(4, ge=1)
     ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
-    learning_rate: float = Field(1e-5, gt=0)
+    learning_rate: float = Field(2e-5, gt=0)
     adam_eps: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
