@@ -71,7 +71,7 @@ STAGES: list[Stage] = [
     Stage(
         name="sft",
         description="load the SFT model, keep a plain safetensors copy, baseline perplexity and samples",
-        params=["seed", "sft"],
+        params=["seed", "sft", "ppo.max_prompt_length", "evaluate.temperature"],
         deps=[VALIDATED, "rlhflow/models.py", "rlhflow/policy.py", "tasks/sft.py"],
         outs=["${sft.out_dir}"],
         metrics=[_metrics("sft")],
@@ -87,7 +87,7 @@ STAGES: list[Stage] = [
     Stage(
         name="ppo",
         description="PPO fine-tuning of the SFT policy against the reward model",
-        params=["seed", "ppo"],
+        params=["seed", "ppo", "reward_model.eval_batch_size"],
         deps=[VALIDATED, "${sft.out_dir}", "${reward_model.out_dir}", "rlhflow/ppo", "rlhflow/policy.py",
               "tasks/ppo.py"],
         outs=["${ppo.out_dir}"],
@@ -97,7 +97,7 @@ STAGES: list[Stage] = [
     Stage(
         name="evaluate",
         description="SFT vs PPO policy on held-out prompts: reward, win rate, KL, perplexity, RM accuracy",
-        params=["seed", "evaluate"],
+        params=["seed", "evaluate", "ppo.max_prompt_length", "ppo.stop_strings", "reward_model.eval_batch_size"],
         deps=[VALIDATED, "${sft.out_dir}", "${reward_model.out_dir}", "${ppo.out_dir}", "rlhflow/metrics.py",
               "tasks/evaluate.py"],
         outs=["${evaluate.report_dir}"],

@@ -132,11 +132,17 @@ def write_stage_metrics(cfg: Config, stage: str, metrics: dict[str, float]) -> P
 MODEL_PIP_REQUIREMENTS = ["torch", "transformers", "safetensors", "accelerate", "pandas"]
 
 
-def log_model_dir(model_dir: str | os.PathLike, *, name: str, kind: str, registered_name: str | None = None,
-                  alias: str = "candidate") -> str | None:
-    """Log a saved model dir as an MLflow pyfunc model (`kind`: "policy" or "reward"); register it and point
-    `alias` at the new version. Call this only once the stage has succeeded: a failed run registers nothing."""
+def log_model_dir(cfg: Config, model_dir: str | os.PathLike, *, name: str, kind: str,
+                  registered_name: str | None = None, alias: str = "candidate") -> str | None:
+    """Log a saved model dir as an MLflow pyfunc model (`kind`: "policy" or "reward") when
+    `tracking.log_models` is on; register it (when `tracking.register_models` is on) and point `alias` at the
+    new version. Call this only once the stage has succeeded: a failed run registers nothing."""
     import mlflow
+
+    if not cfg.tracking.log_models:
+        return None
+    if not cfg.tracking.register_models:
+        registered_name = None
 
     from rlhflow.serving import PolicyPyfunc, RewardPyfunc
 

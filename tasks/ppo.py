@@ -107,9 +107,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     metrics["ppo/score_mean_first"] = history[0].get("ppo/score_mean", float("nan"))
     metrics["ppo/updates"] = float(len(history))
     ctx.log_metrics(metrics)
-    if cfg.tracking.log_models:
-        tracking.log_model_dir(out_dir, name="policy", kind="policy",
-                               registered_name=REGISTERED_NAME if cfg.tracking.register_models else None)
+    tracking.log_model_dir(cfg, out_dir, name="policy", kind="policy", registered_name=REGISTERED_NAME)
     return metrics
 
 

@@ -52,9 +52,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
             metrics.update({"rm/accuracy_hh": hh_eval["accuracy"], "rm/margin_hh": hh_eval["margin_mean"]})
     ctx.log_metrics(metrics)
     mlflow.log_dict({"normalization": {"mean": rm.mean, "std": rm.std}}, "reward_normalization.json")
-    if cfg.tracking.log_models:
-        tracking.log_model_dir(out_dir, name="reward_model", kind="reward",
-                               registered_name=REGISTERED_NAME if cfg.tracking.register_models else None)
+    tracking.log_model_dir(cfg, out_dir, name="reward_model", kind="reward", registered_name=REGISTERED_NAME)
     return metrics
 
 

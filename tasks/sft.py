@@ -43,8 +43,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
                        temperature=cfg.evaluate.temperature, top_k=0, top_p=1.0, generator_seed=cfg.seed)
         mlflow.log_table({"prompt": list(rows["prompt"]), "response": list(out.texts)}, artifact_file="sft_samples.json")
     ctx.log_metrics(metrics)
-    if cfg.tracking.log_models:
-        tracking.log_model_dir(out_dir, name="sft_model", kind="policy")
+    tracking.log_model_dir(cfg, out_dir, name="sft_model", kind="policy")
     return metrics
 
 

@@ -14,21 +14,9 @@ from rlhflow.policy import (
     sequence_logprobs,
 )
 from rlhflow.ppo.core import entropy_from_logits
-from rlhflow.testing import tiny_llama, tiny_tokenizer
+from rlhflow.testing import tiny_llama
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run faster on one thread, and far faster when other work shares the 2 cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

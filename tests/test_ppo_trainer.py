@@ -10,7 +10,9 @@ from transformers import AutoModelForCausalLM
 from rlhflow.config import PPOConfig
 from rlhflow.policy import sequence_logprobs
 from rlhflow.ppo import NonFiniteError, PPOTrainer, core
-from rlhflow.testing import tiny_llama, tiny_tokenizer
+from rlhflow.testing import tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPTS = [[{"role": "user", "content": c}] for c in (
     "hello world", "explain water", "thanks", "say yes", "fox dog", "steps one two", "help me", "boils")]
@@ -26,20 +28,6 @@ STAT_KEYS = {
 def vowel_fraction(prompts, texts):
     """The programmatic reward: the share of characters of the response that are vowels."""
     return torch.tensor([sum(ch in "aeiou" for ch in t) / max(len(t), 1) for t in texts])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run faster on one thread, and far faster when other work shares the 2 cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
 
 
 def make_trainer(tok, tmp_path, score_fn=vowel_fraction, seed=0, **overrides):
