@@ -3,6 +3,8 @@ GGUF loading, the plain safetensors copy, and a PPO update on it. About a minute
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -26,7 +28,8 @@ def test_default_model_loads_offline_and_saves_a_plain_copy(default_model):
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     assert len(tok) == 49_152 and tok.chat_template
     assert tok.pad_token_id != tok.eos_token_id and tok.padding_side == "left"
-    assert not hasattr(model.config, "quantization_config") or "quantization_config" not in model.config.to_dict()
+    saved_config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in saved_config and saved_config["pad_token_id"] == tok.pad_token_id
     reloaded = load_causal_lm(str(out))
     ids = tok(["The capital of France is"], return_tensors="pt")
     with torch.no_grad():

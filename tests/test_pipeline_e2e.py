@@ -113,6 +113,7 @@ def test_dvc_repro_runs_the_stages_then_nothing(tmp_path, tiny_model_dir):
     cfg = load_config(repo / "params.yaml", tiny_pipeline_overrides(".", tiny_model_dir, tracking=False))
     write_params(cfg, repo / "params.yaml")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(repo)}
+    env.pop("MLFLOW_TRACKING_URI", None)  # mlflow.set_tracking_uri in earlier tests exports it
     run = lambda *cmd: subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=900)  # noqa: E731
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "-c", "user.name=t", "-c", "user.email=t@t",
                                                                 "commit", "-qm", "init"]):
