@@ -6,9 +6,10 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 
 @contextlib.contextmanager
@@ -32,12 +33,25 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[IO[str]]:
+    """A UTF-8 text file handle whose content appears at `path` only once the block succeeds
+    (a unique temp file in the same directory, then os.replace); on error the temp file is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    with atomic_file(path) as f:
+        f.write(text)
 
 
 def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:

@@ -17,7 +17,6 @@ import hashlib
 import html
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 import pandas as pd
 
 from rlhflow.config import ValidateConfig
+from rlhflow.fsutil import write_text_atomic
 
 # GE reads these at import time: no usage analytics from a pipeline run.
 os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
@@ -323,26 +323,14 @@ def validate_preferences(train_df: pd.DataFrame, test_df: pd.DataFrame, *, cfg: 
     report_dir = Path(report_dir)
     result.report_json = str(report_dir / "validation.json")
     result.report_html = str(report_dir / "validation.html")
-    _write_atomic(Path(result.report_json), json.dumps(result.to_dict(), indent=2, ensure_ascii=False, default=str))
-    _write_atomic(Path(result.report_html), render_html(result))
+    write_text_atomic(Path(result.report_json), json.dumps(result.to_dict(), indent=2, ensure_ascii=False, default=str))
+    write_text_atomic(Path(result.report_html), render_html(result))
     if not result.success:
         raise DataValidationError(result)
     return result
 
 
 # ---- reports ------------------------------------------------------------------------------------------
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def render_html(result: ValidationResult) -> str:

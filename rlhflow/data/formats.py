@@ -28,11 +28,12 @@ import json
 import math
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import pandas as pd
+
+from rlhflow.fsutil import atomic_file
 
 CANONICAL_COLUMNS = ["prompt", "prompt_messages", "chosen", "rejected", "source_row"]
 FORMATS_ACCEPTED = (
@@ -79,18 +80,10 @@ def load_preferences(source: str | os.PathLike, *, hf_split: str = "train", max_
 
 def write_jsonl(df: pd.DataFrame, path: str | os.PathLike) -> Path:
     """Write a frame as JSONL atomically (temp file in the same directory, then os.replace)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for record in df.to_dict(orient="records"):
-                f.write(json.dumps(_jsonable(record), ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    with atomic_file(path) as f:
+        for record in df.to_dict(orient="records"):
+            f.write(json.dumps(_jsonable(record), ensure_ascii=False) + "\n")
+    return Path(path)
 
 
 def read_jsonl(path: str | os.PathLike) -> pd.DataFrame:
