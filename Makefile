@@ -1,7 +1,5 @@
 # make run   - set up (first time), generate the demo data and run the whole pipeline flow on params.yaml
 # make test  - set up (first time), then the test suite
-# make bench - PPO benchmarks (see bench/)
-# make ui    - Prefect and MLflow UIs on 127.0.0.1
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 PYTHON ?= python3
@@ -18,7 +16,7 @@ export GX_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-e2e bench ui dvc-yaml clean
+.PHONY: setup run test test-e2e dvc-yaml clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,9 +39,6 @@ test: setup
 
 test-e2e: setup
 	$(BIN)/python -m pytest -q -m e2e $(PYTEST_ARGS)
-
-bench: setup
-	$(BIN)/python -m bench.ppo_throughput $(ARGS)
 
 dvc-yaml: setup
 	$(BIN)/python -m rlhflow.stages > dvc.yaml
