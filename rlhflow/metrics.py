@@ -15,19 +15,10 @@ from collections import Counter
 
 import torch
 
-from rlhflow.policy import encode_prompts, sequence_logprobs
+from rlhflow.policy import encode_prompts, pad_sequences, sequence_logprobs
+from rlhflow.ppo.core import kl_per_token
 
 Messages = list[dict[str, str]]
-
-
-def _pad_right(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(1, max(len(s) for s in seqs))
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, : len(s)] = 1
-    return ids, mask
 
 
 @torch.no_grad()
@@ -40,7 +31,7 @@ def response_nll(model, tokenizer, prompt_messages: list[Messages], responses: l
         query, query_mask = encode_prompts(tokenizer, prompt_messages[i : i + batch_size], max_prompt_length)
         resp_ids = [tokenizer(r, add_special_tokens=False)["input_ids"][: max_response_length - 1] + [tokenizer.eos_token_id]
                     for r in responses[i : i + batch_size]]
-        resp, resp_mask = _pad_right(resp_ids, tokenizer.pad_token_id)
+        resp, resp_mask = pad_sequences(resp_ids, tokenizer.pad_token_id, side="right")
         query_response = torch.cat([query, resp], dim=1).to(device)
         attention = torch.cat([query_mask, resp_mask], dim=1).to(device)
         logp = sequence_logprobs(model, query_response, attention, query.shape[1], 1.0)
@@ -60,7 +51,7 @@ def response_kl(policy, reference, query_response: torch.Tensor, attention_mask:
     """Summed per-token KL (k1) of policy to reference over each sampled response: tensor [B], in nats."""
     logp = sequence_logprobs(policy, query_response, attention_mask, context_length, temperature)
     ref_logp = sequence_logprobs(reference, query_response, attention_mask, context_length, temperature)
-    return ((logp - ref_logp) * response_mask).sum(dim=1)
+    return (kl_per_token(logp, ref_logp, "k1") * response_mask).sum(dim=1)
 
 
 def win_rate(policy_scores: torch.Tensor, baseline_scores: torch.Tensor) -> float:

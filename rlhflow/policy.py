@@ -50,14 +50,21 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompt_messages: Sequence
         text, add_special = _prompt_text(tokenizer, messages)
         ids = tokenizer(text, add_special_tokens=add_special)["input_ids"]
         rows.append(ids[-max_prompt_length:])  # truncate from the left: the end of the prompt matters most
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, ids in enumerate(rows):
-        if ids:
-            input_ids[i, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[i, width - len(ids):] = 1
-    return input_ids, attention_mask
+    return pad_sequences(rows, tokenizer.pad_token_id, side="left")
+
+
+def pad_sequences(rows: Sequence[Sequence[int]], pad_id: int, *, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack token lists into (ids, attention_mask), padded on the `side` ("left" for prompts that generation
+    continues, "right" for responses)."""
+    width = max(1, max((len(r) for r in rows), default=0))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            cols = slice(width - len(row), width) if side == "left" else slice(0, len(row))
+            ids[i, cols] = torch.tensor(list(row), dtype=torch.long)
+            mask[i, cols] = 1
+    return ids, mask
 
 
 # ---- generation ----------------------------------------------------------------------------------
@@ -161,6 +168,22 @@ def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, input_ids: to
         query_response=query_response, response=response, response_mask=response_mask, ended=ended.to(out.device),
         texts=texts, attention_mask=torch.cat([attention_mask, response_mask], dim=1),
     )
+
+
+def sample_responses(model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompt_messages: Sequence[Messages | str],
+                     *, batch_size: int, max_prompt_length: int, max_new_tokens: int, temperature: float,
+                     top_k: int = 0, top_p: float = 1.0, stop_strings: Sequence[str] = (), seed: int | None = None,
+                     ) -> list[GenerationOutput]:
+    """`generate` over all prompts in batches of `batch_size`, on the model's device. Batch i samples with seed
+    `seed + i`, so two models given the same prompts and seed are compared on the same random streams."""
+    device = next(model.parameters()).device
+    outs = []
+    for start in range(0, len(prompt_messages), batch_size):
+        query, mask = encode_prompts(tokenizer, prompt_messages[start : start + batch_size], max_prompt_length)
+        outs.append(generate(model, tokenizer, query.to(device), mask.to(device), max_new_tokens=max_new_tokens,
+                             temperature=temperature, top_k=top_k, top_p=top_p, stop_strings=stop_strings,
+                             generator_seed=None if seed is None else seed + start))
+    return outs
 
 
 # ---- log-probabilities ---------------------------------------------------------------------------

@@ -25,14 +25,15 @@ class PolicyPyfunc(mlflow.pyfunc.PythonModel):
         self.model = load_causal_lm(context.artifacts["model_dir"], pad_token_id=self.tokenizer.pad_token_id).eval()
 
     def predict(self, context, model_input, params=None):
-        from rlhflow.policy import encode_prompts, generate
+        from rlhflow.policy import sample_responses
 
         params = params or {}
         prompts = [_messages(p) for p in model_input["prompt"]]
-        query, mask = encode_prompts(self.tokenizer, prompts, int(params.get("max_prompt_length", 512)))
-        out = generate(self.model, self.tokenizer, query, mask, max_new_tokens=int(params.get("max_new_tokens", 64)),
-                       temperature=float(params.get("temperature", 0.7)), generator_seed=params.get("seed"))
-        return list(out.texts)
+        outs = sample_responses(self.model, self.tokenizer, prompts, batch_size=int(params.get("batch_size", 16)),
+                                max_prompt_length=int(params.get("max_prompt_length", 512)),
+                                max_new_tokens=int(params.get("max_new_tokens", 64)),
+                                temperature=float(params.get("temperature", 0.7)), seed=params.get("seed"))
+        return [t for o in outs for t in o.texts]
 
 
 class RewardPyfunc(mlflow.pyfunc.PythonModel):

@@ -17,10 +17,6 @@ from typing import Any
 from rlhflow.config import REPO_ROOT, Config
 from rlhflow.fsutil import write_json_atomic
 
-# Environment variables whose values must never reach MLflow params, tags or logs.
-SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "KEY", "CREDENTIAL")
-
-
 def tracking_uri(cfg: Config) -> str:
     return cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO_ROOT / 'mlflow.db'}"
 

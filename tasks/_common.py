@@ -11,8 +11,8 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 # Quiet, offline defaults for the libraries the stages use (users can override them in the environment).
 os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
@@ -33,7 +33,6 @@ class StageContext:
     stage: str
     parent_run_id: str | None = None
     run_id: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None, *, on_parent: bool = False) -> None:
         tracking.log_metrics(metrics, step=step, run_ids=[self.parent_run_id] if on_parent else [])

@@ -10,18 +10,14 @@ from tasks._common import StageContext, cli, stage_task
 NAME = "evaluate"
 
 
-def sample(model, tokenizer, prompt_messages, cfg: Config, device):
-    """Responses for all prompts, batched, with the same sampling seed for every model compared."""
-    from rlhflow.policy import encode_prompts, generate
+def sample(model, tokenizer, prompt_messages, cfg: Config):
+    """Responses for all prompts, with the same sampling seed for every model compared."""
+    from rlhflow.policy import sample_responses
 
-    outs = []
     e = cfg.evaluate
-    for i in range(0, len(prompt_messages), e.batch_size):
-        query, mask = encode_prompts(tokenizer, prompt_messages[i : i + e.batch_size], cfg.ppo.max_prompt_length)
-        outs.append(generate(model, tokenizer, query.to(device), mask.to(device), max_new_tokens=e.max_new_tokens,
-                             temperature=e.temperature, top_k=0, top_p=1.0, stop_strings=cfg.ppo.stop_strings,
-                             generator_seed=cfg.seed + i))
-    return outs
+    return sample_responses(model, tokenizer, prompt_messages, batch_size=e.batch_size,
+                            max_prompt_length=cfg.ppo.max_prompt_length, max_new_tokens=e.max_new_tokens,
+                            temperature=e.temperature, stop_strings=cfg.ppo.stop_strings, seed=cfg.seed)
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
@@ -46,7 +42,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     prompts_df = test.drop_duplicates("prompt").head(e.n_prompts)
     prompts = list(prompts_df["prompt_messages"])
 
-    sft_out, policy_out = sample(sft, tokenizer, prompts, cfg, device), sample(policy, tokenizer, prompts, cfg, device)
+    sft_out, policy_out = sample(sft, tokenizer, prompts, cfg), sample(policy, tokenizer, prompts, cfg)
     sft_texts = [t for o in sft_out for t in o.texts]
     policy_texts = [t for o in policy_out for t in o.texts]
     sft_scores, policy_scores = rm.score(prompts, sft_texts), rm.score(prompts, policy_texts)

@@ -19,7 +19,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.fsutil import atomic_dir
     from rlhflow.metrics import perplexity
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device, save_plain
-    from rlhflow.policy import encode_prompts, generate
+    from rlhflow.policy import sample_responses
 
     s = cfg.sft
     torch.manual_seed(cfg.seed)
@@ -38,10 +38,11 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
 
     if s.n_samples:
         rows = held_out.head(s.n_samples)
-        query, mask = encode_prompts(tokenizer, list(rows["prompt_messages"]), cfg.ppo.max_prompt_length)
-        out = generate(model, tokenizer, query.to(device), mask.to(device), max_new_tokens=s.max_new_tokens,
-                       temperature=cfg.evaluate.temperature, top_k=0, top_p=1.0, generator_seed=cfg.seed)
-        mlflow.log_table({"prompt": list(rows["prompt"]), "response": list(out.texts)}, artifact_file="sft_samples.json")
+        outs = sample_responses(model, tokenizer, list(rows["prompt_messages"]), batch_size=s.batch_size,
+                                max_prompt_length=cfg.ppo.max_prompt_length, max_new_tokens=s.max_new_tokens,
+                                temperature=cfg.evaluate.temperature, seed=cfg.seed)
+        responses = [t for o in outs for t in o.texts]
+        mlflow.log_table({"prompt": list(rows["prompt"]), "response": responses}, artifact_file="sft_samples.json")
     ctx.log_metrics(metrics)
     tracking.log_model_dir(cfg, out_dir, name="sft_model", kind="policy")
     return metrics
