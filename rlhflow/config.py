@@ -84,7 +84,8 @@ class RewardModelConfig(Section):
     out_dir: str = "models/reward_model"
     max_length: int = Field(256, ge=8)
     epochs: float = Field(1.0, gt=0)
-    batch_size: int = Field(16, ge=1)
+    batch_size: int = Field(16, ge=1, description="pairs per optimisation step, over all processes of an "
+                            "`accelerate launch` (each of N takes batch_size / N)")
     gradient_accumulation_steps: int = Field(1, ge=1)
     learning_rate: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -97,6 +98,10 @@ class RewardModelConfig(Section):
     hh_eval_rows: int = Field(300, ge=1)
     hh_train_rows: int = Field(0, ge=0, description="rows of the HH file added to training (0: evaluation only)")
     eval_batch_size: int = Field(32, ge=1)
+    checkpoint_every: int = Field(
+        25, ge=0, description="training steps between Trainer checkpoints; a killed run resumes from the last (0: none)"
+    )
+    checkpoint_dir: str = "checkpoints/reward_model"
 
 
 class AdaptiveKLConfig(Section):
@@ -115,8 +120,9 @@ class LoraConfig(Section):
 
 class PPOConfig(Section):
     steps: int = Field(24, ge=1, description="PPO updates (each one rollout batch)")
-    batch_size: int = Field(8, ge=1, description="prompts per rollout")
-    mini_batch_size: int = Field(4, ge=1)
+    batch_size: int = Field(8, ge=1, description="prompts per rollout, over all processes of an `accelerate launch` "
+                            "(each of N takes batch_size / N)")
+    mini_batch_size: int = Field(4, ge=1, description="responses per optimisation step, over all processes")
     ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
     learning_rate: float = Field(2e-5, gt=0)
     adam_eps: float = Field(1e-5, gt=0)
@@ -150,8 +156,10 @@ class PPOConfig(Section):
     )
     # reward source and models
     reward_fn: str | None = Field(
-        None, description="'module:function' scoring (prompts, responses) -> list[float]; default: the reward model"
+        None, description="'module:function' scoring (prompts, responses, **reward_fn_kwargs) -> list[float], "
+        "e.g. 'rlhflow.rewards:contains_word'; default: the trained reward model"
     )
+    reward_fn_kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for reward_fn")
     value_model: Literal["shared", "separate"] = "shared"
     lora: LoraConfig = LoraConfig()
     checkpoint_every: int = Field(8, ge=0, description="updates between checkpoints (0: none)")

@@ -5,19 +5,53 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
-import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_temps(final: str | os.PathLike) -> list[Path]:
+    """Remove the temporary siblings of `final` (`.<name>.tmp-<pid>...`, `.<name>.old-<pid>`) left by a
+    process that was killed before it could clean up; those of live processes are kept. A process killed
+    between the two renames of `atomic_dir` leaves no `final` but its `.old-<pid>`: that previous output
+    is put back."""
+    final = Path(final)
+    removed = []
+    for stale in sorted(final.parent.glob(f".{final.name}.*")):
+        match = re.fullmatch(rf"\.{re.escape(final.name)}\.(tmp|old)-(\d+)(?:-.*)?", stale.name)
+        if not match or _pid_alive(int(match.group(2))):
+            continue
+        if match.group(1) == "old" and not final.exists():
+            os.replace(stale, final)
+        else:
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+            removed.append(stale)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary sibling dir; on success it replaces `final`, on error it is removed and `final`
-    (the previous good output) is left untouched."""
+    (the previous good output) is left untouched. Temp dirs of killed earlier runs are removed first."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(final)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -36,12 +70,15 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike) -> Iterator[IO[str]]:
     """A UTF-8 text file handle whose content appears at `path` only once the block succeeds
-    (a unique temp file in the same directory, then os.replace); on error the temp file is removed."""
+    (a unique temp file in the same directory, then os.replace); on error the temp file is removed.
+    Temp files of killed earlier writers are removed first."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    remove_stale_temps(path)
+    # not mkstemp: its files are private (0600), and outputs must get the usual permissions (umask)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with open(tmp, "x", encoding="utf-8") as f:
             yield f
         os.replace(tmp, path)
     except BaseException:
@@ -56,3 +93,23 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 
 def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:
     write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True, default=float) + "\n")
+
+
+def file_stamps(paths: list[str | os.PathLike]) -> dict[str, list[int] | None]:
+    """Size and modification time of each file (None when missing): a cheap fingerprint of large inputs."""
+    stamps: dict[str, list[int] | None] = {}
+    for path in map(Path, paths):
+        stamps[str(path)] = [path.stat().st_size, path.stat().st_mtime_ns] if path.is_file() else None
+    return stamps
+
+
+def prepare_checkpoint_dir(ckpt_dir: str | os.PathLike, fingerprint: str) -> Path:
+    """Keep the checkpoints of an interrupted run made from the same inputs (`fingerprint`, any text) so it
+    can resume; drop anything else. The fingerprint is kept in `inputs.json` inside the dir."""
+    ckpt_dir = Path(ckpt_dir)
+    marker = ckpt_dir / "inputs.json"
+    if ckpt_dir.exists() and (not marker.exists() or marker.read_text() != fingerprint):
+        shutil.rmtree(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(marker, fingerprint)
+    return ckpt_dir

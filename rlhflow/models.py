@@ -35,6 +35,11 @@ class ModelSource:
     def kwargs(self) -> dict:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
+    def weights_kwargs(self) -> dict:
+        """`from_pretrained` kwargs for a model's weights: the GGUF file, else safetensors only (never a pickled
+        pytorch_model.bin, whose loading can run code)."""
+        return self.kwargs() if self.gguf_file else {"use_safetensors": True}
+
 
 def _package_dir(package: str) -> Path:
     module = package.replace("-", "_")
@@ -114,8 +119,7 @@ def load_causal_lm(spec: str, *, dtype: torch.dtype = torch.float32, trust_remot
                    pad_token_id: int | None = None) -> torch.nn.Module:
     src = resolve_model(spec)
     model = AutoModelForCausalLM.from_pretrained(
-        src.location, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=None if src.gguf_file else True,
-        **src.kwargs(),
+        src.location, dtype=dtype, trust_remote_code=trust_remote_code, **src.weights_kwargs()
     )
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id

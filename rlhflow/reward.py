@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
 
+from rlhflow import distributed
 from rlhflow.models import disable_dropout, resolve_model
 
 NORM_FILE = "reward_normalization.json"
@@ -56,7 +57,7 @@ def load_backbone(spec: str, *, trust_remote_code: bool = False):
     tok = prepare_reward_tokenizer(AutoTokenizer.from_pretrained(src.location, trust_remote_code=trust_remote_code,
                                                                  **src.kwargs()))
     model = AutoModelForSequenceClassification.from_pretrained(
-        src.location, num_labels=1, trust_remote_code=trust_remote_code, **src.kwargs()
+        src.location, num_labels=1, trust_remote_code=trust_remote_code, **src.weights_kwargs()
     )
     model.config.pad_token_id = tok.pad_token_id
     return disable_dropout(model), tok
@@ -111,12 +112,21 @@ def pair_dataset(rows, tok: PreTrainedTokenizerBase, max_length: int):
 
 def train_reward_model(cfg, train_rows: list[dict], *, backbone: str, out_dir: str | os.PathLike,
                        work_dir: str | os.PathLike, seed: int = 0, log_fn: Callable[[dict, int], None] | None = None,
-                       trust_remote_code: bool = False) -> RewardModel:
+                       trust_remote_code: bool = False) -> RewardModel | None:
     """Train with trl's RewardTrainer on `train_rows` (dicts with prompt_messages/chosen/rejected) and save a
-    plain model dir with its score normalisation to `out_dir`. `cfg` is the `reward_model` params section."""
+    plain model dir with its score normalisation to `out_dir`. `cfg` is the `reward_model` params section.
+
+    Under `accelerate launch` with N processes the Trainer runs DDP: `cfg.batch_size` stays the global batch
+    (N processes of batch_size / N pairs each), so the optimisation is the single-process one. Only the main
+    process saves and scores; the others return None once training is done.
+
+    With `cfg.checkpoint_every` > 0 the Trainer checkpoints into `work_dir` every that many steps (the last one
+    kept), and training resumes from the last complete checkpoint found there: the caller keeps `work_dir` only
+    for the same inputs (see `rlhflow.fsutil.prepare_checkpoint_dir`)."""
     from transformers import TrainerCallback
     from trl import RewardConfig, RewardTrainer
 
+    torch.manual_seed(seed)  # the new score head's initialisation: the same in every run and every process
     model, tok = load_backbone(backbone, trust_remote_code=trust_remote_code)
     train = pair_dataset(train_rows, tok, cfg.max_length)
 
@@ -126,16 +136,32 @@ def train_reward_model(cfg, train_rows: list[dict], *, backbone: str, out_dir: s
                 log_fn({f"rm/train_{k}": v for k, v in logs.items() if isinstance(v, (int, float))}, state.global_step)
 
     args = RewardConfig(
-        output_dir=str(work_dir), num_train_epochs=cfg.epochs, per_device_train_batch_size=cfg.batch_size,
+        output_dir=str(work_dir), num_train_epochs=cfg.epochs,
+        per_device_train_batch_size=distributed.shard_size(cfg.batch_size, "reward_model.batch_size"),
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, learning_rate=cfg.learning_rate,
         weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_ratio, lr_scheduler_type="linear",
         center_rewards_coefficient=cfg.center_rewards_coefficient, max_length=None, disable_dropout=True,
-        logging_steps=5, save_strategy="no", eval_strategy="no", report_to="none", seed=seed,
+        logging_steps=5, eval_strategy="no", report_to="none", seed=seed,
+        **({"save_strategy": "steps", "save_steps": cfg.checkpoint_every, "save_total_limit": 1}
+           if cfg.checkpoint_every else {"save_strategy": "no"}),
         use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, disable_tqdm=False,
     )
     trainer = RewardTrainer(model=model, args=args, train_dataset=train, processing_class=tok,
                             callbacks=[_LogCallback()])
-    trainer.train()
+    resume = last_complete_checkpoint(work_dir) if cfg.checkpoint_every else None
+    if resume is not None:
+        step = int(resume.name.split("-")[-1])
+        print(f"reward model: resuming training from {resume.name} (step {step})", flush=True)
+        if log_fn:
+            log_fn({"rm/resumed_from_step": float(step)}, step)
+    trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+    if log_fn:  # the batch the Trainer actually used per optimisation step, over all processes
+        log_fn({"rm/global_batch_size": float(args.per_device_train_batch_size * args.world_size
+                                              * args.gradient_accumulation_steps),
+                "rm/processes": float(args.world_size), "rm/train_steps": float(trainer.state.global_step)},
+               trainer.state.global_step)
+    if not distributed.is_main_process():
+        return None
 
     # Score with the saved model, exactly as every later stage will load it.
     out = Path(out_dir)
@@ -151,6 +177,14 @@ def train_reward_model(cfg, train_rows: list[dict], *, backbone: str, out_dir: s
     rm.mean, rm.std = float(scores.mean()), float(scores.std().clamp_min(1e-6))
     write_normalization(out, mean=rm.mean, std=rm.std, max_length=cfg.max_length)
     return rm
+
+
+def last_complete_checkpoint(work_dir: str | os.PathLike) -> Path | None:
+    """The newest `checkpoint-<step>` dir the Trainer finished writing (trainer_state.json is written last, so a
+    checkpoint cut short by a kill has none and is skipped)."""
+    done = [p for p in Path(work_dir).glob("checkpoint-*")
+            if p.name.split("-")[-1].isdigit() and (p / "trainer_state.json").is_file()]
+    return max(done, key=lambda p: int(p.name.split("-")[-1]), default=None)
 
 
 def write_normalization(model_dir: Path, *, mean: float, std: float, max_length: int) -> None:

@@ -66,3 +66,9 @@ def write_tiny_model(out_dir: str | Path, *, hidden: int = 32, layers: int = 2, 
     tok = tiny_tokenizer()
     save_plain(tiny_llama(tok, hidden=hidden, layers=layers, seed=seed), tok, out_dir)
     return Path(out_dir)
+
+
+def prompt_length_reward(prompts, responses) -> list[float]:
+    """A deterministic test reward that differs across prompts even when a tiny model's responses are alike
+    (greedy tiny models often repeat special tokens that decode to nothing): prompt plus response characters."""
+    return [(len(p[-1]["content"]) + len(r)) / 10 for p, r in zip(prompts, responses)]

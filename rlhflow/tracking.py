@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
+import re
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +24,111 @@ def tracking_uri(cfg: Config) -> str:
     return cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO_ROOT / 'mlflow.db'}"
 
 
+def sqlite_artifact_root(uri: str) -> Path:
+    """Where runs of a sqlite store keep their artifacts: next to the db file, not relative to the cwd
+    (`make ui`'s MLflow server serves the same directory)."""
+    return Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts"
+
+
 def setup(cfg: Config):
     import mlflow
 
     uri = tracking_uri(cfg)
     mlflow.set_tracking_uri(uri)
     if uri.startswith("sqlite:") and mlflow.get_experiment_by_name(cfg.tracking.experiment) is None:
-        # Artifacts next to the sqlite store, not relative to whatever the cwd happens to be.
-        db_path = Path(uri.removeprefix("sqlite:///"))
-        mlflow.create_experiment(cfg.tracking.experiment, artifact_location=(db_path.parent / "mlartifacts").as_uri())
+        mlflow.create_experiment(cfg.tracking.experiment, artifact_location=sqlite_artifact_root(uri).as_uri())
     mlflow.set_experiment(cfg.tracking.experiment)
     return mlflow
+
+
+# ---- preflight: fail in seconds, before any stage runs, when the tracking store cannot be used -----------
+
+PREFLIGHT_TIMEOUT_S = 5.0
+
+
+class TrackingUnavailableError(RuntimeError):
+    """The MLflow tracking store cannot be reached or written; raised by `preflight` before any work."""
+
+
+def preflight(cfg: Config, timeout: float = PREFLIGHT_TIMEOUT_S) -> None:
+    """Check the tracking store before any stage runs: an http(s) server must answer one MLflow API call
+    within `timeout` seconds (one try: MLflow's own retries would take minutes to give up), a sqlite or
+    file store must sit in a writable directory. Other stores (postgresql, databricks, ...) are not checked."""
+    uri = tracking_uri(cfg)
+    scheme = uri.split(":", 1)[0].lower() if "://" in uri or uri.startswith("sqlite:") else "file"
+    if scheme in ("http", "https"):
+        _check_server(uri, timeout)
+    elif scheme in ("sqlite", "file"):
+        if scheme == "sqlite":
+            path = Path(uri.split(":///", 1)[1]) if ":///" in uri else None
+            where = path.parent if path is not None and str(path) not in ("", ":memory:") else None
+        else:
+            where = Path(uri.removeprefix("file://") if uri.startswith("file:") else uri)
+        if where is not None:
+            _check_writable_dir(where, uri)
+
+
+def _check_server(uri: str, timeout: float) -> None:
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    shown = redact(uri)
+    try:
+        response = http_request(get_default_host_creds(uri), "/api/2.0/mlflow/experiments/search", "POST",
+                                max_retries=0, backoff_factor=0, timeout=timeout, json={"max_results": 1})
+    except Exception as err:  # connection refused, DNS, timeout, TLS: all mean "cannot track"
+        errno = re.search(r"\[Errno -?\d+\] [^\"')]+", str(err))  # the OS reason, without urllib3's wrapping
+        reason = redact(errno.group(0) if errno else str(err).split(" failed with exception ")[-1])[:300]
+        raise TrackingUnavailableError(
+            f"MLflow tracking server {shown} is unreachable ({reason}); start it, or point "
+            "tracking.tracking_uri / $MLFLOW_TRACKING_URI at a reachable server or a sqlite:/// file. "
+            "Nothing was run."
+        ) from None
+    if response.status_code in (401, 403):
+        raise TrackingUnavailableError(
+            f"MLflow tracking server {shown} refused the credentials (HTTP {response.status_code}); set "
+            "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN. Nothing was run."
+        )
+    if response.status_code >= 400:
+        raise TrackingUnavailableError(
+            f"MLflow tracking server {shown} answered HTTP {response.status_code} to an API call: is it an MLflow "
+            "server? Nothing was run."
+        )
+
+
+def _check_writable_dir(where: Path, uri: str) -> None:
+    import tempfile
+
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as err:
+        raise TrackingUnavailableError(
+            f"MLflow tracking store {redact(uri)}: cannot write in {where} ({err.strerror or err}); "
+            "set tracking.tracking_uri / $MLFLOW_TRACKING_URI to a writable location. Nothing was run."
+        ) from None
+
+
+# ---- secrets never reach MLflow ----------------------------------------------------------------------------
+
+_SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY|PRIVATE_KEY|AUTH", re.I)
+_URL_PASSWORD = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<password>[^@/\s]+)@")
+REDACTED = "***"
+
+
+def secret_values(environ: dict[str, str] | None = None) -> list[str]:
+    """Values of environment variables whose names say they are secrets (tokens, passwords, keys)."""
+    environ = os.environ if environ is None else environ
+    return sorted({v for k, v in environ.items() if _SECRET_NAME.search(k) and len(v) >= 6}, key=len, reverse=True)
+
+
+def redact(text: str) -> str:
+    """`text` with URL passwords (scheme://user:password@host) and secret environment values masked."""
+    text = _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@", str(text))
+    for value in secret_values():
+        text = text.replace(value, REDACTED)
+    return text
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -72,10 +169,11 @@ def start_run(cfg: Config, *, name: str, params: dict[str, Any], tags: dict[str,
     run = mlflow.start_run(run_name=name, parent_run_id=parent_run_id, nested=parent_run_id is not None, tags=tags)
     try:
         if params:
-            mlflow.log_params({k: "null" if v is None else v for k, v in flatten(params).items()})
+            mlflow.log_params({k: "null" if v is None else redact(v) if isinstance(v, str) else v
+                               for k, v in flatten(params).items()})
         yield run
     except BaseException as err:
-        mlflow.set_tag("error", f"{type(err).__name__}: {err}"[:5000])
+        mlflow.set_tag("error", redact(f"{type(err).__name__}: {err}")[:5000])
         mlflow.end_run(status="FAILED")
         raise
     else:
@@ -125,6 +223,16 @@ def write_stage_metrics(cfg: Config, stage: str, metrics: dict[str, float]) -> P
     return path
 
 
+def dir_md5(path: str | os.PathLike) -> str:
+    """Content hash of a directory: md5 over its files' relative paths and md5s (names and bytes, not times)."""
+    root = Path(path)
+    h = hashlib.md5()
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(f"{file.relative_to(root).as_posix()}\0{file_md5(file)}\n".encode())
+    return h.hexdigest()
+
+
+CONTENT_TAG = "content_md5"
 MODEL_PIP_REQUIREMENTS = ["torch", "transformers", "safetensors", "accelerate", "pandas"]
 
 
@@ -149,7 +257,105 @@ def log_model_dir(cfg: Config, model_dir: str | os.PathLike, *, name: str, kind:
         code_paths=[str(REPO_ROOT / "rlhflow")],  # the wrappers' own code travels with the model
     )
     if registered_name and info.registered_model_version is not None:
-        mlflow.MlflowClient().set_registered_model_alias(registered_name, alias, str(info.registered_model_version))
+        client = mlflow.MlflowClient()
+        client.set_registered_model_alias(registered_name, alias, str(info.registered_model_version))
+        # lets a later stage (evaluate, even under `dvc repro` in another process) find the version of a model dir
+        client.set_model_version_tag(registered_name, str(info.registered_model_version), CONTENT_TAG,
+                                     dir_md5(model_dir))
         mlflow.set_tag(f"registered/{registered_name}", str(info.registered_model_version))
         return str(info.registered_model_version)
     return None
+
+
+# ---- champion ----------------------------------------------------------------------------------------------
+# Every registered version gets alias `candidate`; alias `champion` moves to it only when its evaluation beats the
+# current champion's, both measured in the same evaluation (same data, same judge). The basis of each decision is
+# kept as tags `champion.*` on the candidate version.
+
+CHAMPION = "champion"
+
+
+@dataclass(frozen=True)
+class ChampionDecision:
+    model: str  # registered model name
+    candidate: str  # version evaluated in this run
+    previous: str | None  # champion version before this decision
+    metric: str  # what was compared (higher is better)
+    candidate_value: float
+    champion_value: float | None  # the previous champion's value in the same evaluation
+    promoted: bool  # the alias moved to the candidate
+
+    @property
+    def champion(self) -> str | None:
+        return self.candidate if self.promoted else self.previous
+
+    @property
+    def reason(self) -> str:
+        if self.previous is None:
+            return f"no champion yet: v{self.candidate} becomes champion ({self.metric} {self.candidate_value:.4f})"
+        if self.previous == self.candidate:
+            return f"v{self.candidate} is already the champion"
+        verdict = "beats" if self.promoted else "does not beat"
+        return (f"v{self.candidate} {verdict} champion v{self.previous} on {self.metric}: "
+                f"{self.candidate_value:.4f} vs {self.champion_value:.4f}")
+
+
+def decide_champion(model: str, candidate: str, metric: str, candidate_value: float, previous: str | None,
+                    champion_value: float | None) -> ChampionDecision:
+    """Promote when there is no champion, or when the candidate is strictly better (a NaN never wins)."""
+    if previous is None:
+        promoted = not math.isnan(candidate_value)
+    elif previous == candidate:
+        promoted = False
+    else:
+        promoted = champion_value is not None and candidate_value > champion_value
+    return ChampionDecision(model, candidate, previous, metric, candidate_value, champion_value, promoted)
+
+
+def version_by_alias(client, name: str, alias: str):
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_model_version_by_alias(name, alias)
+    except MlflowException:
+        return None  # no such model or alias yet
+
+
+def version_of_model_dir(client, name: str, model_dir: str | os.PathLike):
+    """The registered version logged from a model dir with these exact contents (newest first), or None."""
+    found = client.search_model_versions(f"name = '{name}' and tags.{CONTENT_TAG} = '{dir_md5(model_dir)}'",
+                                         order_by=["version_number DESC"], max_results=1)
+    return found[0] if found else None
+
+
+def registered_model_dir(client, name: str, version: str, dst: str | os.PathLike) -> Path:
+    """Download a registered pyfunc model (logged by `log_model_dir`) and return its plain model dir."""
+    import mlflow
+    import yaml
+
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(dst)))
+    flavor = yaml.safe_load((local / "MLmodel").read_text())["flavors"]["python_function"]
+    return local / flavor["artifacts"]["model_dir"]["path"]
+
+
+def challenge_champion(client, name: str, candidate: str, metric: str, candidate_value: float,
+                       champion_value: Callable[[Any], float]) -> ChampionDecision:
+    """Decide whether `candidate` replaces the current champion; `champion_value(version)` measures the
+    champion in this run's evaluation (called only when there is another champion). Nothing is changed yet."""
+    current = version_by_alias(client, name, CHAMPION)
+    previous = None if current is None else str(current.version)
+    value = champion_value(current) if previous not in (None, candidate) else None
+    return decide_champion(name, candidate, metric, candidate_value, previous, value)
+
+
+def apply_champion_decision(client, decision: ChampionDecision, run_id: str | None = None) -> None:
+    """Record the decision basis as tags on the candidate version and move `champion` when it won."""
+    tags = {"metric": decision.metric, "candidate_value": f"{decision.candidate_value:.6g}",
+            "compared_with": f"v{decision.previous}" if decision.previous else "none",
+            "champion_value": "" if decision.champion_value is None else f"{decision.champion_value:.6g}",
+            "decision": "promoted" if decision.promoted else "kept", "reason": decision.reason,
+            **({"evaluation_run": run_id} if run_id else {})}
+    for key, value in tags.items():
+        client.set_model_version_tag(decision.model, decision.candidate, f"champion.{key}", value)
+    if decision.promoted:
+        client.set_registered_model_alias(decision.model, CHAMPION, decision.candidate)

@@ -21,7 +21,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
-from rlhflow import tracking  # noqa: E402
+from rlhflow import distributed, tracking  # noqa: E402
 from rlhflow.config import Config, ConfigError, load_config  # noqa: E402
 from rlhflow.stages import get_stage  # noqa: E402
 
@@ -33,16 +33,30 @@ class StageContext:
     stage: str
     parent_run_id: str | None = None
     run_id: str | None = None
+    main_process: bool = True  # False in the other processes of a multi-process run: they log nothing
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None, *, on_parent: bool = False) -> None:
+        if not self.main_process:
+            return
         tracking.log_metrics(metrics, step=step, run_ids=[self.parent_run_id] if on_parent else [])
 
 
 StageBody = Callable[[Config, StageContext], dict[str, float]]
+# Stages whose training runs data parallel under `accelerate launch`; in the others, rank 0 works alone.
+DATA_PARALLEL_STAGES = {"reward_model", "ppo"}
 
 
 def run_stage(name: str, body: StageBody, cfg: Config, parent_run_id: str | None = None) -> dict[str, float]:
-    """Run one stage inside its MLflow child run; write metrics/<stage>.json when the stage declares one."""
+    """Run one stage inside its MLflow child run; write metrics/<stage>.json when the stage declares one.
+
+    Under `accelerate launch` with several processes, only the main process (rank 0) opens the run and writes
+    the metrics file; in DATA_PARALLEL_STAGES the others run the body with `ctx.main_process` False (they
+    train their data shard and must write nothing). They return no metrics."""
+    distributed.init()
+    if not distributed.is_main_process():
+        if name in DATA_PARALLEL_STAGES:
+            body(cfg, StageContext(stage=name, main_process=False))
+        return {}
     stage = get_stage(name)
     sections = [p.split(".")[0] for p in stage.params]
     with tracking.stage_run(cfg, name, sorted(set(sections)), parent_run_id=parent_run_id) as run:
@@ -84,9 +98,10 @@ def parse_args(argv: list[str] | None, description: str) -> tuple[Config, argpar
 def cli(name: str, body: StageBody, argv: list[str] | None = None) -> None:
     cfg, _ = parse_args(argv, f"Run the {name} stage alone: {get_stage(name).description}.")
     try:
+        tracking.preflight(cfg)  # an unreachable tracking server fails here, in seconds, not after training
         metrics = run_stage(name, body, cfg)
     except Exception as err:  # a clear one-paragraph error, not a traceback, for data and config problems
-        if isinstance(err, (ValueError, FileNotFoundError)):
+        if isinstance(err, (ValueError, FileNotFoundError, tracking.TrackingUnavailableError)):
             sys.stderr.write(f"\n{name} failed: {err}\n")
             sys.exit(1)
         raise

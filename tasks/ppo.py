@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Callable
 
@@ -14,22 +15,22 @@ NAME = "ppo"
 REGISTERED_NAME = "rlhf-policy"
 
 
-def load_reward_fn(spec: str) -> Callable:
-    """`package.module:function`, called as fn(prompt_messages_batch, responses) -> sequence of floats."""
+def load_reward_fn(spec: str, kwargs: dict | None = None) -> Callable:
+    """`package.module:function`, called as fn(prompt_messages_batch, responses, **kwargs) -> sequence of floats."""
     module_name, _, attr = spec.partition(":")
     if not attr:
         raise ValueError(f"ppo.reward_fn {spec!r} must look like 'package.module:function'")
     fn = getattr(importlib.import_module(module_name), attr, None)
     if not callable(fn):
         raise ValueError(f"ppo.reward_fn {spec!r}: {attr!r} is not a callable in {module_name}")
-    return fn
+    return functools.partial(fn, **(kwargs or {}))
 
 
 def make_score_fn(cfg: Config, device) -> Callable:
     import torch
 
     if cfg.ppo.reward_fn:
-        fn = load_reward_fn(cfg.ppo.reward_fn)
+        fn = load_reward_fn(cfg.ppo.reward_fn, cfg.ppo.reward_fn_kwargs)
         return lambda prompts, responses: torch.as_tensor(list(fn(prompts, responses)), dtype=torch.float32)
     from rlhflow.reward import RewardModel
 
@@ -39,27 +40,22 @@ def make_score_fn(cfg: Config, device) -> Callable:
 
 def inputs_fingerprint(cfg: Config) -> str:
     """What a checkpoint must have been made from to be resumed: the same PPO settings (the run length aside),
-    seed, SFT model and reward model."""
+    seed, SFT model, reward model and training prompts."""
     import json
 
-    files = [cfg.path(cfg.sft.out_dir) / "model.safetensors", cfg.path(cfg.reward_model.out_dir) / "model.safetensors"]
-    stamps = {str(f): [f.stat().st_size, f.stat().st_mtime_ns] if f.exists() else None for f in files}
+    from rlhflow.fsutil import file_stamps
+
+    files = [cfg.path(cfg.sft.out_dir) / "model.safetensors", cfg.path(cfg.reward_model.out_dir) / "model.safetensors",
+             cfg.path(cfg.validate_.out_dir) / "train.jsonl"]
     settings = cfg.ppo.model_dump(exclude={"steps", "checkpoint_every", "checkpoint_dir", "out_dir"})
-    return json.dumps({"ppo": settings, "seed": cfg.seed, "inputs": stamps}, sort_keys=True)
+    return json.dumps({"ppo": settings, "seed": cfg.seed, "inputs": file_stamps(files)}, sort_keys=True)
 
 
 def prepare_checkpoint_dir(cfg: Config):
     """Keep the checkpoints of an interrupted run with the same inputs (to resume); drop anything else."""
-    import shutil
+    from rlhflow import fsutil
 
-    ckpt_dir = cfg.path(cfg.ppo.checkpoint_dir)
-    marker = ckpt_dir / "inputs.json"
-    fingerprint = inputs_fingerprint(cfg)
-    if ckpt_dir.exists() and (not marker.exists() or marker.read_text() != fingerprint):
-        shutil.rmtree(ckpt_dir)
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    marker.write_text(fingerprint)
-    return ckpt_dir
+    return fsutil.prepare_checkpoint_dir(cfg.path(cfg.ppo.checkpoint_dir), inputs_fingerprint(cfg))
 
 
 def write_history(path, history: list[dict]) -> None:
@@ -75,13 +71,13 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
 
     import torch
 
-    from rlhflow import tracking
+    from rlhflow import distributed, tracking
     from rlhflow.data.formats import read_jsonl
     from rlhflow.fsutil import atomic_dir
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device
     from rlhflow.ppo.trainer import PPOTrainer
 
-    device = pick_device(cfg.device)
+    device = distributed.local_device(pick_device(cfg.device))
     sft_dir = str(cfg.path(cfg.sft.out_dir))
     tokenizer = load_tokenizer(sft_dir)
     policy = load_causal_lm(sft_dir, pad_token_id=tokenizer.pad_token_id)
@@ -89,12 +85,20 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     prompts = list(train.drop_duplicates("prompt")["prompt_messages"])
 
     torch.manual_seed(cfg.seed)
-    checkpoint_dir = prepare_checkpoint_dir(cfg)
+    checkpoint_dir = prepare_checkpoint_dir(cfg) if ctx.main_process else cfg.path(cfg.ppo.checkpoint_dir)
+    distributed.barrier()  # with several processes: rank 0 has kept or cleared the checkpoints before any reads them
     trainer = PPOTrainer(cfg.ppo, policy=policy, tokenizer=tokenizer,
                          score_fn=make_score_fn(cfg, device), prompts=prompts, device=device, seed=cfg.seed,
                          checkpoint_dir=checkpoint_dir,
                          log_fn=lambda stats, step: ctx.log_metrics(stats, step=step))
+    if trainer.load_checkpoint():  # an interrupted run of the same inputs left a checkpoint
+        print(f"ppo: resuming from the checkpoint of update {trainer.step} in {checkpoint_dir}", flush=True)
+        ctx.log_metrics({"ppo/resumed_from_update": float(trainer.step)})
+        for step, stats in enumerate(trainer.history, start=1):  # this run's curves start at update 1 too
+            ctx.log_metrics(stats, step=step)
     history = trainer.train()
+    if not ctx.main_process:  # another process of a multi-process run: rank 0 holds the same model and writes it
+        return {}
     write_history(cfg.path(cfg.metrics_dir) / "ppo_history.csv", [{"step": i + 1, **h} for i, h in enumerate(history)])
 
     out_dir = cfg.path(cfg.ppo.out_dir)

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -79,3 +85,53 @@ def tiny_pipeline_overrides(root: Path | str, model_dir: Path, *, tracking: bool
     if tracking:
         overrides.append(f"tracking.tracking_uri=sqlite:///{root}/mlflow.db")
     return overrides
+
+
+def make_dvc_repo(repo: Path, model_dir: Path, timeout: float = 900) -> Callable[..., subprocess.CompletedProcess]:
+    """A git repo at `repo` holding the project's tracked files with params.yaml set to the tiny pipeline (paths
+    relative to the repo, tracking to its default store `<repo>/mlflow.db`), committed. Returns `run(*cmd)`, which
+    runs a command there with the project's venv first on PATH."""
+    from rlhflow.config import load_config, write_params
+
+    repo.mkdir(parents=True, exist_ok=True)
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for rel in files:
+        if (REPO / rel).is_file():
+            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, repo / rel)
+    write_params(load_config(repo / "params.yaml", tiny_pipeline_overrides(".", model_dir, tracking=False)),
+                 repo / "params.yaml")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(repo)}
+    env.pop("MLFLOW_TRACKING_URI", None)  # mlflow.set_tracking_uri in earlier tests exports it
+
+    def run(*cmd: str) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
+
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
+                ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"]):
+        assert run(*cmd).returncode == 0, cmd
+    return run
+
+
+def stage_command(module: str, overrides: list[str]) -> list[str]:
+    """`python -m <module> --set ...`: a stage's CLI, as dvc.yaml runs it."""
+    return [sys.executable, "-m", module] + [arg for o in overrides for arg in ("--set", o)]
+
+
+def stage_env() -> dict[str, str]:
+    # one thread: identical float reductions in every process, so runs compare exactly
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1"}
+
+
+def kill_stage_once(cmd: list[str], marker: Path, timeout: float) -> None:
+    """Start a stage's CLI and SIGKILL it (no clean-up can run) as soon as `marker` exists; fails when the stage
+    ended before that."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=stage_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the stage finished before it could be killed"

@@ -351,8 +351,13 @@ def _to_canonical(rows: list[tuple[int, Any]], source: str) -> pd.DataFrame:
     elif {"chosen", "rejected"} <= present:
         convert = _from_dialogues
     else:
+        # Name what is missing against the closest accepted format (prompt/chosen/rejected when none is close).
+        wanted = max(([c for c in ("prompt", "chosen", "rejected")], ["conversations", "chosen", "rejected"]),
+                     key=lambda cols: len(present.intersection(cols)))
+        missing = [c for c in wanted if c not in present]
         raise DataFormatError(
-            f"{source}: unrecognised schema: columns found: {', '.join(columns) or '(none)'}; "
+            f"{source}: unrecognised schema: missing column{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+            f"in all {len(rows)} rows (columns found: {', '.join(columns) or '(none)'}); "
             f"formats accepted: {FORMATS_ACCEPTED}"
         )
     problems = _TypeProblems()

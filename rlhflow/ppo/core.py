@@ -12,37 +12,50 @@ divergence" note (k1/k3 estimators).
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
 # ---- masked statistics ---------------------------------------------------------------------------
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of x over the positions where mask is 1 (over all of them, or along `dim`)."""
+SumAcross = Callable[[torch.Tensor], torch.Tensor]
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None, sum_across: SumAcross | None = None,
+                ) -> torch.Tensor:
+    """Mean of x over the positions where mask is 1 (over all of them, or along `dim`). `sum_across` sums a
+    tensor over data-parallel processes (rlhflow.distributed.sum_across), making the mean one over the global
+    batch; None: this process's tensors only."""
     mask = mask.to(x.dtype)
     if dim is None:
-        return (x * mask).sum() / mask.sum().clamp(min=1.0)
+        total, count = (x * mask).sum(), mask.sum()
+        if sum_across is not None:
+            total, count = sum_across(torch.stack([total, count]))
+        return total / count.clamp(min=1.0)
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of x over the masked positions; unbiased (n-1) by default."""
-    mean = masked_mean(x, mask)
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, sum_across: SumAcross | None = None,
+               ) -> torch.Tensor:
+    """Variance of x over the masked positions; unbiased (n-1) by default. `sum_across`: as in masked_mean."""
+    mean = masked_mean(x, mask, sum_across=sum_across)
     centered_sq = (x - mean) ** 2
-    var = masked_mean(centered_sq, mask)
+    var = masked_mean(centered_sq, mask, sum_across=sum_across)
     if unbiased:
-        n = mask.sum()
+        n = mask.sum() if sum_across is None else sum_across(mask.to(x.dtype).sum())
         if n < 2:
             return torch.zeros_like(var)
         var = var * n / (n - 1)
     return var
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  sum_across: SumAcross | None = None) -> torch.Tensor:
     """(x - mean) / std over the masked positions; padding stays 0. shift_mean=False keeps the mean
-    (only rescales), as used for rewards by some implementations."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    (only rescales), as used for rewards by some implementations. `sum_across`: global statistics, as in
+    masked_mean."""
+    mean, var = masked_mean(x, mask, sum_across=sum_across), masked_var(x, mask, sum_across=sum_across)
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean

@@ -11,7 +11,8 @@ One update (`PPOTrainer.update`):
   5. update the KL coefficient, log the stats, checkpoint every `checkpoint_every` updates.
 All models run in eval mode (no dropout); gradients flow regardless.
 
-Stats passed to log_fn(stats, update) after every update:
+Stats passed to log_fn(stats, update) after every update (means over the global batch when several processes
+share it; the time/ entries are the main process's):
   ppo/score_mean, ppo/score_std   raw scores from score_fn (before the EOS penalty and normalisation)
   ppo/reward_total_mean           mean over responses of sum_t r_t (penalised, normalised score + KL penalty)
   ppo/kl, ppo/kl_coef             mean over responses of summed per-token KL (configured estimator); beta used
@@ -19,6 +20,7 @@ Stats passed to log_fn(stats, update) after every update:
   ppo/policy_loss, ppo/value_loss, ppo/clipfrac, ppo/value_clipfrac, ppo/approxkl   means over minibatches
   ppo/returns_mean, ppo/advantages_mean   token means (advantages before whitening)
   ppo/response_length, ppo/eos_fraction, ppo/lr
+  ppo/responses                   responses in the update over all processes (the global batch)
   time/generation_s (sampling), time/forward_s (old/ref log-probs and values), time/scoring_s (score_fn),
   time/training_s (the PPO epochs)
 """
@@ -40,6 +42,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from rlhflow import distributed
 from rlhflow.config import REPO_ROOT, PPOConfig
 from rlhflow.models import disable_dropout, save_plain
 from rlhflow.policy import Critic, PolicyAndValue, encode_prompts, generate, sequence_logprobs
@@ -118,9 +121,19 @@ class PPOTrainer:
         self.ref_policy = ref_policy
 
         self.model = PolicyAndValue(policy, cfg.value_model, critic).to(self.device).eval()
+        # Data parallelism (a no-op in one process): every process starts from rank 0's weights, takes its shard
+        # of each global batch (ppo.batch_size and ppo.mini_batch_size are global), and sums its gradients and
+        # statistics with the others', so an update is the one a single process would make on the global batch.
+        distributed.broadcast_parameters(self.model)
+        self.rank, self.world_size = distributed.rank(), distributed.world_size()
+        self.local_batch_size = distributed.shard_size(cfg.batch_size, "ppo.batch_size")
+        self.local_mini_batch_size = distributed.shard_size(cfg.mini_batch_size, "ppo.mini_batch_size")
+        self.sum_across = distributed.sum_across if self.world_size > 1 else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # the fused kernel: one pass over each tensor instead of a dozen (same update rule; ~1.8x faster on CPU)
+        fused = self.device.type in ("cpu", "cuda") and all(p.is_floating_point() for p in self.params)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, eps=cfg.adam_eps,
-                                           weight_decay=cfg.weight_decay)
+                                           weight_decay=cfg.weight_decay, fused=fused or None)
         if cfg.adaptive_kl.enabled:
             self.kl_ctl = core.AdaptiveKLController(cfg.kl_coef, cfg.adaptive_kl.target, cfg.adaptive_kl.horizon)
         else:
@@ -151,19 +164,21 @@ class PPOTrainer:
     # ---- rollout ---------------------------------------------------------------------------------
 
     def _next_prompts(self) -> list[int]:
-        """batch_size prompt indices, cycling through seeded shuffles of the whole prompt set."""
+        """This process's shard of batch_size prompt indices, cycling through seeded shuffles of the whole prompt
+        set (every process draws the same global batch and keeps its own slice)."""
         while len(self._prompt_queue) < self.cfg.batch_size:
             order = list(range(len(self.prompts)))
             self.py_rng.shuffle(order)
             self._prompt_queue.extend(order)
         idx, self._prompt_queue = self._prompt_queue[:self.cfg.batch_size], self._prompt_queue[self.cfg.batch_size:]
-        return idx
+        start = self.rank * self.local_batch_size
+        return idx[start:start + self.local_batch_size]
 
     def _in_chunks(self, fn, qr, am, context_length, T):
         """Run fn(qr, am, ctx) -> tensors [b, t] over minibatch-sized row chunks, padding trimmed, joined to [B, T]."""
         outs = []
-        for start in range(0, qr.shape[0], self.cfg.mini_batch_size):
-            sl = slice(start, start + self.cfg.mini_batch_size)
+        for start in range(0, qr.shape[0], self.local_mini_batch_size):
+            sl = slice(start, start + self.local_mini_batch_size)
             q, a, ctx, _ = _trim_padding(qr[sl], am[sl], context_length)
             outs.append([_pad_to(t, T) for t in fn(q, a, ctx)])
         return [torch.cat(parts) for parts in zip(*outs)]
@@ -186,7 +201,8 @@ class PPOTrainer:
         gen = generate(self.policy, self.tokenizer, input_ids.to(dev), prompt_mask.to(dev),
                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
                        top_p=cfg.top_p, stop_strings=cfg.stop_strings,
-                       generator_seed=self.seed * 1_000_003 + update)  # a fresh, reproducible stream per update
+                       # a fresh, reproducible stream per update and process
+                       generator_seed=(self.seed * 1_000_003 + update) * self.world_size + self.rank)
         t1 = time.perf_counter()
         qr, am, ctx = gen.query_response, gen.attention_mask, gen.context_length
         T = gen.response.shape[1]
@@ -202,55 +218,70 @@ class PPOTrainer:
         t3 = time.perf_counter()
         if raw_scores.shape[0] != len(messages):
             raise ValueError(f"score_fn returned {raw_scores.shape[0]} scores for {len(messages)} responses")
-        if not torch.isfinite(raw_scores).all():
+        all_raw_scores = distributed.gather(raw_scores)  # the global batch's scores, for global statistics
+        if not torch.isfinite(all_raw_scores).all():
             raise NonFiniteError("score", update)
 
         scores = core.penalize_missing_eos(raw_scores, gen.ended, cfg.missing_eos_penalty)
         if cfg.reward_normalization == "whiten":
-            scores = core.masked_whiten(scores, torch.ones_like(scores))
+            scores = core.masked_whiten(scores, torch.ones_like(scores), sum_across=self.sum_across)
         elif cfg.reward_normalization == "running":
-            self.running_scores.update(scores)
+            self.running_scores.update(distributed.gather(scores))
             scores = self.running_scores.normalize(scores)
 
         kl = core.kl_per_token(old_logprobs, ref_logprobs, cfg.kl_estimator) * mask
-        if not torch.isfinite(kl).all():
+        if self._on_any_process(~torch.isfinite(kl).all()):
             raise NonFiniteError("KL", update)
         kl_coef = self.kl_ctl.value
         rewards = core.per_token_rewards(scores, kl, kl_coef, mask)
         advantages, returns = core.gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
+
+        def token_mean(x: torch.Tensor) -> float:  # over all response tokens of the global batch
+            return core.masked_mean(x, mask, sum_across=self.sum_across).item()
+
+        def response_mean(x: torch.Tensor) -> float:  # over all responses of the global batch
+            return core.masked_mean(x.float(), torch.ones_like(x, dtype=torch.float), sum_across=self.sum_across).item()
+
         stats = {
-            "ppo/score_mean": raw_scores.mean().item(),
-            "ppo/score_std": raw_scores.std(correction=0).item(),
-            "ppo/reward_total_mean": rewards.sum(1).mean().item(),
-            "ppo/kl": kl.sum(1).mean().item(),
+            "ppo/score_mean": all_raw_scores.mean().item(),
+            "ppo/score_std": all_raw_scores.std(correction=0).item(),
+            "ppo/reward_total_mean": response_mean(rewards.sum(1)),
+            "ppo/kl": response_mean(kl.sum(1)),
             "ppo/kl_coef": kl_coef,
-            "ppo/entropy": core.masked_mean(entropy, mask).item(),
-            "ppo/returns_mean": core.masked_mean(returns, mask).item(),
-            "ppo/advantages_mean": core.masked_mean(advantages, mask).item(),  # before whitening
-            "ppo/response_length": mask.sum(1).mean().item(),
-            "ppo/eos_fraction": gen.ended.float().mean().item(),
+            "ppo/entropy": token_mean(entropy),
+            "ppo/returns_mean": token_mean(returns),
+            "ppo/advantages_mean": token_mean(advantages),  # before whitening
+            "ppo/response_length": response_mean(mask.sum(1)),
+            "ppo/eos_fraction": response_mean(gen.ended),
+            "ppo/responses": float(all_raw_scores.numel()),  # the global batch: responses over all processes
             "time/generation_s": t1 - t0,
             "time/forward_s": t2 - t1,
             "time/scoring_s": t3 - t2,
         }
         if cfg.whiten_advantages:
-            advantages = core.masked_whiten(advantages, mask)
+            advantages = core.masked_whiten(advantages, mask, sum_across=self.sum_across)
         batch = dict(query_response=qr, attention_mask=am, mask=mask, logprobs=old_logprobs, values=old_values,
                      advantages=advantages, returns=returns)
         batch["context_length"] = ctx
         return batch, stats
 
+    def _on_any_process(self, flag: torch.Tensor) -> bool:
+        """Whether `flag` is true in any process (so that all of them raise together, none waits forever)."""
+        if self.sum_across is None:
+            return bool(flag)
+        return bool(self.sum_across(flag.float().reshape(1).to(self.device)) > 0)
+
     # ---- optimisation ----------------------------------------------------------------------------
 
     def _optimize(self, batch: dict, update: int) -> dict[str, float]:
         cfg = self.cfg
-        B, ctx = batch["query_response"].shape[0], batch["context_length"]
+        B, ctx = batch["query_response"].shape[0], batch["context_length"]  # this process's rows
         sums: dict[str, float] = {}
         n = 0
         for _ in range(cfg.ppo_epochs):
             order = torch.randperm(B, generator=self.generator).to(self.device)
-            for start in range(0, B, cfg.mini_batch_size):
-                mb = order[start:start + cfg.mini_batch_size]
+            for start in range(0, B, self.local_mini_batch_size):
+                mb = order[start:start + self.local_mini_batch_size]
                 qr, am, c, t = _trim_padding(batch["query_response"][mb], batch["attention_mask"][mb], ctx)
                 mask = batch["mask"][mb][:, :t]
                 logprobs, values, entropy = self.model(qr, am, c, cfg.temperature,
@@ -262,17 +293,27 @@ class PPOTrainer:
                 loss = pg_loss + cfg.vf_coef * vf_loss
                 if cfg.entropy_coef > 0:
                     loss = loss - cfg.entropy_coef * core.masked_mean(entropy, mask)  # entropy bonus
-                if not torch.isfinite(loss):
+                share, nonfinite = 1.0, not torch.isfinite(loss)
+                if self.sum_across is not None:
+                    # The losses are token means over this process's rows: weighted by this process's share of
+                    # the global minibatch's tokens, the summed gradients are those of the global token mean.
+                    tokens, bad = self.sum_across(torch.stack([mask.sum(), (~torch.isfinite(loss)).float()]))
+                    share, nonfinite = mask.sum() / tokens.clamp(min=1.0), bool(bad > 0)
+                if nonfinite:
                     raise NonFiniteError("loss", update)
                 self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                (loss * share).backward()
+                distributed.sum_gradients(self.params)
                 torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
                 self.optimizer.step()
                 for key, value in (("policy_loss", pg_loss), ("value_loss", vf_loss), ("clipfrac", clipfrac),
                                    ("approxkl", approxkl), ("value_clipfrac", vf_clipfrac)):
-                    sums[key] = sums.get(key, 0.0) + float(value.detach())
+                    sums[key] = sums.get(key, 0.0) + float(value.detach() * share)
                 n += 1
         self.optimizer.zero_grad(set_to_none=True)
+        if self.sum_across is not None:  # each process holds its share of each minibatch mean: add them up
+            keys = sorted(sums)
+            sums = dict(zip(keys, self.sum_across(torch.tensor([sums[k] for k in keys], device=self.device)).tolist()))
         return {f"ppo/{k}": v / n for k, v in sums.items()}
 
     def update(self) -> dict[str, float]:
@@ -288,15 +329,16 @@ class PPOTrainer:
         self.history.append(stats)
         if self.log_fn is not None:
             self.log_fn(stats, update)
-        if self.cfg.checkpoint_every and update % self.cfg.checkpoint_every == 0:
-            self.save_checkpoint()
+        if self.cfg.checkpoint_every and update % self.cfg.checkpoint_every == 0 and distributed.is_main_process():
+            self.save_checkpoint()  # every process holds the same state: rank 0's checkpoint resumes them all
         return stats
 
     def train(self) -> list[dict[str, float]]:
         """Run (or resume, from the latest checkpoint in cfg.checkpoint_dir) until cfg.steps updates are done."""
         if self.step == 0:  # a fresh trainer picks up where an interrupted run left off
             self.load_checkpoint()
-        bar = tqdm(total=self.cfg.steps, initial=self.step, desc="ppo", unit="update")
+        bar = tqdm(total=self.cfg.steps, initial=self.step, desc="ppo", unit="update",
+                   disable=not distributed.is_main_process())
         try:
             while self.step < self.cfg.steps:
                 stats = self.update()

@@ -1,0 +1,231 @@
+"""Bad input through the real Prefect flow: each kind of bad data is rejected by the validate stage with a
+message naming the problem and the rows; no later stage runs, nothing is registered, the MLflow parent run is
+FAILED and the previous good outputs on disk stay byte for byte as they were. Bad parameters fail before any
+work starts, naming the key, through the flow and through the CLIs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, tiny_pipeline_overrides
+
+N_ROWS = 40
+GOOD_OUTPUTS = ("data/validated", "reports/validation", "models/sft", "metrics")
+
+
+def row(i: int, **changes) -> dict:
+    base = {"prompt": f"How do I look after plant number {i}?",
+            "chosen": f"Water plant {i} once a week and give it some light.",
+            "rejected": "Plants are boring."}
+    return {**base, **changes}
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+# Each case writes its bad input under `d` and returns (extra --set values, patterns the error must contain).
+def missing_column(d):
+    rows = [{k: v for k, v in row(i).items() if k != "rejected"} for i in range(N_ROWS)]
+    return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}"], [r"missing column rejected in all 40 rows"]
+
+
+def nulls(d):
+    rows = [row(i, chosen=None) if i in (2, 6) else row(i) for i in range(N_ROWS)]  # lines 3 and 7
+    return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}"], [
+        r"expect_column_values_to_not_be_null\(chosen\): 2 rows", r"(train|test) row 3:", r"(train|test) row 7:"]
+
+
+def empty_strings(d):
+    rows = [row(i, rejected="") if i == 4 else row(i, prompt="   ") if i == 8 else row(i) for i in range(N_ROWS)]
+    return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}"], [
+        r"expect_column_values_to_not_match_regex\(rejected\): 1 row — (train|test) row 5:",
+        r"expect_column_values_to_not_match_regex\(prompt\): 1 row — (train|test) row 9:"]
+
+
+def chosen_equal_to_rejected(d):
+    rows = [row(i, rejected=row(i)["chosen"]) if i in (1, 3) else row(i) for i in range(N_ROWS)]
+    return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}"], [
+        r"unique_within_record\(chosen, rejected\): 2 rows", r"(train|test) row 2:", r"(train|test) row 4:"]
+
+
+def duplicate_pairs(d):
+    rows = [row(i) for i in range(N_ROWS)] + [row(10)]  # line 41 repeats line 11
+    return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}"], [
+        r"compound_columns_to_be_unique\(prompt, chosen, rejected\): 2 rows", r"row 11:", r"row 41:"]
+
+
+def invalid_json_line(d):
+    lines = [json.dumps(row(i)) for i in range(N_ROWS)]
+    lines[5] = '{"prompt": "cut off", "chosen": '
+    (d / "p.jsonl").write_text("\n".join(lines) + "\n")
+    return [f"data.preferences={d / 'p.jsonl'}"], [r"unreadable line\(s\) \(row 6\)", r"line 6: invalid JSON"]
+
+
+def wrong_encoding(d):
+    lines = [json.dumps(row(i), ensure_ascii=False).encode("utf-8") for i in range(N_ROWS)]
+    lines[2] = json.dumps(row(2, chosen="Un café, s'il vous plaît."), ensure_ascii=False).encode("latin-1")
+    (d / "p.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    return [f"data.preferences={d / 'p.jsonl'}"], [r"line 3: not UTF-8 \(byte 0xe9"]
+
+
+def over_long_texts(d):
+    rows = [row(i, chosen="water the plant " * 300) if i == 7 else row(i) for i in range(N_ROWS)]
+    return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}"], [
+        r"expect_column_values_to_be_between\(chosen_tokens\): 1 row — (train|test) row 8: chosen_tokens="]
+
+
+def prompt_leaking_into_test(d):
+    train = write_rows(d / "train.jsonl", [row(i) for i in range(N_ROWS)])
+    test_rows = [row(100 + i) for i in range(5)]
+    test_rows[1] = row(4, chosen="A different answer about plant 4.")  # test line 2 reuses train line 5's prompt
+    test = write_rows(d / "test.jsonl", test_rows)
+    return [f"data.preferences={train}", f"data.test_preferences={test}"], [
+        r"in_set\(prompt_in_other_split\): 2 rows", r"train row 5:", r"test row 2:"]
+
+
+def wrong_types(d):
+    rows = [row(i, chosen=42) if i == 3 else row(i, rejected=True) if i == 5 else row(i) for i in range(N_ROWS)]
+    return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}"], [
+        r"values of the wrong type", r"column chosen: got int, expected .* \(row 4\)",
+        r"column rejected: got bool, expected .* \(row 6\)"]
+
+
+def empty_file(d):
+    (d / "p.jsonl").write_bytes(b"")
+    return [f"data.preferences={d / 'p.jsonl'}"], [r"empty file: no rows to read"]
+
+
+def huge_file_over_max_rows(d):
+    # 200,000 lines whose last one is broken: reading it all would report that line; stopping at the limit does not
+    line = json.dumps(row(0)) + "\n"
+    with open(d / "p.jsonl", "w") as f:
+        f.write(line * 199_999 + "{broken\n")
+    return [f"data.preferences={d / 'p.jsonl'}", "validate.max_rows=1000"], [
+        r"more than max_rows=1000 rows \(stopped reading at line 1001\)"]
+
+
+def not_a_preference_file(d):
+    (d / "p.csv").write_text("prompt,chosen,rejected\nhi,hello,go away\n")
+    return [f"data.preferences={d / 'p.csv'}"], [r"not a preference file: it starts with 'p'"]
+
+
+def missing_file(d):
+    return [f"data.preferences={d / 'nowhere.jsonl'}"], [r"nowhere\.jsonl: no such file or directory"]
+
+
+def broken_json_list(d):
+    text = "[\n" + ",\n".join(json.dumps(row(i)) for i in range(4)) + ",\n{\"prompt\": oops}\n]\n"
+    (d / "p.json").write_text(text)
+    return [f"data.preferences={d / 'p.json'}"], [r"invalid JSON on line 6"]
+
+
+CASES = [missing_column, nulls, empty_strings, chosen_equal_to_rejected, duplicate_pairs, invalid_json_line,
+         wrong_encoding, over_long_texts, prompt_leaking_into_test, wrong_types, empty_file, huge_file_over_max_rows,
+         not_a_preference_file, missing_file, broken_json_list]
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """md5 of every file under the good outputs, by relative path. The flow's hash cache (metrics/.flow/hash-state,
+    DVC's state db of inode/mtime -> md5) is no output: hashing the bad file adds an entry to it."""
+    out = {}
+    for rel in GOOD_OUTPUTS:
+        for p in sorted((root / rel).rglob("*")):
+            if p.is_file() and "hash-state" not in p.relative_to(root).parts:
+                out[str(p.relative_to(root))] = hashlib.md5(p.read_bytes()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def prefect_server():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture(scope="module")
+def good_run(prefect_server, tmp_path_factory, tiny_model_dir):
+    """A tmp project whose demo data went through validate and sft: the previous good outputs."""
+    from flows.pipeline import rlhf_pipeline
+
+    root = tmp_path_factory.mktemp("project")
+    rlhf_pipeline(overrides=tiny_pipeline_overrides(root, tiny_model_dir) + ["tracking.log_models=false"],
+                  stages=["demo_data", "validate", "sft"])
+    before = tree_digest(root)
+    assert any(k.startswith("models/sft/") for k in before) and "data/validated/train.jsonl" in before
+    return root, before
+
+
+@pytest.mark.parametrize("make_case", CASES, ids=[c.__name__ for c in CASES])
+def test_bad_data_is_rejected_by_validate_and_nothing_else_happens(make_case, good_run, tiny_model_dir, tmp_path):
+    import mlflow
+
+    from flows.pipeline import rlhf_pipeline
+
+    root, before = good_run
+    extra, patterns = make_case(tmp_path)
+    experiment = f"bad-{make_case.__name__}"
+    overrides = tiny_pipeline_overrides(root, tiny_model_dir) + extra + [f"tracking.experiment={experiment}"]
+    start = time.perf_counter()
+    with pytest.raises(ValueError) as err:
+        rlhf_pipeline(overrides=overrides)
+    elapsed = time.perf_counter() - start
+    message = str(err.value)
+    for pattern in patterns:
+        assert re.search(pattern, message), f"{pattern!r} not in:\n{message}"
+
+    client = mlflow.MlflowClient(f"sqlite:///{root}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert sorted(r.data.tags.get("stage", "pipeline") for r in runs) == ["pipeline", "validate"]  # no later stage
+    assert all(r.info.status == "FAILED" for r in runs)
+    assert all(message.splitlines()[0][:200] in r.data.tags["error"] for r in runs if "stage" in r.data.tags)
+    assert client.search_registered_models() == []
+    assert tree_digest(root) == before  # validated splits, their report, the SFT model, metrics: untouched
+    assert not (root / "models/reward_model").exists() and not (root / "models/policy").exists()
+    if make_case is huge_file_over_max_rows:
+        assert elapsed < 30, f"{elapsed:.1f}s: the row limit should stop reading early"
+
+
+# ---- bad parameters: fail before any work, naming the key -----------------------------------------------
+
+BAD_PARAMS = [
+    ("ppo.no_such_knob=1", r"unknown parameter 'ppo.no_such_knob'"),
+    ("reward_model.batch_size=sixteen", r"parameter 'reward_model.batch_size': .*integer"),
+    ("validate.test_fraction=1.5", r"parameter 'validate.test_fraction': .*less than 1"),
+]
+
+
+@pytest.mark.parametrize("override,pattern", BAD_PARAMS, ids=["unknown_key", "wrong_type", "out_of_range"])
+def test_bad_parameters_fail_the_flow_before_any_work(override, pattern, prefect_server, tmp_path, tiny_model_dir):
+    from flows.pipeline import rlhf_pipeline
+    from rlhflow.config import ConfigError
+
+    with pytest.raises(ConfigError, match=pattern):
+        rlhf_pipeline(overrides=tiny_pipeline_overrides(tmp_path, tiny_model_dir) + [override])
+    assert list(tmp_path.iterdir()) == []  # no MLflow store, no data, no outputs
+
+
+@pytest.mark.parametrize("module", ["tasks.validate", "flows.pipeline"])
+def test_bad_parameters_fail_the_cli_before_any_work(module, tmp_path, tiny_model_dir):
+    """All three kinds at once: the error lists each key (exit status 2, no traceback, nothing written)."""
+    overrides = tiny_pipeline_overrides(tmp_path, tiny_model_dir) + [override for override, _ in BAD_PARAMS]
+    args = [a for o in overrides for a in ("--set", o)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    for _, pattern in BAD_PARAMS:
+        assert re.search(pattern, done.stderr), done.stderr
+    assert "Traceback" not in done.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,205 @@
+"""Security: model code from a model dir runs only when params turn `trust_remote_code` on; weights load only
+from safetensors; every torch.load in the project uses weights_only; the Prefect server a run starts listens on
+127.0.0.1 only; secrets from the environment never reach MLflow (params, tags, artifacts, the store itself) or
+the Prefect logs of the run."""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, tiny_pipeline_overrides
+
+MARKER_ENV = "RLHFLOW_TEST_REMOTE_CODE_MARKER"
+
+CUSTOM_CONFIG = '''
+import os
+from pathlib import Path
+from transformers import LlamaConfig
+
+Path(os.environ["{marker}"]).write_text("remote code ran")
+
+
+class EvilConfig(LlamaConfig):
+    model_type = "evil-llama"
+'''
+CUSTOM_MODELING = '''
+from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+from .configuration_evil import EvilConfig
+
+
+class EvilForCausalLM(LlamaForCausalLM):
+    config_class = EvilConfig
+
+
+class EvilForSequenceClassification(LlamaForSequenceClassification):
+    config_class = EvilConfig
+'''
+
+
+@pytest.fixture()
+def remote_code_model(tmp_path, tiny_model_dir, monkeypatch):
+    """The tiny model, declared as a custom architecture whose code (shipped in the dir) writes a marker file."""
+    model = tmp_path / "evil_model"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(model_type="evil-llama", architectures=["EvilForCausalLM"], auto_map={
+        "AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_evil.EvilForSequenceClassification"})
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "configuration_evil.py").write_text(CUSTOM_CONFIG.format(marker=MARKER_ENV))
+    (model / "modeling_evil.py").write_text(CUSTOM_MODELING)
+    marker = tmp_path / "marker"
+    monkeypatch.setenv(MARKER_ENV, str(marker))
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+    return model, marker
+
+
+def test_model_code_runs_only_when_params_turn_trust_remote_code_on(remote_code_model):
+    from rlhflow.config import load_config
+    from rlhflow.models import load_causal_lm
+    from rlhflow.reward import load_backbone
+
+    model, marker = remote_code_model
+    cfg = load_config()
+    assert cfg.sft.trust_remote_code is False  # the default in params.yaml
+    for load in (load_causal_lm, load_backbone):
+        with pytest.raises(ValueError, match="trust_remote_code"):
+            load(str(model), trust_remote_code=cfg.sft.trust_remote_code)
+        assert not marker.exists(), f"{load.__name__} ran the model's own code"
+
+    on = load_config(None, ["sft.trust_remote_code=true"])
+    loaded = load_causal_lm(str(model), trust_remote_code=on.sft.trust_remote_code)
+    assert type(loaded).__name__ == "EvilForCausalLM" and marker.read_text() == "remote code ran"
+
+
+def test_weights_load_only_from_safetensors(tmp_path, tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhflow.models import load_causal_lm
+    from rlhflow.reward import NORM_FILE, RewardModel, load_backbone
+
+    pickled = tmp_path / "pickled_model"
+    shutil.copytree(tiny_model_dir, pickled)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    (pickled / "model.safetensors").unlink()
+    torch.save(model.state_dict(), pickled / "pytorch_model.bin")  # a pickle: loading it could run code
+    (pickled / NORM_FILE).write_text(json.dumps({"mean": 0.0, "std": 1.0, "max_length": 32}))
+    for load in (load_causal_lm, load_backbone, RewardModel.load):
+        with pytest.raises(OSError, match="safetensors"):
+            load(str(pickled))
+    assert load_causal_lm(str(tiny_model_dir)) is not None  # the same model as safetensors loads
+
+
+def test_every_torch_load_in_the_project_uses_weights_only():
+    calls = []
+    for path in sorted(p for d in ("rlhflow", "tasks", "flows") for p in (REPO / d).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load":
+                weights_only = [k for k in node.keywords if k.arg == "weights_only"]
+                ok = bool(weights_only) and isinstance(weights_only[0].value, ast.Constant) and \
+                    weights_only[0].value.value is True
+                calls.append((f"{path.relative_to(REPO)}:{node.lineno}", ok))
+    assert calls, "expected the PPO checkpoint loader's torch.load calls"
+    assert all(ok for _, ok in calls), [where for where, ok in calls if not ok]
+
+
+def test_redact_masks_url_passwords_and_secret_environment_values(monkeypatch):
+    from rlhflow.tracking import redact
+
+    monkeypatch.setenv("MY_SERVICE_TOKEN", "tok-123456789")
+    assert redact("postgresql://bob:hunter2pw@db:5432/mlflow") == "postgresql://bob:***@db:5432/mlflow"
+    assert redact("https://user:p%40ss@mlflow.example.com") == "https://user:***@mlflow.example.com"
+    assert redact("header Bearer tok-123456789 sent") == "header Bearer *** sent"
+    assert redact("sqlite:////tmp/mlflow.db") == "sqlite:////tmp/mlflow.db"
+
+
+# ---- a whole tiny run with secrets in the environment ------------------------------------------------------
+
+SECRETS = {
+    "HF_TOKEN": "hf_SECRETxHFxTOKENx0123456789",
+    "MLFLOW_TRACKING_PASSWORD": "SECRETxMLFLOWxPASSWORDx42",
+    "AWS_SECRET_ACCESS_KEY": "SECRETxAWSxKEYx+/abcdefghij",
+    "RLHFLOW_WEBHOOK_TOKEN": "SECRETxCUSTOMxTOKENx777",
+}
+
+
+@pytest.fixture(scope="module")
+def prefect_server():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+def listening_addresses(port: int) -> set[str]:
+    """Local IPv4/IPv6 addresses with a socket listening on `port` (from /proc/net/tcp*)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, port_hex = local.split(":")
+            if state == "0A" and int(port_hex, 16) == port:  # 0A: LISTEN
+                found.add(address)
+    return found
+
+
+def test_the_prefect_server_listens_on_loopback_only(prefect_server):
+    from urllib.parse import urlparse
+
+    from prefect.settings import PREFECT_API_URL
+
+    port = urlparse(PREFECT_API_URL.value()).port
+    addresses = listening_addresses(port)
+    assert addresses == {"0100007F"}, addresses  # 127.0.0.1, not 0.0.0.0 (00000000) or an IPv6 wildcard
+
+
+def test_environment_secrets_never_reach_mlflow_or_prefect_logs(prefect_server, tmp_path, tiny_model_dir,
+                                                                 monkeypatch):
+    import asyncio
+
+    import mlflow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    from flows.pipeline import rlhf_pipeline
+
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    state = rlhf_pipeline(overrides=tiny_pipeline_overrides(tmp_path, tiny_model_dir), return_state=True)
+    assert state.is_completed(), state
+
+    def leaks(text: str) -> list[str]:
+        return [name for name, value in SECRETS.items() if value in text]
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("rlhf").experiment_id])
+    assert len(runs) == 7  # the parent and six stages
+    for run in runs:
+        assert not leaks(json.dumps(run.data.params)), run.data.tags.get("stage")
+        assert not leaks(json.dumps(run.data.tags)), run.data.tags.get("stage")
+    artifacts = [p for p in (tmp_path / "mlartifacts").rglob("*") if p.is_file()]
+    assert any(p.name == "MLmodel" for p in artifacts)
+    for path in artifacts + [tmp_path / "mlflow.db"]:  # every byte MLflow stored, the database included
+        assert not leaks(path.read_bytes().decode("utf-8", errors="replace")), path
+
+    async def flow_run_logs() -> list[str]:
+        await APILogHandler.aflush()  # log records are sent in the background
+        only_this_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+        messages: list[str] = []
+        async with get_client() as prefect:
+            while True:  # the API returns at most 200 records a call
+                page = await prefect.read_logs(log_filter=only_this_run, limit=200, offset=len(messages))
+                messages += [log.message for log in page]
+                if len(page) < 200:
+                    return messages
+
+    messages = asyncio.run(flow_run_logs())
+    assert any("MLflow parent run" in m for m in messages)  # the run's own log lines are there
+    assert not leaks("\n".join(messages))
