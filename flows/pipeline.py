@@ -1,36 +1,54 @@
 """The full RLHF pipeline as one Prefect flow: the stages of rlhflow.stages.STAGES, in order, inside one
-MLflow parent run (one child run per stage). Run it with
+MLflow parent run (one child run per stage that runs). Run it with
 
-    python -m flows.pipeline [--params params.yaml] [--set ppo.kl_coef=0.1 ...] [--stages ppo,evaluate]
+    python -m flows.pipeline [--params params.yaml] [--set ppo.kl_coef=0.1 ...] [--stages ppo,evaluate] [--force]
 
-or from the Prefect UI (see `make ui`). A failing stage fails the flow, marks the parent run FAILED and
-stops everything downstream.
+or from the Prefect UI (see `make ui` and flows/serve.py). A failing stage fails the flow, marks the parent run
+FAILED and stops everything downstream.
+
+- Skipping: a stage whose deps (DVC md5 of data, upstream outputs and code), params sections and outputs are
+  those recorded after its last successful run is skipped, as `dvc repro` would (flows/uptodate.py); its
+  recorded metrics (metrics/<stage>.json) are reported instead. `force=True` runs everything.
+- Accelerator stages hold a slot of the Prefect global concurrency limit TRAINING_LIMIT (1 slot unless
+  changed with `prefect gcl update`), so two pipeline runs never train on the same GPU at once.
+- Retries with exponential backoff for the steps that can fail transiently (hashing and recording, Prefect
+  API calls); none for the stages themselves, which train and write MLflow runs.
+- Each flow run leaves a markdown report and a link to its MLflow run as Prefect artifacts (flows/report.py).
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 import time
+from typing import Literal
 
-from prefect import flow
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
 
 from rlhflow import tracking
-from rlhflow.config import Config, load_config
-from rlhflow.stages import STAGE_NAMES, STAGES
+from rlhflow.config import Config, apply_overrides, config_from_dict, load_config
+from rlhflow.stages import STAGE_NAMES, STAGES, get_stage
+from flows import report, uptodate
 from tasks._common import parse_args
 from tasks.demo_data import uses_demo_data
 
-SUMMARY_METRICS = [
-    ("rm/accuracy", "reward model accuracy (held-out pairs)"),
-    ("rm/accuracy_hh", "reward model accuracy (hh-rlhf harmless)"),
-    ("eval/reward_mean", "reward, PPO policy"),
-    ("eval/reward_mean_sft", "reward, SFT model"),
-    ("eval/win_rate_vs_sft", "win rate vs SFT"),
-    ("eval/kl", "KL(policy || SFT), nats/response"),
-    ("eval/perplexity", "perplexity, PPO policy"),
-    ("eval/perplexity_sft", "perplexity, SFT model"),
-]
+# params.yaml as read when the flows are imported: the defaults of the flow parameters, hence of the Prefect
+# UI's parameter form (a deployment's run started from the API without `config` re-reads it, in a new process).
+PARAMS = load_config()
+
+StageName = Literal[tuple(STAGE_NAMES)]  # an enum in the parameter form
+
+# Stages that load models on the accelerator; they hold one slot of this Prefect global concurrency limit.
+ACCELERATOR_STAGES = ("sft", "reward_model", "ppo", "evaluate")
+TRAINING_LIMIT = "rlhf-training"
+TRAINING_LIMIT_DEFAULT_SLOTS = 1
+
+# Transient failures (a busy disk, a Prefect or MLflow server restarting) are retried: 2, 4, 8 s (+ jitter).
+TRANSIENT_RETRIES = dict(retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=2),
+                         retry_jitter_factor=0.5, cache_policy=NO_CACHE)
 
 
 def selected_stages(cfg: Config, stages: list[str] | None) -> list[str]:
@@ -40,37 +58,138 @@ def selected_stages(cfg: Config, stages: list[str] | None) -> list[str]:
         raise ValueError(f"unknown stage(s) {unknown}; stages: {STAGE_NAMES}")
     if "demo_data" in names and not uses_demo_data(cfg):
         names.remove("demo_data")  # the user brought their own data
-    return names
+    return [n for n in STAGE_NAMES if n in names]  # pipeline order, whatever order they were given in
 
 
-@flow(name="rlhf-pipeline", log_prints=True)
-def rlhf_pipeline(overrides: list[str] | None = None, params_file: str | None = None,
-                  stages: list[str] | None = None) -> dict[str, float]:
-    """validate -> sft -> reward_model -> ppo -> evaluate on params.yaml plus `overrides` (key=value)."""
-    cfg = load_config(params_file, overrides)
+def with_overrides(cfg: Config, overrides: list[str] | None) -> Config:
+    return config_from_dict(apply_overrides(cfg.to_params(), overrides)) if overrides else cfg
+
+
+@task(name="ensure-training-limit", **TRANSIENT_RETRIES)
+def ensure_training_limit() -> int:
+    """Create the global concurrency limit with TRAINING_LIMIT_DEFAULT_SLOTS when it does not exist; a limit
+    the user changed (`prefect gcl update`) is left as it is. Returns its slots."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            return client.read_global_concurrency_limit_by_name(TRAINING_LIMIT).limit
+        except ObjectNotFound:
+            pass
+        try:
+            client.create_global_concurrency_limit(
+                GlobalConcurrencyLimitCreate(name=TRAINING_LIMIT, limit=TRAINING_LIMIT_DEFAULT_SLOTS))
+        except ObjectAlreadyExists:  # another run created it in between
+            pass
+        return client.read_global_concurrency_limit_by_name(TRAINING_LIMIT).limit
+
+
+@task(name="check-up-to-date", **TRANSIENT_RETRIES)
+def check_up_to_date(name: str, cfg: Config) -> list[str]:
+    """Why the stage must run (empty: it is up to date)."""
+    return uptodate.why_stale(get_stage(name), cfg)
+
+
+@task(name="record-stage", **TRANSIENT_RETRIES)
+def record_stage(name: str, cfg: Config) -> None:
+    uptodate.record_run(get_stage(name), cfg)
+
+
+@task(name="publish-report", **TRANSIENT_RETRIES)
+def publish_report(markdown: str, run_url: str | None) -> None:
+    from prefect.artifacts import create_link_artifact, create_markdown_artifact
+
+    create_markdown_artifact(markdown, key=report.REPORT_KEY,
+                             description="RLHF pipeline run: stages, metrics, validation, evaluation samples")
+    if run_url:
+        create_link_artifact(run_url, link_text="MLflow run", key=report.LINK_KEY,
+                             description="This run's MLflow parent run (stage runs, metrics, models)")
+
+
+def recorded_metrics(cfg: Config, name: str) -> dict[str, float]:
+    """metrics/<stage>.json of the last run of a skipped stage (its wall time is not this run's)."""
+    path = cfg.path(cfg.metrics_dir) / f"{name}.json"
+    metrics = json.loads(path.read_text()) if path.exists() else {}
+    return {k: v for k, v in metrics.items() if not k.startswith("time/")}
+
+
+def run_or_skip(name: str, cfg: Config, parent_id: str, force: bool) -> tuple[report.StageOutcome, dict[str, float]]:
+    reasons = ["forced"] if force else check_up_to_date(name, cfg)
+    if not reasons:
+        metrics = recorded_metrics(cfg, name)
+        print(f"{name}: skipped, up to date (deps, params and outputs as recorded after its last run)")
+        tracking.log_metrics(metrics)  # the parent run still shows the stage's figures
+        return report.StageOutcome(name, ran=False, reason="up to date"), metrics
+    print(f"{name}: running ({'; '.join(reasons[:3])}{'; ...' if len(reasons) > 3 else ''})")
+    module = importlib.import_module(f"tasks.{name}")
+    start = time.perf_counter()
+    metrics = module.task(cfg, parent_id)
+    seconds = time.perf_counter() - start
+    record_stage(name, cfg)
+    return report.StageOutcome(name, ran=True, seconds=seconds, reason=reasons[0]), metrics
+
+
+def run_pipeline(cfg: Config, stages: list[str] | None = None, force: bool = False) -> dict[str, float]:
+    """The body of every flow here: the selected stages, in order, in one MLflow parent run."""
+    from prefect.concurrency.sync import concurrency
+
     names = selected_stages(cfg, stages)
+    tracking.preflight(cfg)  # an unreachable tracking server fails here, in seconds, not after training
+    if any(n in ACCELERATOR_STAGES for n in names):
+        ensure_training_limit()
     results: dict[str, float] = {}
-    with tracking.pipeline_run(cfg) as parent:
-        parent_id = parent.info.run_id
-        print(f"MLflow parent run {parent_id} in experiment {cfg.tracking.experiment!r} at {tracking.tracking_uri(cfg)}")
-        for name in names:
-            module = importlib.import_module(f"tasks.{name}")
-            results.update(module.task(cfg, parent_id))
-        tracking.log_metrics({k: v for k, v in results.items() if k.startswith("time/")})
-    print(summary_table(results))
+    outcomes: list[report.StageOutcome] = []
+    run_url, error = None, None
+    run_name = "pipeline" if names == selected_stages(cfg, None) else "stages: " + ",".join(names)
+    try:
+        with tracking.pipeline_run(cfg, run_name=run_name) as parent:
+            uri = tracking.tracking_uri(cfg)
+            run_url = report.mlflow_run_url(uri, parent.info.experiment_id, parent.info.run_id)
+            print(f"MLflow parent run {parent.info.run_id} in experiment {cfg.tracking.experiment!r} at "
+                  f"{tracking.redact(uri)}: {run_url}")
+            for name in names:
+                if name in ACCELERATOR_STAGES:  # a second pipeline run waits here for the first one's stage
+                    with concurrency(TRAINING_LIMIT, occupy=1, strict=True):
+                        outcome, metrics = run_or_skip(name, cfg, parent.info.run_id, force)
+                else:
+                    outcome, metrics = run_or_skip(name, cfg, parent.info.run_id, force)
+                outcomes.append(outcome)
+                results.update(metrics)
+            skipped = [o.name for o in outcomes if not o.ran]
+            if skipped:
+                import mlflow
+
+                mlflow.set_tag("skipped_stages", ",".join(skipped))
+            tracking.log_metrics({k: v for k, v in results.items() if k.startswith("time/")})
+    except BaseException as err:
+        error = tracking.redact(f"{type(err).__name__}: {err}")[:2000]
+        raise
+    finally:
+        if run_url or error:
+            try:
+                publish_report(report.report_markdown(cfg, outcomes, results, run_url, error), run_url)
+            except Exception as err:  # never hide the pipeline's own error behind a reporting one
+                if error is None:
+                    raise
+                print(f"could not publish the run report: {err}")
+    print(report.summary_table(results))
     return results
 
 
-def summary_table(results: dict[str, float]) -> str:
-    lines = ["", "RLHF pipeline summary", "-" * 60]
-    for key, label in SUMMARY_METRICS:
-        if key in results:
-            lines.append(f"{label:44s} {results[key]:10.4f}")
-    lines.append("-" * 60)
-    for key, value in results.items():
-        if key.startswith("time/"):
-            lines.append(f"{'wall time, ' + key[5:-2]:44s} {value:9.1f}s")
-    return "\n".join(lines)
+@flow(name="rlhf-pipeline", log_prints=True)
+def rlhf_pipeline(config: Config = PARAMS, stages: list[StageName] | None = None, force: bool = False,
+                  overrides: list[str] | None = None) -> dict[str, float]:
+    """The RLHF pipeline: demo_data -> validate -> sft -> reward_model -> ppo -> evaluate.
+
+    Args:
+        config: every hyperparameter (params.yaml; its values are the defaults)
+        stages: run only these stages (in pipeline order), reading earlier outputs from disk; empty: all
+        force: run every stage even when it is up to date
+        overrides: params.yaml overrides applied on top of `config`, e.g. ["ppo.kl_coef=0.1"]
+    """
+    return run_pipeline(with_overrides(config, overrides), stages, force)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,11 +197,13 @@ def main(argv: list[str] | None = None) -> None:
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--stages", default=None, help="comma-separated subset of stages to run")
+    pre.add_argument("--force", action="store_true", help="run every stage even when it is up to date")
     known, rest = pre.parse_known_args(argv)
-    cfg, args = parse_args(rest, "Run the RLHF pipeline flow (validate -> sft -> reward_model -> ppo -> evaluate).")
+    cfg, _ = parse_args(rest, "Run the RLHF pipeline flow (validate -> sft -> reward_model -> ppo -> evaluate); "
+                              "--stages a,b runs a subset, --force runs stages that are up to date too.")
     start = time.perf_counter()
     stages = known.stages.split(",") if known.stages else None
-    rlhf_pipeline(overrides=args.overrides, params_file=args.params, stages=stages)
+    rlhf_pipeline(config=cfg, stages=stages, force=known.force)
     print(f"{'total wall time':44s} {time.perf_counter() - start:9.1f}s")
 
 

@@ -5,13 +5,18 @@
 - KL(policy || reference) per response: sum over the sampled response tokens of log pi(a_t) - log pi_ref(a_t)
   (the k1 estimator, unbiased under samples from the policy), averaged over responses, in nats;
 - win rate: fraction of prompts where the policy's response outscores the SFT response (ties count half);
-- pairwise accuracy (in rlhflow.reward): fraction of pairs where chosen outscores rejected.
+- pairwise accuracy (in rlhflow.reward): fraction of pairs where chosen outscores rejected;
+- drift and reward hacking: response length (words), distinct-n, repetition rate;
+- reward-model calibration: accuracy by confidence bucket, expected calibration error;
+- Kendall's tau between reward-model scores and the human ranking of a prompt's responses.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -67,3 +72,125 @@ def distinct_n(texts: list[str], n: int) -> float:
         grams.update(tuple(words[j : j + n]) for j in range(len(words) - n + 1))
     total = sum(grams.values())
     return len(grams) / total if total else 0.0
+
+
+def mean_length(texts: list[str]) -> float:
+    """Mean response length in whitespace words (tokenizer-independent, so comparable across policies)."""
+    return sum(len(t.split()) for t in texts) / len(texts) if texts else 0.0
+
+
+def repetition_rate(texts: list[str], n: int = 4) -> float:
+    """seq-rep-n (Welleck et al., 2019): per response, the fraction of its word n-grams that repeat an earlier
+    n-gram of the same response (1 - distinct/total), averaged over responses that have an n-gram.
+    A policy that loops ("and so on and so on ...") pushes it towards 1."""
+    rates = []
+    for text in texts:
+        words = text.split()
+        grams = [tuple(words[j : j + n]) for j in range(len(words) - n + 1)]
+        if grams:
+            rates.append(1.0 - len(set(grams)) / len(grams))
+    return sum(rates) / len(rates) if rates else 0.0
+
+
+# Confidence of a Bradley-Terry reward model in its own pairwise verdict: sigmoid(|margin|), in [0.5, 1].
+CONFIDENCE_EDGES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+@dataclass(frozen=True)
+class ConfidenceBucket:
+    low: float
+    high: float
+    pairs: int
+    confidence: float  # mean predicted probability that the higher-scored response is the preferred one
+    accuracy: float  # observed fraction where it is (ties in score count half)
+
+    @property
+    def label(self) -> str:
+        return f"{round(self.low * 100)}_{round(self.high * 100)}"
+
+
+def confidence_buckets(margins: Sequence[float] | torch.Tensor,
+                       edges: Sequence[float] = CONFIDENCE_EDGES) -> list[ConfidenceBucket]:
+    """Bucket pairs by the reward model's confidence sigmoid(|r_chosen - r_rejected|) (raw, unnormalised scores:
+    the Bradley-Terry probability) and measure, per bucket, how often the higher-scored response is the chosen
+    one. A calibrated model has accuracy close to confidence in every bucket. Empty buckets are left out."""
+    margins = torch.as_tensor(margins, dtype=torch.float64)
+    confidence = torch.sigmoid(margins.abs())
+    correct = (margins > 0).double() + 0.5 * (margins == 0).double()
+    buckets = []
+    for i, (low, high) in enumerate(zip(edges[:-1], edges[1:])):
+        last = i == len(edges) - 2
+        inside = (confidence >= low) & ((confidence <= high) if last else (confidence < high))
+        if inside.any():
+            buckets.append(ConfidenceBucket(low, high, int(inside.sum()), float(confidence[inside].mean()),
+                                            float(correct[inside].mean())))
+    return buckets
+
+
+def expected_calibration_error(buckets: list[ConfidenceBucket]) -> float:
+    """Sum over buckets of (share of pairs) * |accuracy - confidence|."""
+    total = sum(b.pairs for b in buckets)
+    return sum(b.pairs / total * abs(b.accuracy - b.confidence) for b in buckets) if total else math.nan
+
+
+def ranking_from_pairs(pairs: Sequence[tuple[str, str]]) -> dict[str, int] | None:
+    """A total order of a prompt's responses from its (preferred, dispreferred) pairs, as rank per response
+    (0 = best), when the pairs determine exactly one (their transitive closure orders every two responses);
+    None when they contradict each other or leave two responses unordered (e.g. chosen > a, chosen > b)."""
+    beats: dict[str, set[str]] = defaultdict(set)
+    responses: list[str] = []
+    for winner, loser in pairs:
+        beats[winner].add(loser)
+        responses += [r for r in (winner, loser) if r not in responses]
+    # Kahn's algorithm: a unique topological order exists iff exactly one response is unbeaten at every step.
+    indegree = {r: 0 for r in responses}
+    for winner in list(beats):
+        for loser in beats[winner]:
+            indegree[loser] += 1
+    ranks: dict[str, int] = {}
+    while len(ranks) < len(responses):
+        top = [r for r in responses if r not in ranks and indegree[r] == 0]
+        if len(top) != 1:
+            return None  # a cycle (none unbeaten) or an unordered pair (several)
+        ranks[top[0]] = len(ranks)
+        for loser in beats[top[0]]:
+            indegree[loser] -= 1
+    return ranks
+
+
+def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float:
+    """Kendall's tau-b between two score lists (+1: same order, -1: reversed; ties corrected)."""
+    concordant = discordant = ties_x = ties_y = 0
+    for i in range(len(x)):
+        for j in range(i + 1, len(x)):
+            dx, dy = x[i] - x[j], y[i] - y[j]
+            if dx == 0 and dy == 0:
+                continue
+            if dx == 0:
+                ties_x += 1
+            elif dy == 0:
+                ties_y += 1
+            elif (dx > 0) == (dy > 0):
+                concordant += 1
+            else:
+                discordant += 1
+    denominator = math.sqrt((concordant + discordant + ties_x) * (concordant + discordant + ties_y))
+    return (concordant - discordant) / denominator if denominator else math.nan
+
+
+def ranking_agreement(rows: Sequence[dict], scores: dict[tuple[str, str], float]) -> tuple[float, int]:
+    """Mean Kendall's tau between reward-model scores and the human ranking, over the prompts whose pairs rank
+    more than two responses in one total order (`ranking_from_pairs`); and the number of such prompts.
+    `rows` have prompt/chosen/rejected; `scores` maps (prompt, response) to the reward-model score."""
+    by_prompt: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for row in rows:
+        by_prompt[row["prompt"]].append((row["chosen"], row["rejected"]))
+    taus = []
+    for prompt, pairs in by_prompt.items():
+        ranks = ranking_from_pairs(pairs)
+        if ranks is None or len(ranks) < 3:
+            continue
+        responses = list(ranks)
+        # human: higher is better, like the scores
+        taus.append(kendall_tau([-ranks[r] for r in responses], [scores[(prompt, r)] for r in responses]))
+    return (sum(taus) / len(taus) if taus else math.nan), len(taus)

@@ -96,12 +96,13 @@ STAGES: list[Stage] = [
     ),
     Stage(
         name="evaluate",
-        description="SFT vs PPO policy on held-out prompts: reward, win rate, KL, perplexity, RM accuracy",
+        description="SFT vs PPO policy on held-out prompts (reward, win rate, KL, perplexity, drift), RM calibration",
         params=["seed", "evaluate", "ppo.max_prompt_length", "ppo.stop_strings", "reward_model.eval_batch_size"],
-        deps=[VALIDATED, "${sft.out_dir}", "${reward_model.out_dir}", "${ppo.out_dir}", "rlhflow/metrics.py",
-              "tasks/evaluate.py"],
+        deps=[VALIDATED, "${sft.out_dir}", "${reward_model.out_dir}", "${ppo.out_dir}", "${metrics_dir}/ppo_history.csv",
+              "rlhflow/metrics.py", "rlhflow/plots.py", "rlhflow/reward.py", "tasks/evaluate.py"],
         outs=["${evaluate.report_dir}"],
         metrics=[_metrics("evaluate")],
+        plots=["${metrics_dir}/eval_reward_quantiles.csv", "${metrics_dir}/eval_calibration.csv"],
     ),
 ]
 
@@ -113,6 +114,13 @@ PLOTS: list[dict[str, Any]] = [
                     "y": {"${metrics_dir}/ppo_history.csv": ["ppo/score_mean", "ppo/reward_total_mean"]}}},
     {"ppo_kl": {"title": "PPO: KL to the reference per update", "x": "step",
                 "y": {"${metrics_dir}/ppo_history.csv": ["ppo/kl"]}}},
+    {"ppo_reward_vs_kl": {"title": "PPO: reward against KL (one point per update)", "template": "scatter",
+                          "x": "ppo/kl", "y": {"${metrics_dir}/ppo_history.csv": ["ppo/score_mean"]}}},
+    {"eval_reward_distribution": {"title": "Reward of held-out samples, SFT vs PPO (sorted: quantile plot)",
+                                  "x": "quantile",
+                                  "y": {"${metrics_dir}/eval_reward_quantiles.csv": ["sft_reward", "ppo_reward"]}}},
+    {"eval_rm_calibration": {"title": "Reward-model calibration: confidence vs observed accuracy", "x": "confidence",
+                             "y": {"${metrics_dir}/eval_calibration.csv": ["accuracy", "perfect_calibration"]}}},
 ]
 
 

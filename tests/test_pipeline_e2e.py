@@ -1,4 +1,5 @@
-"""The whole chain on tiny models: the Prefect flow with MLflow tracking, and `dvc repro` in a real git repo.
+"""The whole chain on tiny models: the Prefect flow with MLflow tracking (`dvc repro` in a real git repo: see
+test_evaluate.py, which shares one repro among its DVC tests).
 
 These run every stage for real (Great Expectations suite, RewardTrainer, the PPO engine, evaluation) on a
 tiny Llama with seconds per stage."""
@@ -6,16 +7,10 @@ tiny Llama with seconds per stage."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import yaml
 
-from conftest import REPO, tiny_pipeline_overrides
+from conftest import tiny_pipeline_overrides
 from rlhflow.stages import STAGES
 from rlhflow.tracking import file_md5
 
@@ -93,46 +88,3 @@ def test_bad_data_stops_the_flow_and_registers_nothing(prefect_server, tmp_path,
     assert all(r.info.status == "FAILED" for r in runs)
     assert client.search_registered_models() == []
     assert not (tmp_path / "data/validated").exists()
-
-
-def _copy_repo(dst: Path) -> None:
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split()
-    for rel in files:
-        if (REPO / rel).is_file():
-            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / rel, dst / rel)
-
-
-def test_dvc_repro_runs_the_stages_then_nothing(tmp_path, tiny_model_dir):
-    from rlhflow.config import load_config, write_params
-
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    _copy_repo(repo)
-    cfg = load_config(repo / "params.yaml", tiny_pipeline_overrides(".", tiny_model_dir, tracking=False))
-    write_params(cfg, repo / "params.yaml")
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(repo)}
-    env.pop("MLFLOW_TRACKING_URI", None)  # mlflow.set_tracking_uri in earlier tests exports it
-    run = lambda *cmd: subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=900)  # noqa: E731
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "-c", "user.name=t", "-c", "user.email=t@t",
-                                                                "commit", "-qm", "init"]):
-        assert run(*cmd).returncode == 0
-
-    first = run("dvc", "repro")
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    for s in STAGES:
-        assert f"Running stage '{s.name}'" in first.stdout
-    second = run("dvc", "repro")
-    assert second.returncode == 0 and "Running stage" not in second.stdout, second.stdout
-
-    shown = run("dvc", "metrics", "show", "--json")
-    assert shown.returncode == 0, shown.stderr
-    metrics = json.loads(shown.stdout)
-    files = next(iter(metrics.values()))["data"]
-    for s in STAGES:
-        for m in s.metrics:
-            assert any(path.endswith(m.split("/")[-1]) for path in files), f"{m} missing from dvc metrics show"
-    assert yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["ppo"]["outs"]
-    # the stages logged to the default store at the repo root, whatever the cwd
-    assert (repo / "mlflow.db").exists()

@@ -43,4 +43,4 @@ def test_each_stage_reads_the_outputs_of_earlier_stages_only():
         for dep in s.deps:
             if dep.startswith("${") and dep != "${data.preferences}":
                 assert s.resolve(cfg, dep) in produced, f"{s.name} reads {dep} before any stage writes it"
-        produced.update(s.resolve(cfg, o) for o in s.outs)
+        produced.update(s.resolve(cfg, o) for o in s.outs + s.metrics + s.plots)  # DVC outputs, cached or not

@@ -1,0 +1,108 @@
+"""What a flow run leaves in Prefect: a markdown report (stages run or skipped, metrics, the validation
+summary, the evaluation report with its before/after samples) and a link to its MLflow run.
+
+The report reads what the stages wrote (reports/validation/validation.json, reports/evaluate/report.md), so
+it shows exactly what the DVC outputs and the MLflow run hold."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from rlhflow.config import Config
+
+SUMMARY_METRICS = [
+    ("rm/accuracy", "reward model accuracy (held-out pairs)"),
+    ("rm/accuracy_hh", "reward model accuracy (hh-rlhf harmless)"),
+    ("eval/reward_mean", "reward, PPO policy"),
+    ("eval/reward_mean_sft", "reward, SFT model"),
+    ("eval/win_rate_vs_sft", "win rate vs SFT"),
+    ("eval/kl", "KL(policy || SFT), nats/response"),
+    ("eval/perplexity", "perplexity, PPO policy"),
+    ("eval/perplexity_sft", "perplexity, SFT model"),
+]
+
+# Where the MLflow UI is served; `make ui` sets it. Default: the tracking server itself, else `mlflow ui`'s default.
+MLFLOW_UI_URL_ENV = "RLHF_MLFLOW_UI_URL"
+REPORT_KEY = "rlhf-report"
+LINK_KEY = "rlhf-mlflow-run"
+
+
+@dataclass
+class StageOutcome:
+    name: str
+    ran: bool
+    seconds: float | None = None  # wall time when it ran
+    reason: str = ""  # why it ran or was skipped
+
+
+def mlflow_ui_base(tracking_uri: str) -> str:
+    base = os.environ.get(MLFLOW_UI_URL_ENV)
+    if base:
+        return base.rstrip("/")
+    if tracking_uri.startswith(("http://", "https://")):
+        return tracking_uri.rstrip("/")
+    return "http://127.0.0.1:5000"
+
+
+def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    return f"{mlflow_ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def summary_table(results: dict[str, float]) -> str:
+    """The plain-text summary printed at the end of a run."""
+    lines = ["", "RLHF pipeline summary", "-" * 60]
+    for key, label in SUMMARY_METRICS:
+        if key in results:
+            lines.append(f"{label:44s} {results[key]:10.4f}")
+    lines.append("-" * 60)
+    for key, value in results.items():
+        if key.startswith("time/"):
+            lines.append(f"{'wall time, ' + key[5:-2]:44s} {value:9.1f}s")
+    return "\n".join(lines)
+
+
+def _demote_headings(markdown: str) -> str:
+    return "\n".join("#" + line if line.startswith("#") else line for line in markdown.splitlines())
+
+
+def validation_section(cfg: Config) -> list[str]:
+    path = cfg.path(cfg.validate_.report_dir) / "validation.json"
+    if not path.exists():
+        return []
+    summary = json.loads(path.read_text()).get("summary", {})
+    lines = ["## Validation", "", "| check | value |", "|---|---|"]
+    lines += [f"| {key.removeprefix('validate/')} | {value:g} |" for key, value in summary.items()]
+    return lines + [""]
+
+
+def evaluation_section(cfg: Config) -> list[str]:
+    path = cfg.path(cfg.evaluate.report_dir) / "report.md"
+    return [_demote_headings(path.read_text()), ""] if path.exists() else []
+
+
+def report_markdown(cfg: Config, outcomes: list[StageOutcome], results: dict[str, float], run_url: str | None,
+                    error: str | None = None) -> str:
+    lines = ["# RLHF pipeline run", ""]
+    if run_url:
+        lines += [f"MLflow run: [{run_url}]({run_url})", ""]
+    if error:
+        lines += [f"**Failed:** {error}", ""]
+    lines += ["## Stages", "", "| stage | outcome | wall time |", "|---|---|---|"]
+    for o in outcomes:
+        outcome = ("ran" if o.ran else "skipped") + (f": {o.reason}" if o.reason else "")
+        lines.append(f"| {o.name} | {outcome} | {f'{o.seconds:.1f} s' if o.seconds is not None else '-'} |")
+    labels = dict(SUMMARY_METRICS)
+    shown = [k for k, _ in SUMMARY_METRICS if k in results]
+    shown += sorted(k for k in results if k not in labels and not k.startswith("time/"))
+    if shown:
+        lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
+        lines += [f"| {labels.get(k, k)} (`{k}`) | {results[k]:.4f} |" for k in shown]
+    lines.append("")
+    names = {o.name for o in outcomes}
+    if "validate" in names:
+        lines += validation_section(cfg)
+    if "evaluate" in names:
+        lines += evaluation_section(cfg)
+    return "\n".join(lines)

@@ -1,0 +1,133 @@
+"""Serve the pipeline and each stage as Prefect deployments, triggerable from the Prefect UI or API.
+
+    python -m flows.serve                  # serve against the Prefect server in $PREFECT_API_URL
+    python -m flows.serve --start-servers  # what `make ui` runs: a Prefect server and an MLflow server, then serve
+
+Deployments: `rlhf-pipeline/pipeline` (every stage) and one per stage (`rlhf-ppo/ppo`, ...). Their parameter
+form is built from the typed config (rlhflow/config.py) with the values of params.yaml as defaults. Flow runs
+execute in subprocesses of this process, in the repository (so relative paths of params.yaml mean what they
+mean for `make run`). Ctrl-C stops the deployments and, with --start-servers, both servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from rlhflow.config import REPO_ROOT
+
+DEFAULT_HOST = "127.0.0.1"
+PIPELINE_DEPLOYMENT = "rlhf-pipeline/pipeline"
+
+
+def deployments() -> list:
+    from prefect.types.entrypoint import EntrypointType
+
+    from flows.pipeline import rlhf_pipeline
+    from flows.stage_flows import STAGE_FLOWS
+
+    # flow runs import the flows by module (flows.pipeline.rlhf_pipeline), whatever the current directory
+    common = dict(tags=["rlhf"], entrypoint_type=EntrypointType.MODULE_PATH)
+    served = [rlhf_pipeline.to_deployment(name="pipeline", **common,
+                                          description="The whole RLHF pipeline; up-to-date stages are skipped.")]
+    for stage, stage_flow in STAGE_FLOWS.items():
+        served.append(stage_flow.to_deployment(name=stage, **common,
+                                               description=f"The {stage} stage alone, on earlier stages' outputs."))
+    return served
+
+
+def serve_deployments(limit: int | None = None) -> None:
+    """Register the deployments and run their flow runs until interrupted (blocks)."""
+    from prefect import serve
+
+    from flows.pipeline import ensure_training_limit
+
+    os.chdir(REPO_ROOT)  # flow runs start in the repository, as `make run` does
+    print(f"training concurrency limit 'rlhf-training': {ensure_training_limit.fn()} slot(s)")
+    serve(*deployments(), limit=limit)
+
+
+def wait_for(url: str, proc: subprocess.Popen, what: str, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before answering at {url}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{what} did not answer at {url} within {timeout:.0f} s")
+
+
+def stop(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
+    """Interrupt each process in turn (as Ctrl-C would), killing it if it has not exited within `timeout`."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def start_servers_and_serve(host: str, prefect_port: int, mlflow_port: int) -> int:
+    """A Prefect server and an MLflow server (the project's tracking store, its artifacts served), both on
+    `host`; then the deployments, in a child process pointed at them. Returns when any of them exits or on
+    Ctrl-C, having stopped the others."""
+    from rlhflow import tracking
+    from rlhflow.config import load_config
+
+    uri = tracking.tracking_uri(load_config())
+    prefect_url, mlflow_url = f"http://{host}:{prefect_port}", f"http://{host}:{mlflow_port}"
+    env = {**os.environ, "PREFECT_API_URL": f"{prefect_url}/api", "PREFECT_UI_URL": prefect_url,
+           "RLHF_MLFLOW_UI_URL": mlflow_url}
+    bin_dir = Path(sys.executable).parent
+    mlflow_cmd = [str(bin_dir / "mlflow"), "server", "--host", host, "--port", str(mlflow_port), "--workers", "1",
+                  "--backend-store-uri", uri]
+    if uri.startswith("sqlite:"):
+        artifacts = tracking.sqlite_artifact_root(uri)
+        mlflow_cmd += ["--default-artifact-root", artifacts.as_uri(), "--artifacts-destination", artifacts.as_uri()]
+    procs: list[subprocess.Popen] = []
+    try:
+        procs.append(subprocess.Popen([str(bin_dir / "prefect"), "server", "start", "--host", host,
+                                       "--port", str(prefect_port)], env=env, cwd=REPO_ROOT))
+        procs.append(subprocess.Popen(mlflow_cmd, env=env, cwd=REPO_ROOT))
+        wait_for(f"{prefect_url}/api/health", procs[0], "the Prefect server")
+        wait_for(f"{mlflow_url}/health", procs[1], "the MLflow server")
+        procs.append(subprocess.Popen([sys.executable, "-m", "flows.serve"], env=env, cwd=REPO_ROOT))
+        print(f"\nPrefect UI: {prefect_url}   MLflow UI: {mlflow_url}   (Ctrl-C stops both)\n", flush=True)
+        while all(p.poll() is None for p in procs):
+            time.sleep(1)
+        return next(p.returncode for p in procs if p.returncode is not None)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop(list(reversed(procs)))  # the deployments first, while the Prefect server can still answer them
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--start-servers", action="store_true",
+                        help="start a Prefect server and an MLflow server first (what `make ui` does)")
+    parser.add_argument("--host", default=os.environ.get("UI_HOST", DEFAULT_HOST),
+                        help="address both servers bind to (default: $UI_HOST, else 127.0.0.1)")
+    parser.add_argument("--prefect-port", type=int, default=int(os.environ.get("PREFECT_PORT", 4200)))
+    parser.add_argument("--mlflow-port", type=int, default=int(os.environ.get("MLFLOW_PORT", 5000)))
+    args = parser.parse_args(argv)
+    if args.start_servers:
+        sys.exit(start_servers_and_serve(args.host, args.prefect_port, args.mlflow_port))
+    serve_deployments()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

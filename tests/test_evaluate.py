@@ -1,0 +1,195 @@
+"""The evaluate stage's user-facing side: the champion alias in a real MLflow registry, and in a real git+DVC repo
+(one tiny `dvc repro`, then one `dvc exp run`): `dvc plots show`, `dvc exp show`, DVC metrics == MLflow metrics,
+the report's registry decision."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import make_dvc_repo
+from rlhflow import tracking
+from rlhflow.stages import STAGES
+
+# ---- champion logic, real sqlite registry ---------------------------------------------------------------------
+
+
+def test_champion_moves_only_when_the_candidate_beats_it(tmp_path):
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    name = "rlhf-policy"
+    client.create_registered_model(name)
+    # what each version scores when measured in the same evaluation
+    score = {"1": 0.60, "2": 0.55, "3": 0.70}
+    decisions = []
+    for version in ["1", "2", "3"]:
+        model_dir = tmp_path / f"model{version}"
+        model_dir.mkdir()
+        (model_dir / "weights.bin").write_text(version)
+        client.create_model_version(name, source=model_dir.as_uri())
+        client.set_registered_model_alias(name, "candidate", version)
+        decision = tracking.challenge_champion(client, name, version, "eval/win_rate_vs_sft", score[version],
+                                               lambda champion: score[str(champion.version)])
+        tracking.apply_champion_decision(client, decision, run_id="run-" + version)
+        decisions.append(decision)
+        assert str(tracking.version_by_alias(client, name, "candidate").version) == version
+
+    first, worse, better = decisions
+    assert (first.promoted, first.previous) == (True, None) and "no champion yet" in first.reason
+    assert (worse.promoted, worse.previous, worse.champion_value) == (False, "1", 0.60)
+    assert "v2 does not beat champion v1 on eval/win_rate_vs_sft: 0.5500 vs 0.6000" == worse.reason
+    assert (better.promoted, better.previous, better.champion_value) == (True, "1", 0.60)
+    assert str(client.get_model_version_by_alias(name, "champion").version) == "3"
+
+    tags = client.get_model_version(name, "2").tags  # the decision basis, kept on the version
+    assert tags["champion.decision"] == "kept" and tags["champion.compared_with"] == "v1"
+    assert float(tags["champion.candidate_value"]) == 0.55 and float(tags["champion.champion_value"]) == 0.6
+    assert tags["champion.metric"] == "eval/win_rate_vs_sft" and tags["champion.evaluation_run"] == "run-2"
+    assert client.get_model_version(name, "3").tags["champion.decision"] == "promoted"
+
+    # the champion challenged by itself (evaluate re-run, model unchanged): nothing measured, nothing moves
+    again = tracking.challenge_champion(client, name, "3", "eval/win_rate_vs_sft", 0.1,
+                                        lambda champion: pytest.fail("must not re-measure the champion itself"))
+    assert not again.promoted and again.champion == "3"
+
+
+def test_a_nan_evaluation_never_becomes_champion():
+    decision = tracking.decide_champion("m", "1", "rm/accuracy", math.nan, None, None)
+    assert not decision.promoted and decision.champion is None
+    assert not tracking.decide_champion("m", "2", "rm/accuracy", math.nan, "1", 0.5).promoted
+
+
+# ---- one tiny pipeline in a real git+DVC repo ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dvc_repo(tmp_path_factory, tiny_model_dir):
+    """A git repo copy of the project after one tiny `dvc repro` (MLflow store: the repo's mlflow.db), its results
+    committed as the baseline (`dvc exp show` compares experiments with it). Yields (repo, run, first repro)."""
+    repo = tmp_path_factory.mktemp("dvc") / "repo"
+    run = make_dvc_repo(repo, tiny_model_dir)
+    first = run("dvc", "repro")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    # what a DVC user does to keep a baseline: commit dvc.lock and the metrics (git-ignored in this project's repo)
+    for cmd in (["git", "add", "-f", "dvc.lock", "metrics"],
+                ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline"]):
+        done = run(*cmd)
+        assert done.returncode == 0, done.stdout + done.stderr
+    return repo, run, first
+
+
+def test_dvc_repro_runs_the_stages_then_nothing(dvc_repo):
+    repo, run, first = dvc_repo
+    for s in STAGES:
+        assert f"Running stage '{s.name}'" in first.stdout
+    second = run("dvc", "repro")
+    assert second.returncode == 0 and "Running stage" not in second.stdout, second.stdout
+
+    shown = run("dvc", "metrics", "show", "--json")
+    assert shown.returncode == 0, shown.stderr
+    files = next(iter(json.loads(shown.stdout).values()))["data"]
+    for s in STAGES:
+        for m in s.metrics:
+            assert any(path.endswith(m.split("/")[-1]) for path in files), f"{m} missing from dvc metrics show"
+    assert yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["ppo"]["outs"]
+    # the stages logged to the default store at the repo root, whatever the cwd
+    assert (repo / "mlflow.db").exists()
+
+
+def _mlflow_client(repo: Path):
+    import mlflow
+
+    return mlflow.MlflowClient(f"sqlite:///{repo}/mlflow.db")
+
+
+def _latest_stage_run(client, stage: str):
+    exp = client.get_experiment_by_name("rlhf")
+    return client.search_runs([exp.experiment_id], f"tags.stage = '{stage}'", order_by=["attributes.start_time DESC"],
+                              max_results=1)[0]
+
+
+def test_dvc_metrics_equal_the_mlflow_metrics(dvc_repo):
+    repo, _, _ = dvc_repo
+    client = _mlflow_client(repo)
+    for stage in ["reward_model", "ppo", "evaluate"]:
+        on_disk = json.loads((repo / "metrics" / f"{stage}.json").read_text())
+        logged = _latest_stage_run(client, stage).data.metrics
+        assert on_disk, stage
+        for key, value in on_disk.items():
+            assert logged[key] == pytest.approx(value, rel=1e-6), f"{stage}: {key}"
+    evaluate = json.loads((repo / "metrics/evaluate.json").read_text())
+    for key in ["eval/distinct_1", "eval/distinct_2_sft", "eval/repetition_rate", "eval/response_length_sft",
+                "rm/ece", "rm/accuracy", "eval/win_rate_vs_sft"]:
+        assert key in evaluate
+    assert any(key.startswith("rm/accuracy_conf_") for key in evaluate)
+
+
+def test_first_run_becomes_champion_and_the_report_says_so(dvc_repo):
+    repo, _, _ = dvc_repo
+    client = _mlflow_client(repo)
+    report = (repo / "reports/evaluate/report.md").read_text()
+    assert "## Model registry" in report and report.count("no champion yet") == 2
+    for name, stage in [("rlhf-reward-model", "reward_model"), ("rlhf-policy", "ppo")]:
+        champion = client.get_model_version_by_alias(name, "champion")
+        assert champion.version == client.get_model_version_by_alias(name, "candidate").version
+        assert champion.run_id == _latest_stage_run(client, stage).info.run_id
+        assert champion.tags["champion.decision"] == "promoted"
+    run = _latest_stage_run(client, "evaluate")
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "evaluation/plots")}
+    assert artifacts == {f"evaluation/plots/{p}.png" for p in
+                         ["ppo_curves", "reward_vs_kl", "reward_distributions", "rm_calibration"]}
+    table = json.loads(Path(client.download_artifacts(run.info.run_id, "samples.json", str(repo.parent))).read_text())
+    assert {"prompt", "sft_response", "ppo_response", "sft_reward", "ppo_reward"} <= set(table["columns"])
+
+
+def test_dvc_plots_show_renders_the_ppo_and_evaluation_plots(dvc_repo):
+    repo, run, _ = dvc_repo
+    shown = run("dvc", "plots", "show", "-o", "plots_html")
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    html = (repo / "plots_html/index.html").read_text()
+    for title in ["PPO: reward-model score per update", "PPO: KL to the reference per update",
+                  "PPO: reward against KL", "Reward of held-out samples, SFT vs PPO",
+                  "Reward-model calibration: confidence vs observed accuracy"]:
+        assert title in html, title
+    assert "ppo_reward" in html and "perfect_calibration" in html
+
+
+def test_dvc_exp_run_with_another_kl_coef_is_compared_and_challenges_the_champion(dvc_repo):
+    repo, run, _ = dvc_repo
+    client = _mlflow_client(repo)
+    champion_before = str(client.get_model_version_by_alias("rlhf-policy", "champion").version)
+    exp = run("dvc", "exp", "run", "-S", "ppo.kl_coef=0.2")
+    assert exp.returncode == 0, exp.stdout[-3000:] + exp.stderr[-3000:]
+    assert "Running stage 'ppo'" in exp.stdout and "Running stage 'reward_model'" not in exp.stdout
+
+    shown = run("dvc", "exp", "show", "--json")
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    rows = json.loads(shown.stdout)
+    found = {}  # kl_coef -> eval metrics, over the baseline and its experiments
+    for row in rows:
+        for entry in [row] + [e for exp_ in row.get("experiments") or [] for e in exp_.get("revs") or []]:
+            data = (entry.get("data") or {})
+            params = data.get("params", {}).get("params.yaml", {}).get("data", {})
+            metrics = data.get("metrics", {}).get("metrics/evaluate.json", {}).get("data", {})
+            if params and metrics:
+                found[params["ppo"]["kl_coef"]] = metrics
+    assert 0.2 in found and len(found) >= 2, found.keys()
+    assert all("eval/win_rate_vs_sft" in m and "eval/kl" in m for m in found.values())
+
+    # the new policy version challenged the champion in the same evaluation; the reward model was unchanged
+    candidate = client.get_model_version_by_alias("rlhf-policy", "candidate")
+    assert str(candidate.version) != champion_before
+    assert candidate.tags["champion.compared_with"] == f"v{champion_before}"
+    assert candidate.tags["champion.decision"] in {"promoted", "kept"}
+    champion_value = float(candidate.tags["champion.champion_value"])
+    promoted = float(candidate.tags["champion.candidate_value"]) > champion_value
+    assert str(client.get_model_version_by_alias("rlhf-policy", "champion").version) == (
+        str(candidate.version) if promoted else champion_before)
+    report = (repo / "reports/evaluate/report.md").read_text()
+    assert f"champion v{champion_before} on eval/win_rate_vs_sft" in report
+    assert "is already the champion" in report  # the reward model

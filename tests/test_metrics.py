@@ -1,0 +1,84 @@
+"""Evaluation metrics against values computed by hand."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from rlhflow.metrics import (
+    confidence_buckets,
+    distinct_n,
+    expected_calibration_error,
+    kendall_tau,
+    mean_length,
+    ranking_agreement,
+    ranking_from_pairs,
+    repetition_rate,
+    win_rate,
+)
+
+
+def test_length_distinct_and_repetition():
+    assert mean_length(["a b", "c d e f"]) == 3.0
+    # unigrams a b a b c: 3 distinct of 5; bigrams (a b) (b a) (b c): all distinct
+    assert distinct_n(["a b a", "b c"], 1) == pytest.approx(0.6)
+    assert distinct_n(["a b a", "b c"], 2) == 1.0
+    # "a b a b a b": bigrams ab ba ab ba ab -> 2 distinct of 5 -> 0.6 repeated; "x y z": none; "q": no bigram, skipped
+    assert repetition_rate(["a b a b a b", "x y z", "q"], n=2) == pytest.approx(0.3)
+    assert repetition_rate(["the cat sat on the mat"]) == 0.0  # seq-rep-4
+    assert repetition_rate(["go on and on and on and on"]) == pytest.approx(1 - 3 / 5)
+
+
+def test_win_rate_counts_ties_half():
+    assert win_rate(torch.tensor([1.0, 0.0, 2.0, 1.0]), torch.tensor([0.0, 0.0, 3.0, 1.0])) == pytest.approx(0.5)
+
+
+def test_confidence_buckets_and_calibration_error():
+    # sigmoid(|margin|): 2 -> 0.881 (right, then wrong), 0.1 -> 0.525 (right), 0 -> 0.5 (tie: half), 3 -> 0.953
+    buckets = confidence_buckets([2.0, -2.0, 0.1, 0.0, 3.0])
+    assert [(b.label, b.pairs) for b in buckets] == [("50_60", 2), ("80_90", 2), ("90_100", 1)]
+    low, mid, high = buckets
+    assert low.confidence == pytest.approx((1 / (1 + math.exp(-0.1)) + 0.5) / 2)
+    assert (low.accuracy, mid.accuracy, high.accuracy) == (0.75, 0.5, 1.0)
+    assert mid.confidence == pytest.approx(1 / (1 + math.exp(-2)))
+    expected = 0.4 * abs(0.75 - low.confidence) + 0.4 * abs(0.5 - mid.confidence) + 0.2 * abs(1 - high.confidence)
+    assert expected_calibration_error(buckets) == pytest.approx(expected)
+    assert expected_calibration_error(buckets) == pytest.approx(0.2568, abs=1e-4)
+
+
+def test_ranking_from_pairs_needs_one_consistent_total_order():
+    assert ranking_from_pairs([("a", "b"), ("b", "c")]) == {"a": 0, "b": 1, "c": 2}
+    assert ranking_from_pairs([("b", "c"), ("a", "b"), ("a", "c")]) == {"a": 0, "b": 1, "c": 2}
+    assert ranking_from_pairs([("a", "b"), ("a", "c")]) is None  # b and c unordered
+    assert ranking_from_pairs([("a", "b"), ("b", "c"), ("c", "a")]) is None  # contradictory
+
+
+def test_kendall_tau_by_hand_and_against_scipy():
+    assert kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0
+    assert kendall_tau([1, 2, 3], [3, 2, 1]) == -1.0
+    assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)  # one discordant pair of six
+    assert kendall_tau([1, 1, 2], [1, 2, 3]) == pytest.approx(2 / math.sqrt(6))  # tau-b: a tie in x
+    from scipy.stats import kendalltau
+
+    rng = random.Random(0)
+    for _ in range(20):
+        x = [rng.randint(0, 4) for _ in range(7)]
+        y = [rng.randint(0, 4) for _ in range(7)]
+        expected = kendalltau(x, y).statistic
+        assert kendall_tau(x, y) == pytest.approx(expected) or (math.isnan(expected) and math.isnan(kendall_tau(x, y)))
+
+
+def test_ranking_agreement_uses_only_prompts_with_a_total_ranking_of_three_or_more():
+    rows = [{"prompt": "p", "chosen": "a", "rejected": "b"}, {"prompt": "p", "chosen": "b", "rejected": "c"},
+            {"prompt": "q", "chosen": "x", "rejected": "y"}, {"prompt": "q", "chosen": "x", "rejected": "z"},
+            {"prompt": "r", "chosen": "u", "rejected": "v"}]
+    scores = {("p", "a"): 3.0, ("p", "b"): 1.0, ("p", "c"): 2.0,
+              ("q", "x"): 1.0, ("q", "y"): 0.0, ("q", "z"): 0.0, ("r", "u"): 1.0, ("r", "v"): 0.0}
+    # p: human a > b > c, scores a > c > b: concordant (a,b) (a,c), discordant (b,c) -> 1/3; q unordered; r only two
+    tau, prompts = ranking_agreement(rows, scores)
+    assert prompts == 1 and tau == pytest.approx(1 / 3)
+    tau, prompts = ranking_agreement(rows[2:], scores)
+    assert prompts == 0 and math.isnan(tau)

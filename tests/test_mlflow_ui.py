@@ -1,0 +1,201 @@
+"""The MLflow UI of a finished pipeline run, as a person sees it: headless Chromium (Debian's `chromium`, driven by
+Playwright; `make browser` installs it, and no browser is ever downloaded) against a real `mlflow server`.
+
+The experiment's runs page must list the parent run and, once expanded, one child run per stage; the parent run's
+page must show its stage runs and the evaluation metrics with the values MLflow stored. Screenshots land in
+test-artifacts/ (their paths are printed) whether the checks pass or fail."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, tiny_pipeline_overrides
+from rlhflow.stages import STAGE_NAMES
+
+pytestmark = pytest.mark.slow  # a whole tiny pipeline run, then an MLflow server and Chromium: about 2 min on 2 cores
+
+ARTIFACTS = REPO / "test-artifacts"
+EVAL_METRICS = ["rm/accuracy", "eval/reward_mean", "eval/reward_mean_sft", "eval/win_rate_vs_sft", "eval/kl",
+                "eval/perplexity", "eval/perplexity_sft"]
+TIMEOUT_MS = 60_000  # the SPA's first load on a busy 2-core machine takes ~10 s
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_model_dir, one_thread) -> Path:
+    """A whole pipeline run on tiny models, tracked to <root>/mlflow.db (artifacts in <root>/mlartifacts)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.pipeline import rlhf_pipeline
+
+    root = tmp_path_factory.mktemp("ui_run")
+    with prefect_test_harness(server_startup_timeout=180):
+        rlhf_pipeline(overrides=tiny_pipeline_overrides(root, tiny_model_dir))
+    return root
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mlflow_ui(finished_run):
+    """`mlflow server` on the finished run's store, as `make ui` starts it; yields its URL."""
+    from rlhflow.tracking import sqlite_artifact_root
+
+    uri = f"sqlite:///{finished_run}/mlflow.db"
+    artifacts = sqlite_artifact_root(uri).as_uri()
+    port = _free_port()
+    env = {**os.environ}
+    env.pop("MLFLOW_TRACKING_URI", None)  # mlflow.set_tracking_uri in the pipeline exports it
+    log = (finished_run / "mlflow-server.log").open("w")
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", uri,
+                             "--default-artifact-root", artifacts, "--artifacts-destination", artifacts,
+                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                            cwd=finished_run, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # its own process group: uvicorn and the job runner with it
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"mlflow server exited: {(finished_run / 'mlflow-server.log').read_text()}"
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "mlflow server did not answer /health within 120 s"
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()  # the server stops its workers on SIGTERM (~3 s) ...
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):  # ... and whatever is left of its group is killed
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    """Debian's chromium, checked before the pipeline runs. Missing, it fails the test: CI must check the UI."""
+    path = shutil.which("chromium")
+    if path is None:
+        pytest.fail("Debian's chromium is not installed: `make browser` (as root) installs it "
+                    "(apt-get install -y --no-install-recommends chromium)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def page(chromium):
+    """A page of headless Chromium, driven by Playwright (the system browser: Playwright's own is never fetched)."""
+    from playwright.sync_api import expect, sync_playwright
+
+    expect.set_options(timeout=TIMEOUT_MS)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True,
+                                    args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"])
+        try:
+            pg = browser.new_page(viewport={"width": 1600, "height": 1000})
+            pg.set_default_timeout(TIMEOUT_MS)
+            yield pg
+        finally:
+            browser.close()
+
+
+def _close_assistant(pg) -> None:
+    """The MLflow Assistant side panel (open by default) hides half the runs table in screenshots."""
+    close = pg.get_by_role("button", name="Close", exact=True)
+    if close.count() == 1 and close.is_visible():
+        close.click()
+
+
+def test_mlflow_ui_shows_the_parent_run_its_stage_runs_and_the_eval_metrics(chromium, finished_run, mlflow_ui, page,
+                                                                             capsys):
+    import mlflow
+    from playwright.sync_api import expect
+
+    client = mlflow.MlflowClient(f"sqlite:///{finished_run}/mlflow.db")
+    exp = client.get_experiment_by_name("rlhf")
+    runs = client.search_runs([exp.experiment_id])
+    parent = next(r for r in runs if r.info.run_name == "pipeline" and "mlflow.parentRunId" not in r.data.tags)
+    children = {r.data.tags["stage"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert sorted(children) == sorted(STAGE_NAMES)  # the store itself is right; the rest checks what the UI shows
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    shots: list[Path] = []
+
+    def screenshot(name: str) -> None:
+        path = ARTIFACTS / f"mlflow-ui-{name}.png"
+        page.screenshot(path=str(path), full_page=True)
+        shots.append(path)
+
+    exp_url = f"{mlflow_ui}/#/experiments/{exp.experiment_id}"
+    try:
+        # the experiment's runs page: the parent run, its stage runs nested under it (shown once expanded)
+        page.goto(f"{exp_url}/runs")
+        parent_link = page.get_by_role("link", name="pipeline", exact=True)
+        expect(parent_link).to_be_visible()
+        expect(parent_link).to_have_attribute("href", f"#/experiments/{exp.experiment_id}/runs/{parent.info.run_id}")
+        expect(page.get_by_text(f"{len(runs)} matching runs", exact=True)).to_be_visible()
+        _close_assistant(page)
+        for stage in STAGE_NAMES:  # collapsed: the stage runs are hidden under the parent
+            expect(page.get_by_role("link", name=stage, exact=True)).to_have_count(0)
+        parent_row = page.get_by_role("row").filter(has=parent_link)
+        parent_row.locator("button[data-component-id*=runnamecellrenderer]").click()  # the row's expand (+) button
+        for stage in STAGE_NAMES:
+            link = page.get_by_role("link", name=stage, exact=True)
+            expect(link).to_be_visible()
+            expect(link).to_have_attribute("href",
+                                           f"#/experiments/{exp.experiment_id}/runs/{children[stage].info.run_id}")
+        screenshot("runs")
+
+        # the parent run's page: finished, its child runs, the evaluation metrics and their values
+        page.goto(f"{exp_url}/runs/{parent.info.run_id}")
+        expect(page.get_by_role("heading", name="pipeline", exact=True)).to_be_visible()
+        expect(page.get_by_text(f"Metrics ({len(parent.data.metrics)})", exact=True)).to_be_visible()
+        expect(page.get_by_text("Finished", exact=True)).to_be_visible()
+        _close_assistant(page)
+        for stage in STAGE_NAMES:  # "Child runs" in "About this run"
+            link = page.get_by_role("link", name=stage, exact=True)
+            expect(link).to_be_visible()
+            expect(link).to_have_attribute("href",
+                                           f"#/experiments/{exp.experiment_id}/runs/{children[stage].info.run_id}")
+        rows = {}
+        for key in EVAL_METRICS:
+            row = page.get_by_role("row").filter(has=page.get_by_role("link", name=key, exact=True))
+            expect(row).to_have_count(1)
+            rows[key] = row
+            name, shown = row.get_by_role("cell").all_inner_texts()
+            value = parent.data.metrics[key]
+            as_js = page.evaluate("v => String(v)", value)  # the UI prints the number as JavaScript does, unrounded
+            assert (name, shown) == (key, as_js), f"{key}: MLflow stored {value!r}, the UI shows {shown!r}"
+        screenshot("parent-run")
+        rows["rm/accuracy"].scroll_into_view_if_needed()  # the metrics table scrolls: show the RM accuracy too
+        expect(rows["rm/accuracy"]).to_be_in_viewport()
+        screenshot("parent-run-rm-accuracy")
+    except BaseException:
+        try:
+            screenshot("failure")
+        except Exception as err:  # a dead page must not hide the failure itself
+            print(f"no failure screenshot: {err}")
+        raise
+    finally:
+        with capsys.disabled():
+            print(f"\nMLflow UI screenshots: {', '.join(str(p) for p in shots)}")

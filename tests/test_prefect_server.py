@@ -1,0 +1,146 @@
+"""The deployments on a real Prefect server, as `make ui` serves them: a real `prefect server start` (its own
+PREFECT_HOME and database in a temp dir), `python -m flows.serve` in a subprocess, two pipeline runs
+triggered at once through the API on tiny models. They complete, leave their report and MLflow link as
+artifacts, and never hold the accelerator at the same time (the global concurrency limit)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_pipeline_overrides
+from flows.pipeline import ACCELERATOR_STAGES, PARAMS, TRAINING_LIMIT
+from flows.report import LINK_KEY, MLFLOW_UI_URL_ENV, REPORT_KEY
+from flows.serve import stop, wait_for
+
+MLFLOW_UI = "http://127.0.0.1:5999"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A Prefect server and the served deployments; yields the API URL. Both are stopped at the end."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api, "PREFECT_SERVER_UI_ENABLED": "false",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", MLFLOW_UI_URL_ENV: MLFLOW_UI}
+    env.pop("MLFLOW_TRACKING_URI", None)  # exported by mlflow.set_tracking_uri in earlier tests
+    bin_dir = Path(sys.executable).parent
+    logs = {name: open(home / f"{name}.log", "w") for name in ("server", "serve")}
+    procs = [subprocess.Popen([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                              env=env, cwd=home, stdout=logs["server"], stderr=subprocess.STDOUT)]
+    try:
+        wait_for(f"{api}/health", procs[0], "the Prefect server")
+        procs.append(subprocess.Popen([sys.executable, "-m", "flows.serve"], env=env, cwd=home,
+                                      stdout=logs["serve"], stderr=subprocess.STDOUT))
+        yield api, home
+    finally:
+        stop(list(reversed(procs)))
+        for f in logs.values():
+            f.close()
+
+
+@contextlib.contextmanager
+def _client(api: str):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+        yield client
+
+
+def _wait_for_deployment(client, name: str, serve_log: Path, timeout: float = 180):
+    from prefect.exceptions import ObjectNotFound
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return client.read_deployment_by_name(name)
+        except ObjectNotFound:
+            time.sleep(1)
+    raise TimeoutError(f"{name} was not served within {timeout} s:\n{serve_log.read_text()[-3000:]}")
+
+
+def _overlaps(a, b) -> bool:
+    return a.start_time < b.end_time and b.start_time < a.end_time
+
+
+def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_together(served, tmp_path,
+                                                                                          tiny_model_dir):
+    import mlflow
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter,
+                                                FlowRunFilterId, TaskRunFilter)
+    from prefect.client.schemas.sorting import ArtifactSort, TaskRunSort
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    api, home = served
+    with _client(api) as client:
+        deployment = _wait_for_deployment(client, "rlhf-pipeline/pipeline", home / "serve.log")
+        for stage in ("validate", "ppo", "evaluate"):
+            _wait_for_deployment(client, f"rlhf-{stage.replace('_', '-')}/{stage}", home / "serve.log")
+        # the UI's parameter form: the typed config, params.yaml's values as defaults
+        schema = deployment.parameter_openapi_schema
+        assert schema["properties"]["config"]["default"]["ppo"]["kl_coef"] == PARAMS.ppo.kl_coef
+        assert schema["definitions"]["PPOConfig"]["properties"]["kl_estimator"]["enum"] == ["k1", "k3"]
+        assert {"config", "stages", "force", "overrides"} <= set(schema["properties"])
+        assert client.read_global_concurrency_limit_by_name(TRAINING_LIMIT).limit == 1
+
+    # two runs at once, in separate output roots (the second would otherwise find everything up to date)
+    roots = [tmp_path / "a", tmp_path / "b"]
+    stages = [None, ["demo_data", "validate", "sft"]]
+    with temporary_settings({PREFECT_API_URL: api}):
+        runs = [run_deployment("rlhf-pipeline/pipeline", timeout=0,
+                               parameters={"overrides": tiny_pipeline_overrides(root, tiny_model_dir),
+                                           "stages": only})
+                for root, only in zip(roots, stages)]
+    with _client(api) as client:
+        deadline = time.monotonic() + 480
+        while time.monotonic() < deadline:
+            runs = [client.read_flow_run(r.id) for r in runs]
+            if all(r.state.is_final() for r in runs):
+                break
+            time.sleep(2)
+        assert all(r.state.is_completed() for r in runs), (
+            [r.state for r in runs], (home / "serve.log").read_text()[-5000:])
+
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in runs])),
+                                          sort=TaskRunSort.EXPECTED_START_TIME_ASC, limit=200)
+        training = {r.id: [t for t in task_runs if t.flow_run_id == r.id and t.name.rsplit("-", 1)[0]
+                           in ACCELERATOR_STAGES] for r in runs}
+        first, second = (training[r.id] for r in runs)
+        assert len(first) == 4 and len(second) == 1
+        clashes = [(a.name, b.name) for a in first for b in second if _overlaps(a, b)]
+        assert not clashes, f"training stages of the two runs ran at the same time: {clashes}"
+
+        artifacts = client.read_artifacts(  # the sync client sends no defaults: every argument is given
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[runs[0].id])),
+            flow_run_filter=FlowRunFilter(), task_run_filter=TaskRunFilter(), sort=ArtifactSort.KEY_ASC, limit=50,
+            offset=0)
+    by_key = {a.key: a for a in artifacts}
+    report = by_key[REPORT_KEY]
+    assert report.type == "markdown"
+    for expected in ("## Stages", "| ppo | ran", "eval/win_rate_vs_sft", "## Validation", "**Prompt:**"):
+        assert expected in report.data, report.data[:3000]
+    link = re.fullmatch(r"\[MLflow run\]\((http[^)]+)\)", by_key[LINK_KEY].data)  # Prefect 3 stores links as markdown
+    assert link, by_key[LINK_KEY].data
+    url = link.group(1)
+    assert url.startswith(f"{MLFLOW_UI}/#/experiments/")
+    run_id = url.rsplit("/", 1)[-1]
+    parent = mlflow.MlflowClient(f"sqlite:///{roots[0]}/mlflow.db").get_run(run_id)
+    assert parent.info.status == "FINISHED" and "mlflow.parentRunId" not in parent.data.tags
+    assert parent.data.tags["pipeline"] == "rlhf" and "eval/win_rate_vs_sft" in parent.data.metrics
