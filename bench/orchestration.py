@@ -1,0 +1,149 @@
+"""Orchestration overhead: the pipeline through the Prefect flow with MLflow tracking, against the same stage
+bodies called directly, on the same configuration.
+
+    .venv/bin/python -m bench.orchestration            # the offline default, shortened (see SHORTENED)
+    .venv/bin/python -m bench.orchestration --tiny     # tiny models (seconds of work; the smoke test)
+
+Both paths run in a fresh process each (imports count), each writing under its own temporary root, so neither can
+reuse the other's outputs (no PPO resume, no cached splits):
+- flow: `python -m flows.pipeline` - the Prefect flow (its temporary local server included), one MLflow parent run
+  and a child run per stage (params, every metric, metrics files), the models logged and registered;
+- direct: `tasks.<stage>.run(cfg, ctx)` for the same stages in the same order in a plain loop, with model logging
+  off and metrics not logged. The bodies' own artifact calls (sample tables, reports, dataset inputs, the reward
+  trainer's MLflow callback) still run, inside one plain MLflow run on a throwaway store, so the overhead measured is
+  Prefect plus the per-stage runs, params, metrics and model logging: a lower bound of what tracking costs.
+The last line is `orchestration_overhead=<(flow - direct) / flow>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# the default params.yaml, shortened so that one path takes a few minutes on 2 CPU cores
+SHORTENED = ["ppo.steps=4", "reward_model.epochs=0.5", "evaluate.n_prompts=16", "evaluate.perplexity_rows=16",
+             "sft.perplexity_rows=16", "sft.n_samples=2", "reward_model.hh_eval_rows=64"]
+TINY = ["data.demo.n_prompts=60", "sft.n_samples=2", "sft.max_new_tokens=8", "sft.perplexity_rows=8",
+        "reward_model.backbone=sft", "reward_model.epochs=1", "reward_model.batch_size=8",
+        "reward_model.hh_eval_rows=16", "ppo.steps=2", "ppo.batch_size=4", "ppo.mini_batch_size=2",
+        "ppo.max_new_tokens=8", "evaluate.n_prompts=4", "evaluate.max_new_tokens=8", "evaluate.perplexity_rows=4"]
+
+
+def root_overrides(root: Path) -> list[str]:
+    """Every output (and the MLflow store) under `root`."""
+    return [
+        f"data.preferences={root}/data/raw/demo/preferences.jsonl", f"data.demo.out_dir={root}/data/raw/demo",
+        f"validate.out_dir={root}/data/validated", f"validate.report_dir={root}/reports/validation",
+        f"sft.out_dir={root}/models/sft", f"reward_model.out_dir={root}/models/reward_model",
+        f"ppo.out_dir={root}/models/policy", f"ppo.checkpoint_dir={root}/checkpoints/ppo",
+        f"evaluate.report_dir={root}/reports/evaluate", f"metrics_dir={root}/metrics",
+        f"tracking.tracking_uri=sqlite:///{root}/mlflow.db",
+    ]
+
+
+def run_direct(overrides: list[str], out: Path) -> None:
+    """The stage bodies in a plain loop (this runs in its own process: see main)."""
+    import importlib
+
+    from flows.pipeline import selected_stages
+    from rlhflow import tracking
+    from rlhflow.config import load_config
+    from tasks._common import StageContext
+
+    class DirectContext(StageContext):
+        def log_metrics(self, metrics, step=None, *, on_parent=False):  # direct: nothing is tracked
+            pass
+
+    cfg = load_config(None, overrides + ["tracking.log_models=false", "tracking.register_models=false"])
+    times: dict[str, float] = {}
+    mlflow = tracking.setup(cfg)
+    with mlflow.start_run(run_name="direct"):
+        for name in selected_stages(cfg, None):
+            start = time.perf_counter()
+            importlib.import_module(f"tasks.{name}").run(cfg, DirectContext(stage=name))
+            times[name] = time.perf_counter() - start
+    out.write_text(json.dumps(times))
+
+
+def timed(cmd: list[str], log: Path, env: dict) -> float:
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.stderr.write(log.read_text()[-6000:])
+        raise SystemExit(f"{cmd[2]} failed (exit {proc.returncode}); log: {log}")
+    return wall
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny models instead of the (shortened) default")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="further params.yaml overrides for both paths")
+    parser.add_argument("--direct-only", metavar="JSON", help=argparse.SUPPRESS)  # the direct path's own process
+    parser.add_argument("--keep", action="store_true", help="keep the two output roots (printed)")
+    args = parser.parse_args(argv)
+    if args.direct_only:
+        run_direct(args.overrides, Path(args.direct_only))
+        return
+
+    tmp = Path(tempfile.mkdtemp(prefix="rlhflow-orch-"))
+    base = list(SHORTENED)
+    if args.tiny:
+        from rlhflow.testing import write_tiny_model
+
+        model = write_tiny_model(tmp / "tiny-model")
+        base = TINY + [f"sft.model={model}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "GX_ANALYTICS_ENABLED": "false",
+           # as the Makefile sets it: a loaded machine starts the temporary server slowly
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS":
+               os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")}
+    walls, stage_times = {}, {}
+    # the flow first: any cold-cache cost of the first run is charged to the orchestrated path (conservative)
+    for path in ("flow", "direct"):
+        root = tmp / path
+        overrides = root_overrides(root) + base + args.overrides
+        sets = [a for o in overrides for a in ("--set", o)]
+        if path == "flow":
+            cmd = [sys.executable, "-m", "flows.pipeline", *sets]
+        else:
+            cmd = [sys.executable, "-m", "bench.orchestration", "--direct-only", str(tmp / "direct.json"), *sets]
+        walls[path] = timed(cmd, tmp / f"{path}.log", env)
+        if path == "flow":
+            metrics_dir = root / "metrics"
+            stage_times[path] = {p.stem: json.loads(p.read_text()).get(f"time/{p.stem}_s")
+                                 for p in sorted(metrics_dir.glob("*.json"))}
+        else:
+            stage_times[path] = json.loads((tmp / "direct.json").read_text())
+        print(f"  {path}: {walls[path]:.1f} s", flush=True)
+
+    names = list(stage_times["direct"])
+    print(f"\n== orchestration overhead ({'tiny models' if args.tiny else 'default params, shortened: ' + ' '.join(SHORTENED)})")
+    print(f"{'stage':14s} {'flow s':>9s} {'direct s':>9s}")
+    for name in names:
+        flow_s = stage_times["flow"].get(name)
+        print(f"{name:14s} {flow_s if flow_s is not None else float('nan'):9.1f} {stage_times['direct'][name]:9.1f}")
+    print(f"{'process wall':14s} {walls['flow']:9.1f} {walls['direct']:9.1f}")
+    ratio = walls["flow"] / walls["direct"]
+    overhead = (walls["flow"] - walls["direct"]) / walls["flow"]
+    print(f"flow/direct wall-time ratio {ratio:.3f}")
+    if args.keep:
+        print(f"outputs kept under {tmp}")
+    else:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"orchestration_overhead={overhead:.3f}")
+
+
+if __name__ == "__main__":
+    main()

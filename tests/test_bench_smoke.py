@@ -1,0 +1,76 @@
+"""Smoke run of the PPO benchmark (bench/) on the tiny workload: our runner always; the A/B driver against TRL 1.12
+when its venv (bench/.venv-trl, built by `make bench`) exists."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.ppo_bench import roofline
+from bench.workloads import BENCH_EOS, WORKLOADS, prepare
+
+REPO = Path(__file__).resolve().parents[1]
+TRL_PYTHON = REPO / "bench" / ".venv-trl" / "bin" / "python"
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.fixture(scope="module")
+def work_dir(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("bench")
+    prepare(WORKLOADS["tiny"], work)
+    return work
+
+
+def test_tiny_workload_and_our_runner(work_dir):
+    """EOS lies past the model's vocabulary, so every response runs to max_new_tokens; the runner reports each
+    measured update with phases that fit inside its wall time, and a peak RSS."""
+    spec = json.loads((work_dir / "tiny" / "workload.json").read_text())
+    tokenizer_config = json.loads((work_dir / "tiny" / "policy" / "tokenizer_config.json").read_text())
+    assert spec["eos_token_id"] == spec["vocab_size"] and tokenizer_config["eos_token"] == BENCH_EOS
+    assert len(spec["prompts"]) == len(spec["prompt_ids"]) == spec["batch_size"]
+
+    out = work_dir / "ours.json"
+    subprocess.run([sys.executable, "-m", "bench.run_ours", "--workload-dir", str(work_dir / "tiny"), "--out",
+                    str(out), "--threads", "1"], cwd=REPO, env=ENV, check=True, capture_output=True)
+    result = json.loads(out.read_text())
+    assert len(result["updates"]) == spec["updates"] and len(result["warmup_updates"]) == spec["warmup"]
+    for update in result["updates"]:
+        assert update["response_tokens"] == spec["batch_size"] * spec["max_new_tokens"]
+        phases = update["generation_s"] + update["scoring_s"] + update["training_s"]
+        assert 0 < phases <= update["total_s"] * 1.001
+        assert min(update["generation_s"], update["scoring_s"], update["training_s"]) > 0
+    assert result["peak_memory_bytes"] > 100 * 2**20 and result["memory_kind"] == "peak RSS"
+
+
+def test_roofline_fractions():
+    """Decode: T steps each reading the weights plus every cached key/value; training: 6 x params per token."""
+    shape = {"layers": 2, "kv_heads": 1, "head_dim": 4, "dtype_bytes": 2, "weight_bytes": 1000,
+             "policy_matmul_params": 100, "critic_matmul_params": 50}
+    spec = {"shape": shape, "batch_size": 2, "max_new_tokens": 3, "prompt_length": 5, "ppo_epochs": 2}
+    kv_bytes = 2 * 2 * 1 * 4 * 2  # K and V, 2 layers, 1 head of 4, bf16
+    decode_bytes = 3 * 1000 + 2 * kv_bytes * (5 + 6 + 7)
+    fractions = roofline(spec, {"generation_s": 1.0, "training_s": 2.0}, flops=1e6, bandwidth=1e4)
+    assert fractions["decode_vs_bandwidth_bound"] == pytest.approx(decode_bytes / 1e4)
+    assert fractions["training_mfu"] == pytest.approx(6 * 150 * 2 * 2 * (5 + 3) / 1e6 / 2.0)
+
+
+@pytest.mark.skipif(not TRL_PYTHON.exists(), reason="no peer venv: `make bench` builds bench/.venv-trl")
+def test_driver_against_trl(work_dir):
+    """One A/B round on the tiny workload: both engines in the table, ratios, and the speedup as the last line."""
+    proc = subprocess.run([sys.executable, "-m", "bench.ppo_bench", "--workloads", "tiny", "--rounds", "1",
+                           "--threads", "1", "--work-dir", str(work_dir)], cwd=REPO, env=ENV, check=True,
+                          capture_output=True, text=True)
+    lines = proc.stdout.strip().splitlines()
+    assert re.fullmatch(r"ppo_speedup_vs_trl=\d+\.\d\d", lines[-1]), lines[-1]
+    table = proc.stdout
+    assert re.search(r"^ours\s+\d", table, re.M) and re.search(r"^trl\s+\d", table, re.M)
+    assert re.search(r"^ours/TRL time\s+\d", table, re.M)
+    trl = json.loads((work_dir / "tiny" / "result-trl-0.json").read_text())
+    assert trl["engine"] == "trl" and len(trl["updates"]) == WORKLOADS["tiny"].updates
+    assert all(u["generation_s"] > 0 and u["training_s"] > 0 for u in trl["updates"])
