@@ -1,5 +1,7 @@
 # make run   - set up (first time), generate the demo data and run the whole pipeline flow on params.yaml
 # make test  - set up (first time), then the test suite
+# make ui    - set up (first time), then a Prefect server, an MLflow server and the pipeline's deployments (Ctrl-C stops all)
+# make bench - set up (first time), build the peer venv (trl 1.12, once), then the benchmarks (README "Benchmarks")
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 PYTHON ?= python3
@@ -16,7 +18,7 @@ export GX_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-e2e dvc-yaml clean
+.PHONY: setup run test test-e2e bench ui dvc-yaml clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,11 +36,47 @@ setup: $(STAMP)
 run: setup
 	$(BIN)/python -m flows.pipeline $(ARGS)
 
-test: setup
+test: setup browser
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Debian's chromium for tests/test_mlflow_ui.py (Playwright drives it; no browser is downloaded); only when missing.
+# Not root: a message, and that test fails until chromium is installed.
+.PHONY: browser
+browser:
+	@if command -v chromium >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		echo "installing Debian's chromium (tests/test_mlflow_ui.py)"; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; \
+	else \
+		echo "chromium is missing and this is not root: run 'sudo apt-get update && sudo apt-get install -y --no-install-recommends chromium' (tests/test_mlflow_ui.py fails without it)" >&2; \
+	fi
 
 test-e2e: setup
 	$(BIN)/python -m pytest -q -m e2e $(PYTEST_ARGS)
+
+# The peer for `make bench`: TRL 1.12's PPOTrainer in its own venv (the project's venv has trl 1.16, which has no PPO)
+TRL_VENV := bench/.venv-trl
+TRL_STAMP := $(TRL_VENV)/.installed
+
+$(TRL_STAMP): bench/requirements-trl.txt
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install --disable-pip-version-check -q torch==2.13.0 $(QUIET)
+	$(TRL_VENV)/bin/python -m pip install --disable-pip-version-check -q -r bench/requirements-trl.txt $(QUIET)
+	TRL_EXPERIMENTAL_SILENCE=1 $(TRL_VENV)/bin/python -c "from trl.experimental.ppo import PPOConfig, PPOTrainer"
+	touch $(TRL_STAMP)
+
+# BENCH_ARGS go to bench.ppo_bench (e.g. "--workloads tiny --rounds 1"), ORCH_ARGS to bench.orchestration
+bench: setup $(TRL_STAMP)
+	$(BIN)/python -m bench.orchestration $(ORCH_ARGS)
+	$(BIN)/python -m bench.ppo_bench $(BENCH_ARGS)
+
+# Both servers bind to UI_HOST (127.0.0.1: this machine only); e.g. `make ui PREFECT_PORT=4300 MLFLOW_PORT=5001`
+UI_HOST ?= 127.0.0.1
+PREFECT_PORT ?= 4200
+MLFLOW_PORT ?= 5000
+
+ui: setup
+	$(BIN)/python -m flows.serve --start-servers --host $(UI_HOST) --prefect-port $(PREFECT_PORT) --mlflow-port $(MLFLOW_PORT)
 
 dvc-yaml: setup
 	$(BIN)/python -m rlhflow.stages > dvc.yaml
