@@ -160,7 +160,14 @@ class PPOConfig(Section):
         "e.g. 'rlhflow.rewards:contains_word'; default: the trained reward model"
     )
     reward_fn_kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for reward_fn")
-    value_model: Literal["shared", "separate"] = "shared"
+    value_model: Literal["shared", "separate"] = Field(
+        "shared", description="shared: a value head on the policy backbone; separate: a critic model of its own"
+    )
+    critic_init: Literal["auto", "reward_model", "sft"] = Field(
+        "auto", description="the separate critic's start: a copy of the reward model (backbone and score head) or of "
+        "the SFT model; auto: the reward model when it reads the policy's tokens (e.g. reward_model.backbone=sft), "
+        "else the SFT model"
+    )
     lora: LoraConfig = LoraConfig()
     checkpoint_every: int = Field(8, ge=0, description="updates between checkpoints (0: none)")
     out_dir: str = "models/policy"

@@ -108,10 +108,13 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
-                "hidden_dropout_prob", "attention_probs_dropout_prob"):
-        if hasattr(model.config, key) and isinstance(getattr(model.config, key), float):
-            setattr(model.config, key, 0.0)
+    # the configs of the model and of any model inside it (a critic wraps a backbone): some layers read them
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
+    for config in configs.values():
+        for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+                    "hidden_dropout_prob", "attention_probs_dropout_prob"):
+            if isinstance(getattr(config, key, None), float):
+                setattr(config, key, 0.0)
     return model
 
 

@@ -273,7 +273,8 @@ def policy_backbone(policy: nn.Module) -> nn.Module:
 
 
 class Critic(nn.Module):
-    """A separate value model: its own copy of the policy's backbone (the SFT weights) plus a value head."""
+    """A separate value model: its own backbone plus a value head. From the policy (a copy of the SFT backbone, a
+    zero head) or from the reward model (a copy of its backbone and score head, the usual RLHF critic init)."""
 
     def __init__(self, backbone: nn.Module, hidden_size: int, init_std: float = 0.0):
         super().__init__()
@@ -283,6 +284,22 @@ class Critic(nn.Module):
     @classmethod
     def from_policy(cls, policy: nn.Module, init_std: float = 0.0) -> "Critic":
         return cls(copy.deepcopy(policy_backbone(policy)), hidden_size_of(policy), init_std)
+
+    @classmethod
+    def from_reward_model(cls, reward_model: nn.Module, mean: float = 0.0, std: float = 1.0) -> "Critic":
+        """A copy of a sequence-classification reward model (one label, a linear score head on every token's hidden
+        state, as Llama-style `*ForSequenceClassification` models have) as critic: V(s_t) starts as the reward
+        model's normalised score (score - mean) / std read at token t, the scale of the rewards PPO optimises."""
+        score = getattr(reward_model, "score", None)
+        if not isinstance(score, nn.Linear) or score.out_features != 1:
+            raise ValueError(f"{type(reward_model).__name__} has no per-token linear score head (`score`, 1 label): "
+                             "it cannot initialise a token-level critic")
+        critic = cls(copy.deepcopy(reward_model.base_model), score.in_features)
+        with torch.no_grad():
+            critic.head.summary.weight.copy_(score.weight / std)
+            bias = score.bias if score.bias is not None else torch.zeros(1)
+            critic.head.summary.bias.copy_((bias - mean) / std)
+        return critic
 
     def forward(self, query_response: torch.Tensor, attention_mask: torch.Tensor, context_length: int) -> torch.Tensor:
         out = self.backbone(input_ids=query_response, attention_mask=attention_mask,

@@ -26,16 +26,43 @@ def load_reward_fn(spec: str, kwargs: dict | None = None) -> Callable:
     return functools.partial(fn, **(kwargs or {}))
 
 
-def make_score_fn(cfg: Config, device) -> Callable:
+def load_reward_source(cfg: Config, device):
+    """(score_fn, reward model): ppo.reward_fn when set (no reward model), else the trained reward model's
+    normalised score."""
     import torch
 
     if cfg.ppo.reward_fn:
         fn = load_reward_fn(cfg.ppo.reward_fn, cfg.ppo.reward_fn_kwargs)
-        return lambda prompts, responses: torch.as_tensor(list(fn(prompts, responses)), dtype=torch.float32)
+        return lambda prompts, responses: torch.as_tensor(list(fn(prompts, responses)), dtype=torch.float32), None
     from rlhflow.reward import RewardModel
 
-    return RewardModel.load(cfg.path(cfg.reward_model.out_dir), batch_size=cfg.reward_model.eval_batch_size,
-                            device=device).score
+    rm = RewardModel.load(cfg.path(cfg.reward_model.out_dir), batch_size=cfg.reward_model.eval_batch_size,
+                          device=device)
+    return rm.score, rm
+
+
+def make_critic(cfg: Config, reward_model, policy_tokenizer):
+    """The separate critic's start (ppo.critic_init): a copy of the reward model when it reads the policy's tokens,
+    else None (the trainer copies the SFT backbone)."""
+    from rlhflow.policy import Critic
+
+    if cfg.ppo.value_model != "separate" or cfg.ppo.critic_init == "sft":
+        return None
+    if reward_model is None:
+        why_not = "ppo.reward_fn replaces the reward model"
+    elif reward_model.tokenizer.get_vocab() != policy_tokenizer.get_vocab():
+        why_not = "the reward model's tokenizer is not the policy's"
+    else:
+        try:
+            critic = Critic.from_reward_model(reward_model.model, reward_model.mean, reward_model.std)
+            print("ppo: the critic starts from the reward model", flush=True)
+            return critic
+        except ValueError as err:
+            why_not = str(err)
+    if cfg.ppo.critic_init == "reward_model":
+        raise ValueError(f"ppo.critic_init=reward_model: {why_not}")
+    print(f"ppo: the critic starts from the SFT model ({why_not})", flush=True)
+    return None
 
 
 def inputs_fingerprint(cfg: Config) -> str:
@@ -87,9 +114,10 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     torch.manual_seed(cfg.seed)
     checkpoint_dir = prepare_checkpoint_dir(cfg) if ctx.main_process else cfg.path(cfg.ppo.checkpoint_dir)
     distributed.barrier()  # with several processes: rank 0 has kept or cleared the checkpoints before any reads them
+    score_fn, reward_model = load_reward_source(cfg, device)
     trainer = PPOTrainer(cfg.ppo, policy=policy, tokenizer=tokenizer,
-                         score_fn=make_score_fn(cfg, device), prompts=prompts, device=device, seed=cfg.seed,
-                         checkpoint_dir=checkpoint_dir,
+                         score_fn=score_fn, prompts=prompts, device=device, seed=cfg.seed,
+                         checkpoint_dir=checkpoint_dir, critic=make_critic(cfg, reward_model, tokenizer),
                          log_fn=lambda stats, step: ctx.log_metrics(stats, step=step))
     if trainer.load_checkpoint():  # an interrupted run of the same inputs left a checkpoint
         print(f"ppo: resuming from the checkpoint of update {trainer.step} in {checkpoint_dir}", flush=True)

@@ -105,6 +105,25 @@ def test_policy_and_value_shared_and_separate(tok, model):
     assert all(p.data_ptr() != q.data_ptr() for p, q in zip(critic.backbone.parameters(), model.parameters()))
 
 
+def test_critic_from_the_reward_model_starts_at_its_normalised_score(tok, tiny_model_dir):
+    """V(s) at a token = the reward model's (score - mean) / std read there; the critic owns a copy of the weights."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).eval()
+    _, _, qr, am, P = _left_padded_batch(tok)
+    ids = qr[:1, am[0].bool()]  # one sequence, no padding: the reward model reads its last token
+    mean, std = 0.3, 2.0
+    critic = Critic.from_reward_model(rm, mean=mean, std=std)
+    with torch.no_grad():
+        expected = (rm(input_ids=ids).logits[:, 0] - mean) / std
+        value_at_last = critic.head(critic.backbone(input_ids=ids).last_hidden_state[:, -1])
+    assert torch.allclose(value_at_last, expected, atol=1e-5) and expected.abs().item() > 1e-3
+    assert all(p.data_ptr() != q.data_ptr() for p, q in zip(critic.backbone.parameters(), rm.parameters()))
+    with pytest.raises(ValueError, match="no per-token linear score head"):
+        Critic.from_reward_model(torch.nn.Module())
+
+
 def test_generate_shapes_padding_and_seeding(tok, model):
     ids, mask = encode_prompts(tok, MESSAGES * 3, 64)
     state = torch.get_rng_state()

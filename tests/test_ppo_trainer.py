@@ -185,3 +185,39 @@ def test_lora_reference_is_the_adapter_free_base(tok, tmp_path):
         assert torch.allclose(merged(qr).logits, trainer.policy(input_ids=qr).logits, atol=1e-5)
         assert not torch.allclose(merged(qr).logits, sft(qr).logits, atol=1e-4)
 
+
+
+def test_separate_critic_starts_from_the_reward_model_when_it_reads_the_policys_tokens(tok, tmp_path,
+                                                                                        tiny_model_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhflow.config import load_config
+    from rlhflow.reward import RewardModel
+    from tasks.ppo import make_critic
+
+    torch.manual_seed(0)
+    rm = RewardModel(AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1), tok,
+                     max_length=64, mean=0.5, std=2.0)
+    cfg = load_config(overrides=["ppo.value_model=separate"])
+    critic = make_critic(cfg, rm, tok)
+    assert critic is not None
+    assert torch.equal(critic.head.summary.weight, rm.model.score.weight / 2.0)
+
+    params = make_trainer(tok, tmp_path, steps=1, value_model="separate").cfg
+    trainer = PPOTrainer(params, policy=tiny_llama(tok, seed=0), tokenizer=tok, score_fn=vowel_fraction,
+                         prompts=PROMPTS, critic=critic)
+    assert trainer.model.critic is critic  # trained as given, not replaced by a copy of the SFT backbone
+    stats = trainer.update()
+    assert math.isfinite(stats["ppo/value_loss"])
+    assert not torch.equal(critic.head.summary.weight, rm.model.score.weight / 2.0)  # it trained
+    with torch.no_grad():  # the reward model itself did not
+        fresh = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+        assert all(torch.equal(a, b) for (n, a), (_, b) in zip(rm.model.base_model.named_parameters(),
+                                                               fresh.base_model.named_parameters()))
+
+    # no reward model (a rule-based reward): auto falls back to the SFT copy, reward_model refuses
+    assert make_critic(cfg, None, tok) is None
+    strict = load_config(overrides=["ppo.value_model=separate", "ppo.critic_init=reward_model"])
+    with pytest.raises(ValueError, match="ppo.critic_init=reward_model: ppo.reward_fn replaces the reward model"):
+        make_critic(strict, None, tok)
+    assert make_critic(load_config(overrides=["ppo.value_model=shared"]), rm, tok) is None

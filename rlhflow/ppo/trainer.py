@@ -91,8 +91,10 @@ class PPOTrainer:
                  prompts: Sequence[list[dict]], ref_policy: torch.nn.Module | None = None,
                  device: str | torch.device = "cpu", seed: int = 0,
                  log_fn: Callable[[dict[str, float], int], None] | None = None,
-                 checkpoint_dir: str | os.PathLike | None = None):
-        """checkpoint_dir overrides cfg.checkpoint_dir (relative paths are relative to the repository root)."""
+                 checkpoint_dir: str | os.PathLike | None = None, critic: Critic | None = None):
+        """checkpoint_dir overrides cfg.checkpoint_dir (relative paths are relative to the repository root).
+        critic: the value model when cfg.value_model is "separate" (e.g. `Critic.from_reward_model`); default: a
+        copy of the policy's backbone with a zero value head."""
         if not prompts:
             raise ValueError("PPOTrainer needs at least one prompt")
         if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
@@ -104,9 +106,12 @@ class PPOTrainer:
         self.checkpoint_dir = _resolve(checkpoint_dir if checkpoint_dir is not None else cfg.checkpoint_dir)
 
         policy = disable_dropout(policy).to(self.device)
-        critic = None
-        if cfg.value_model == "separate":  # a copy of the SFT backbone, taken before any adapter is added
-            critic = Critic.from_policy(policy).to(self.device)
+        if cfg.value_model != "separate":
+            critic = None
+        elif critic is None:  # a copy of the SFT backbone, taken before any adapter is added
+            critic = Critic.from_policy(policy)
+        if critic is not None:
+            critic = disable_dropout(critic).to(self.device)
         if cfg.lora.enabled:
             policy = self._add_lora(policy)
             if critic is not None:
