@@ -102,6 +102,12 @@ class RewardModelConfig(Section):
         25, ge=0, description="training steps between Trainer checkpoints; a killed run resumes from the last (0: none)"
     )
     checkpoint_dir: str = "checkpoints/reward_model"
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="training precision; auto: bf16 mixed precision on a CUDA GPU that supports it, else fp32 "
+        "(CPUs without native bf16 run bf16 matmuls tens of times slower)"
+    )
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward: less memory, ~30% "
+                                         "more time (for large backbones on small GPUs)")
 
 
 class AdaptiveKLConfig(Section):

@@ -81,3 +81,15 @@ def test_encode_pair_without_chat_template_uses_pair_encoding():
     assert len(ids) == 48
     text = tok.decode(ids)
     assert text.startswith("[CLS]") and text.endswith("[SEP] short answer [SEP]")
+
+
+def test_training_precision_is_fp32_on_cpu_unless_asked():
+    """trl's configs default to bf16, which CPUs without native bf16 run tens of times slower: auto means fp32 there."""
+    import torch
+
+    from rlhflow.config import load_config
+    from rlhflow.reward import use_bf16
+
+    assert load_config().reward_model.precision == "auto" and not load_config().reward_model.gradient_checkpointing
+    assert use_bf16("auto") == (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    assert use_bf16("bf16") and not use_bf16("fp32")
