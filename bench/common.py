@@ -50,6 +50,14 @@ def torch_dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
+def open_workload(description: str):
+    """A runner's start: (args, spec, torch, workload dir, device, dtype), torch set to the threads and seed."""
+    args = runner_args(description)
+    spec = load_spec(args.workload_dir)
+    torch = setup_torch(args.threads, spec["seed"])
+    return args, spec, torch, Path(args.workload_dir), spec["device"], torch_dtype(spec["dtype"])
+
+
 def sync(device: str) -> None:
     """Wait for queued GPU work, so that wall-clock phase boundaries are real."""
     if device.startswith("cuda"):

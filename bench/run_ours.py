@@ -14,13 +14,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import load_spec, reset_peak_memory, runner_args, setup_torch, sync, torch_dtype, write_result
+from bench.common import open_workload, reset_peak_memory, sync, write_result
 
 
 def main() -> None:
-    args = runner_args(__doc__.splitlines()[0])
-    spec = load_spec(args.workload_dir)
-    torch = setup_torch(args.threads, spec["seed"])
+    args, spec, torch, root, device, dtype = open_workload(__doc__.splitlines()[0])
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from rlhflow.config import PPOConfig
@@ -28,7 +26,6 @@ def main() -> None:
     from rlhflow.ppo import PPOTrainer
     from rlhflow.reward import RewardModel
 
-    root, device, dtype = Path(args.workload_dir), spec["device"], torch_dtype(spec["dtype"])
     tokenizer = AutoTokenizer.from_pretrained(root / "policy")
     policy = load_causal_lm(str(root / "policy"), dtype=dtype, pad_token_id=tokenizer.pad_token_id)
     reward = AutoModelForSequenceClassification.from_pretrained(root / "reward", dtype=dtype, use_safetensors=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from bench.common import (  # noqa: E402
-    PhaseClock, load_spec, reset_peak_memory, runner_args, setup_torch, torch_dtype, write_result,
+    PhaseClock, open_workload, reset_peak_memory, write_result,
 )
 
 
@@ -49,15 +49,12 @@ def instrument(ppo_module, clock: PhaseClock) -> None:
 
 
 def main() -> None:
-    args = runner_args(__doc__.splitlines()[0])
-    spec = load_spec(args.workload_dir)
-    torch = setup_torch(args.threads, spec["seed"])
+    args, spec, torch, root, device, dtype = open_workload(__doc__.splitlines()[0])
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
     from trl.experimental.ppo import PPOConfig, PPOTrainer
     from trl.experimental.ppo import ppo_trainer as ppo_module
 
-    root, device, dtype = Path(args.workload_dir), spec["device"], torch_dtype(spec["dtype"])
     tokenizer = AutoTokenizer.from_pretrained(root / "policy")
     tokenizer.padding_side = "left"
     policy = AutoModelForCausalLM.from_pretrained(root / "policy", dtype=dtype, use_safetensors=True)
