@@ -11,7 +11,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, tiny_pipeline_overrides
+from conftest import REPO, free_port, tiny_pipeline_overrides
 from rlhflow.stages import STAGE_NAMES
 
 pytestmark = pytest.mark.slow  # a whole tiny pipeline run, then an MLflow server and Chromium: about 2 min on 2 cores
@@ -44,12 +43,6 @@ def finished_run(tmp_path_factory, tiny_model_dir, one_thread) -> Path:
     return root
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def mlflow_ui(finished_run):
     """`mlflow server` on the finished run's store, as `make ui` starts it; yields its URL."""
@@ -57,7 +50,7 @@ def mlflow_ui(finished_run):
 
     uri = f"sqlite:///{finished_run}/mlflow.db"
     artifacts = sqlite_artifact_root(uri).as_uri()
-    port = _free_port()
+    port = free_port()
     env = {**os.environ}
     env.pop("MLFLOW_TRACKING_URI", None)  # mlflow.set_tracking_uri in the pipeline exports it
     log = (finished_run / "mlflow-server.log").open("w")

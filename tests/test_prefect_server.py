@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_pipeline_overrides
+from conftest import free_port, tiny_pipeline_overrides
 from flows.pipeline import ACCELERATOR_STAGES, PARAMS, TRAINING_LIMIT
 from flows.report import LINK_KEY, MLFLOW_UI_URL_ENV, REPORT_KEY
 from flows.serve import stop, wait_for
@@ -24,17 +23,11 @@ from flows.serve import stop, wait_for
 MLFLOW_UI = "http://127.0.0.1:5999"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """A Prefect server and the served deployments; yields the API URL. Both are stopped at the end."""
     home = tmp_path_factory.mktemp("prefect-home")
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api, "PREFECT_SERVER_UI_ENABLED": "false",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", MLFLOW_UI_URL_ENV: MLFLOW_UI}
