@@ -141,6 +141,12 @@ class PPOConfig(Section):
     max_new_tokens: int = Field(48, ge=1)
     max_prompt_length: int = Field(192, ge=1)
     stop_strings: list[str] = Field(default_factory=list, description="extra stop strings besides EOS")
+    rollout_logprobs: Literal["auto", "generation", "forward"] = Field(
+        "auto", description="where the rollout's old log-probs, entropy and shared-head values come from: the "
+        "sampling pass's own logits and hidden states (one forward pass fewer per update) or a separate forward "
+        "pass; auto: generation when the policy is float32, forward in lower precision, where KV-cache decoding "
+        "and a full forward pass differ by more than rounding"
+    )
     # advantage estimation
     gamma: float = Field(1.0, ge=0, le=1)
     # lam=1: every response token gets credit for the final score while the value head is still untrained;

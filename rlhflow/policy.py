@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
+from rlhflow.packed import packed_linears
 from rlhflow.ppo.core import entropy_from_logits, logprobs_from_logits
 
 Messages = list[dict]
@@ -78,6 +79,9 @@ class GenerationOutput:
     ended: torch.Tensor  # [B] bool: emitted EOS or a stop string (False: ran into max_new_tokens)
     texts: list[str] = field(default_factory=list)  # responses decoded without special tokens, cut at stop strings
     attention_mask: torch.Tensor | None = None  # [B, P+T] prompt mask followed by response_mask
+    # with generate(return_logits=True / return_hidden=True), from the sampling pass itself:
+    logits: torch.Tensor | None = None  # [B, T, V] raw logits (before temperature) that predicted each response token
+    hidden: torch.Tensor | None = None  # [B, T, H] last hidden state s_t from which response token t was sampled
 
     @property
     def context_length(self) -> int:
@@ -121,13 +125,16 @@ def _cut_response(tokenizer, ids: list[int], eos_ids: set[int], stop_strings: Se
 def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, input_ids: torch.Tensor,
              attention_mask: torch.Tensor, *, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, stop_strings: Sequence[str] = (), generator_seed: int | None = None,
-             ) -> GenerationOutput:
+             return_logits: bool = False, return_hidden: bool = False) -> GenerationOutput:
     """Sample one response per prompt (do_sample, KV cache) from logits / temperature, then top-k / top-p.
 
     A response ends at the first EOS (or a stop string that is a single vocabulary token) or at the token that
     completes a stop string; that token is kept as the last real token (it carries the score) and everything
     after it becomes pad. `texts` are decoded without special tokens and cut before the stop string.
-    `generator_seed` makes the sampling reproducible without touching the global RNG."""
+    `generator_seed` makes the sampling reproducible without touching the global RNG.
+    return_logits / return_hidden keep the sampling pass's raw logits and last hidden states (PPO's old
+    log-probs and shared-head values without a second forward pass). On CPU in float32 the linear layers run on
+    oneDNN-packed weights while sampling (`rlhflow.packed`)."""
     stop_strings = [s for s in stop_strings if s]
     eos_ids = stop_token_ids(tokenizer, stop_strings)
     gen_config = GenerationConfig(
@@ -136,20 +143,22 @@ def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, input_ids: to
         # neutral values, so a model's own generation defaults cannot change the sampling distribution
         repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0, typical_p=1.0,
         epsilon_cutoff=0.0, eta_cutoff=0.0, min_new_tokens=0, use_cache=True,
-        stop_strings=stop_strings or None,
+        stop_strings=stop_strings or None, return_dict_in_generate=True, output_logits=return_logits,
+        output_hidden_states=return_hidden,
     )
     extra = {"tokenizer": tokenizer} if stop_strings else {}
     was_training = model.training
     model.eval()
-    if generator_seed is None:  # sample from (and advance) the caller's RNG
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_config, **extra)
-    else:  # a private, seeded RNG stream: the global state is left as it was
-        cuda = [input_ids.device.index or 0] if input_ids.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda):
+    cuda = [input_ids.device.index or 0] if input_ids.device.type == "cuda" else []
+    # a private, seeded RNG stream leaves the global state as it was; without a seed, sample from the caller's RNG
+    with torch.random.fork_rng(devices=cuda, enabled=generator_seed is not None), \
+            packed_linears(model, batch_size=input_ids.shape[0]):
+        if generator_seed is not None:
             torch.manual_seed(generator_seed)
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_config,
+        gen_out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_config,
                                  **extra)
     model.train(was_training)
+    out = gen_out.sequences
 
     context_length = input_ids.shape[1]
     response = out[:, context_length:].clone()
@@ -164,9 +173,12 @@ def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, input_ids: to
         texts.append(text)
     response = response.masked_fill(response_mask == 0, tokenizer.pad_token_id)
     query_response = torch.cat([input_ids, response], dim=1)
+    logits = torch.stack(gen_out.logits, dim=1) if return_logits else None
+    # step 0 is the prompt's pass: its last position is the state the first response token was sampled from
+    hidden = torch.cat([step[-1][:, -1:] for step in gen_out.hidden_states], dim=1) if return_hidden else None
     return GenerationOutput(
         query_response=query_response, response=response, response_mask=response_mask, ended=ended.to(out.device),
-        texts=texts, attention_mask=torch.cat([attention_mask, response_mask], dim=1),
+        texts=texts, attention_mask=torch.cat([attention_mask, response_mask], dim=1), logits=logits, hidden=hidden,
     )
 
 
@@ -213,8 +225,9 @@ def response_forward(model: nn.Module, query_response: torch.Tensor, attention_m
     return logits, hidden
 
 
-def _logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, return_entropy: bool,
-                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, return_entropy: bool,
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(token | s_t) under logits / temperature [B, T] and, when asked, the entropy of that distribution."""
     logits = logits.float() / temperature
     logprobs = logprobs_from_logits(logits, tokens)
     return logprobs, (entropy_from_logits(logits) if return_entropy else None)
@@ -232,7 +245,7 @@ def sequence_logprobs(model: nn.Module, query_response: torch.Tensor, attention_
     for start in range(0, B, step):
         qr, am = query_response[start:start + step], attention_mask[start:start + step]
         logits, _ = response_forward(model, qr, am, context_length)
-        lp, ent = _logprobs_and_entropy(logits, qr[:, context_length:], temperature, return_entropy)
+        lp, ent = logprobs_and_entropy(logits, qr[:, context_length:], temperature, return_entropy)
         logprobs.append(lp)
         entropies.append(ent)
     mask = attention_mask[:, context_length:].bool()
@@ -336,9 +349,27 @@ class PolicyAndValue(nn.Module):
         else:
             logits, _ = response_forward(self.policy, query_response, attention_mask, context_length)
             values = self.critic(query_response, attention_mask, context_length)
-        logprobs, entropy = _logprobs_and_entropy(logits, tokens, temperature, return_entropy)
-        mask = attention_mask[:, context_length:].bool()
-        logprobs, values = logprobs.masked_fill(~mask, 0.0), values.float().masked_fill(~mask, 0.0)
-        if entropy is not None:
-            entropy = entropy.masked_fill(~mask, 0.0)
-        return logprobs, values, entropy
+        logprobs, entropy = logprobs_and_entropy(logits, tokens, temperature, return_entropy)
+        return _zero_padding(attention_mask[:, context_length:], logprobs, values, entropy)
+
+    @torch.no_grad()
+    def from_generation(self, gen: GenerationOutput, temperature: float, values: torch.Tensor | None = None):
+        """What `forward(gen.query_response, ..., return_entropy=True)` returns, from the sampling pass instead of
+        a second policy forward pass: log-probs and entropy from `gen.logits`, shared-head values from `gen.hidden`
+        (a separate critic's `values` [B, T] are passed in). Equal up to rounding: KV-cache decoding and a full
+        forward pass add in different orders."""
+        if gen.logits is None:
+            raise ValueError("generate(..., return_logits=True) keeps the logits this needs")
+        logprobs, entropy = logprobs_and_entropy(gen.logits, gen.response, temperature, return_entropy=True)
+        if values is None:
+            if self.value_model != "shared" or gen.hidden is None:
+                raise ValueError("values come from gen.hidden (shared head, return_hidden=True) or are passed in")
+            values = self.value_head(gen.hidden)
+        return _zero_padding(gen.response_mask, logprobs, values, entropy)
+
+
+def _zero_padding(mask: torch.Tensor, logprobs: torch.Tensor, values: torch.Tensor, entropy: torch.Tensor | None):
+    """(logprobs, values as float32, entropy) with 0 wherever `mask` [B, T] is 0."""
+    pad = ~mask.bool()
+    return (logprobs.masked_fill(pad, 0.0), values.float().masked_fill(pad, 0.0),
+            None if entropy is None else entropy.masked_fill(pad, 0.0))

@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from rlhflow.packed import packed_linears
 from rlhflow.policy import (
     Critic,
     PolicyAndValue,
@@ -144,6 +145,45 @@ def test_generate_shapes_padding_and_seeding(tok, model):
         else:
             assert n == 10 and tok.eos_token_id not in out.response[i].tolist()
         assert out.texts[i] == tok.decode(out.response[i, :n], skip_special_tokens=True)
+
+
+def test_packed_linears_compute_the_plain_layers(tok, model):
+    """Inside the block every Linear runs on a packed copy of its weight with the same result; on exit the plain
+    modules are back; with gradients on, the plain path runs (the packed kernel has no autograd)."""
+    _, _, qr, am, P = _left_padded_batch(tok)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        plain = model(input_ids=qr, attention_mask=am).logits
+        with packed_linears(model, batch_size=qr.shape[0]) as n_packed:
+            assert all("forward" in m.__dict__ for m in linears)
+            packed = model(input_ids=qr, attention_mask=am).logits
+    assert n_packed == len(linears) > 0 and not any("forward" in m.__dict__ for m in linears)
+    assert torch.allclose(packed, plain, atol=1e-5) and not torch.equal(packed, torch.zeros_like(packed))
+    with packed_linears(model):
+        out = model(input_ids=qr, attention_mask=am).logits
+    assert out.requires_grad and torch.allclose(out, plain, atol=1e-6)
+    with packed_linears(model, enabled=False) as n_packed:
+        assert n_packed == 0
+
+
+@pytest.mark.parametrize("mode", ["shared", "separate"])
+def test_rollout_statistics_from_generation_equal_a_forward_pass(tok, model, mode):
+    """Old log-probs, entropy and values kept from the sampling pass equal those of a forward pass over the
+    sampled sequences (left-padded prompts, responses of different lengths), up to rounding."""
+    ids, mask = encode_prompts(tok, MESSAGES * 4, 64)
+    pv = PolicyAndValue(copy.deepcopy(model), mode)
+    torch.nn.init.normal_(pv.value_module().head.summary.weight if mode == "separate" else pv.value_head.summary.weight)
+    gen = generate(pv.policy, tok, ids, mask, max_new_tokens=12, temperature=0.7, stop_strings=["e"],
+                   generator_seed=3, return_logits=True, return_hidden=mode == "shared")
+    assert gen.response_mask.sum(1).unique().numel() > 1  # responses of different lengths
+    qr, am, P = gen.query_response, gen.attention_mask, gen.context_length
+    with torch.no_grad():
+        expected = pv(qr, am, P, 0.7, return_entropy=True)
+        values = pv.critic(qr, am, P) if mode == "separate" else None
+    got = pv.from_generation(gen, 0.7, values)
+    for name, a, b in zip(("logprobs", "values", "entropy"), got, expected):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5), name
+        assert (a[gen.response_mask == 0] == 0).all() and a.abs().sum() > 0, name
 
 
 def test_generate_stops_at_stop_strings(tok, model):
