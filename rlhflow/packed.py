@@ -8,7 +8,9 @@ pass over the weights (about 0.4 s for 135M parameters), so it pays off over a w
 forward pass.
 
 `packed_linears(model)` packs on entry and restores the plain modules on exit; the packed copies exist only
-inside the block (one extra copy of the weights while generating). Outside CPU float32, without oneDNN, or with
+inside the block (one extra copy of the weights while generating). A peft LoRA layer is packed with its adapter
+merged in (W + scaling * B A), so a LoRA policy samples as fast as a plain one; with the adapter disabled (the
+reference) it runs peft's own forward. Outside CPU float32, without oneDNN, or with
 gradients enabled it changes nothing.
 """
 
@@ -34,12 +36,38 @@ def _packable(module: nn.Module) -> bool:
             and w.dtype == torch.float32 and "forward" not in module.__dict__)
 
 
+def _lora_packable(module: nn.Module) -> bool:
+    """A peft LoRA layer around a packable Linear: plain LoRA (no DoRA-like variant, no LoRA bias), not merged."""
+    base = getattr(module, "base_layer", None)
+    return (base is not None and _packable(base) and hasattr(module, "get_delta_weight")
+            and hasattr(module, "lora_A") and not getattr(module, "lora_variant", None)
+            and not any(getattr(module, "lora_bias", {}).values()) and not module.merged
+            and "forward" not in module.__dict__)
+
+
+def _run_packed(packed: torch.Tensor, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    bias = None if linear.bias is None else linear.bias.detach()
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).contiguous(), packed, bias, "none", [], "")
+    return y.reshape(*x.shape[:-1], linear.out_features)
+
+
 def _packed_forward(module: nn.Linear, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() or x.dtype != torch.float32:  # the packed kernel has no autograd: plain path
         return F.linear(x, module.weight, module.bias)
-    bias = None if module.bias is None else module.bias.detach()
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).contiguous(), packed, bias, "none", [], "")
-    return y.reshape(*x.shape[:-1], module.out_features)
+    return _run_packed(packed, module, x)
+
+
+def _packed_lora_forward(module: nn.Module, packed: torch.Tensor, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """W x + b with W = W_base + scaling * B A packed (one matmul instead of three); peft's own forward when the
+    adapter is disabled (the reference), merged, or called with gradients or extra arguments."""
+    if (torch.is_grad_enabled() or x.dtype != torch.float32 or args or kwargs or module.disable_adapters
+            or module.merged):
+        return type(module).forward(module, x, *args, **kwargs)
+    return _run_packed(packed, module.base_layer, x)
+
+
+def _pack(weight: torch.Tensor, batch_size: int) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), max(1, batch_size))
 
 
 @contextlib.contextmanager
@@ -50,11 +78,21 @@ def packed_linears(model: nn.Module, batch_size: int = 8, enabled: bool = True) 
     patched: list[nn.Module] = []
     if enabled and _available():
         try:
+            inside_lora: set[int] = set()  # the base and adapter layers of a packed LoRA layer
             for module in model.modules():
-                if _packable(module):
-                    packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), max(1, batch_size))
-                    module.forward = functools.partial(_packed_forward, module, packed)  # instance attribute
-                    patched.append(module)
+                if id(module) in inside_lora:
+                    continue
+                if _lora_packable(module):  # the adapter as it is now, merged into one packed weight
+                    with torch.no_grad():
+                        weight = module.base_layer.weight + sum(
+                            module.get_delta_weight(name) for name in module.active_adapters if name in module.lora_A)
+                    module.forward = functools.partial(_packed_lora_forward, module, _pack(weight, batch_size))
+                    inside_lora.update(id(m) for m in module.modules())
+                elif _packable(module):
+                    module.forward = functools.partial(_packed_forward, module, _pack(module.weight, batch_size))
+                else:
+                    continue
+                patched.append(module)  # forward is an instance attribute: deleting it restores the class's
         except RuntimeError as err:  # e.g. a oneDNN build without this primitive: run plain
             warnings.warn(f"oneDNN weight packing unavailable ({err}); generating with plain weights")
             for module in patched:

@@ -12,6 +12,7 @@ import math
 import os
 import re
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,14 +193,15 @@ def stage_run(cfg: Config, stage: str, sections: list[str], parent_run_id: str |
 def log_metrics(metrics: dict[str, float], *, run_ids: list[str | None] = (), step: int | None = None) -> None:
     """Log to the active run and to any other given runs (the evaluate stage also logs on the parent)."""
     import mlflow
+    from mlflow.entities import Metric
 
     clean = {k: float(v) for k, v in metrics.items() if v is not None}
     mlflow.log_metrics(clean, step=step)
-    client = mlflow.MlflowClient()
+    now = int(time.time() * 1000)
+    batch = [Metric(key, value, now, step or 0) for key, value in clean.items()]
     for run_id in run_ids:
-        if run_id:
-            for key, value in clean.items():
-                client.log_metric(run_id, key, value, step=step or 0)
+        if run_id and batch:
+            mlflow.MlflowClient().log_batch(run_id, metrics=batch)  # one request, not one per metric
 
 
 def log_dataset(path: str | os.PathLike, *, name: str, context: str) -> str:

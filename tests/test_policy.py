@@ -166,6 +166,29 @@ def test_packed_linears_compute_the_plain_layers(tok, model):
         assert n_packed == 0
 
 
+def test_packed_lora_layers_merge_the_adapter_and_leave_the_reference_alone(tok, model):
+    """A LoRA layer packs W + scaling * B A: the same output as peft's three matmuls; with the adapter disabled (PPO's
+    reference) the base model's output."""
+    from peft import LoraConfig, get_peft_model
+
+    _, _, qr, am, P = _left_padded_batch(tok)
+    lora = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    for name, param in lora.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.5)  # peft starts B at 0: make the adapter change the output
+    with torch.no_grad():
+        with_adapter = lora(input_ids=qr, attention_mask=am).logits
+        base = model(input_ids=qr, attention_mask=am).logits
+        with packed_linears(lora, batch_size=qr.shape[0]) as n_packed:
+            packed = lora(input_ids=qr, attention_mask=am).logits
+            with lora.disable_adapter():
+                packed_base = lora(input_ids=qr, attention_mask=am).logits
+    plain_linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert n_packed == plain_linears  # each LoRA layer counts once, its base and adapter layers not again
+    assert not torch.allclose(with_adapter, base, atol=1e-3)
+    assert torch.allclose(packed, with_adapter, atol=1e-5) and torch.allclose(packed_base, base, atol=1e-5)
+
+
 @pytest.mark.parametrize("mode", ["shared", "separate"])
 def test_rollout_statistics_from_generation_equal_a_forward_pass(tok, model, mode):
     """Old log-probs, entropy and values kept from the sampling pass equal those of a forward pass over the
