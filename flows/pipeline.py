@@ -18,11 +18,12 @@ FAILED and stops everything downstream.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import sys
 import time
-from typing import Literal
+from typing import Iterator, Literal
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
@@ -86,6 +87,46 @@ def ensure_training_limit() -> int:
         return client.read_global_concurrency_limit_by_name(TRAINING_LIMIT).limit
 
 
+# While a stage waits for a TRAINING_LIMIT slot, it says so this often. A run killed with SIGKILL while holding a
+# slot never gives it back: Prefect's temporary server keeps its leases in memory and does not run the service
+# that revokes expired ones, so the slot stays taken until reset (`python -m flows.pipeline --reset-training-limit`).
+SLOT_NOTICE_S = 600.0
+
+
+@contextlib.contextmanager
+def training_slot(stage: str) -> Iterator[None]:
+    """Hold one TRAINING_LIMIT slot while `stage` runs; every SLOT_NOTICE_S of waiting, say what is waited for and
+    how to free a slot that a killed run left taken."""
+    from prefect.concurrency.sync import concurrency
+
+    waited = 0.0
+    while True:
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(concurrency(TRAINING_LIMIT, occupy=1, strict=True, timeout_seconds=SLOT_NOTICE_S))
+        except TimeoutError:
+            waited += SLOT_NOTICE_S
+            print(f"{stage}: waited {waited / 60:.0f} min for a slot of the Prefect concurrency limit "
+                  f"{TRAINING_LIMIT!r}, held by another pipeline run. If no other run is active, a killed run left it "
+                  "taken: free it with `python -m flows.pipeline --reset-training-limit`.")
+            continue
+        with stack:
+            yield
+        return
+
+
+def reset_training_limit() -> tuple[int, int]:
+    """Mark every slot of TRAINING_LIMIT free (after a killed run left one taken); returns (slots taken before,
+    after)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
+
+    with get_client(sync_client=True) as client:
+        before = client.read_global_concurrency_limit_by_name(TRAINING_LIMIT).active_slots
+        client.update_global_concurrency_limit(TRAINING_LIMIT, GlobalConcurrencyLimitUpdate(active_slots=0))
+        return before, client.read_global_concurrency_limit_by_name(TRAINING_LIMIT).active_slots
+
+
 @task(name="check-up-to-date", **TRANSIENT_RETRIES)
 def check_up_to_date(name: str, cfg: Config) -> list[str]:
     """Why the stage must run (empty: it is up to date)."""
@@ -133,8 +174,6 @@ def run_or_skip(name: str, cfg: Config, parent_id: str, force: bool) -> tuple[re
 
 def run_pipeline(cfg: Config, stages: list[str] | None = None, force: bool = False) -> dict[str, float]:
     """The body of every flow here: the selected stages, in order, in one MLflow parent run."""
-    from prefect.concurrency.sync import concurrency
-
     names = selected_stages(cfg, stages)
     tracking.preflight(cfg)  # an unreachable tracking server fails here, in seconds, not after training
     if any(n in ACCELERATOR_STAGES for n in names):
@@ -151,7 +190,7 @@ def run_pipeline(cfg: Config, stages: list[str] | None = None, force: bool = Fal
                   f"{tracking.redact(uri)}: {run_url}")
             for name in names:
                 if name in ACCELERATOR_STAGES:  # a second pipeline run waits here for the first one's stage
-                    with concurrency(TRAINING_LIMIT, occupy=1, strict=True):
+                    with training_slot(name):
                         outcome, metrics = run_or_skip(name, cfg, parent.info.run_id, force)
                 else:
                     outcome, metrics = run_or_skip(name, cfg, parent.info.run_id, force)
@@ -198,7 +237,14 @@ def main(argv: list[str] | None = None) -> None:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--stages", default=None, help="comma-separated subset of stages to run")
     pre.add_argument("--force", action="store_true", help="run every stage even when it is up to date")
+    pre.add_argument("--reset-training-limit", action="store_true",
+                     help=f"only mark every slot of the Prefect concurrency limit {TRAINING_LIMIT!r} free (a killed "
+                     "run left one taken) and exit")
     known, rest = pre.parse_known_args(argv)
+    if known.reset_training_limit:
+        before, after = reset_training_limit()
+        print(f"{TRAINING_LIMIT}: {before} slot(s) taken before, {after} now")
+        return
     cfg, _ = parse_args(rest, "Run the RLHF pipeline flow (validate -> sft -> reward_model -> ppo -> evaluate); "
                               "--stages a,b runs a subset, --force runs stages that are up to date too.")
     start = time.perf_counter()
