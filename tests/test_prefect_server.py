@@ -139,35 +139,31 @@ def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_
     assert parent.data.tags["pipeline"] == "rlhf" and "eval/win_rate_vs_sft" in parent.data.metrics
 
 
-def test_a_slot_left_taken_by_a_killed_run_is_announced_and_can_be_freed(served, monkeypatch, capsys):
+def test_a_slot_left_taken_by_a_killed_run_is_announced_and_can_be_freed(served):
     """A run killed while holding the training slot never returns it (the temporary server forgets its leases).
-    A waiting stage says so, naming the reset command; the command frees the slot and the stage goes on."""
-    import threading
-
+    A waiting stage says so, naming the reset command; the command frees the slot and the stage goes on. The
+    stage waits in its own process: Prefect's slot service is a per-process singleton bound to one server."""
     from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     import flows.pipeline as pipeline
 
     api, _ = served
-    monkeypatch.setattr(pipeline, "SLOT_NOTICE_S", 1.0)
-    with temporary_settings({PREFECT_API_URL: api}):
-        with _client(api) as client:  # the leak: a slot taken, no run holding it
-            client.update_global_concurrency_limit(TRAINING_LIMIT, GlobalConcurrencyLimitUpdate(active_slots=1))
-        entered = threading.Event()
-
-        def stage():
-            with temporary_settings({PREFECT_API_URL: api}), pipeline.training_slot("ppo"):
-                entered.set()
-
-        waiter = threading.Thread(target=stage, daemon=True)
-        waiter.start()
-        time.sleep(4)
-        assert not entered.is_set()
+    with _client(api) as client:  # the leak: a slot taken, no run holding it
+        client.update_global_concurrency_limit(TRAINING_LIMIT, GlobalConcurrencyLimitUpdate(active_slots=1))
+    code = ("import flows.pipeline as p; p.SLOT_NOTICE_S = 1.0\n"
+            "with p.training_slot('ppo'):\n    print('stage entered', flush=True)")
+    proc = subprocess.Popen([sys.executable, "-u", "-c", code], env={**os.environ, "PREFECT_API_URL": api},
+                            cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    while proc.poll() is None and not any("waited" in line for line in lines):
+        lines.append(proc.stdout.readline())  # the waiting stage prints a notice every second
+    assert proc.poll() is None, "".join(lines)  # still waiting
+    with temporary_settings({PREFECT_API_URL: api}):  # what the command does, against this server
         assert pipeline.reset_training_limit() == (1, 0)
-        assert entered.wait(timeout=90), "the stage did not get the freed slot"
-        waiter.join(timeout=30)
-    out = capsys.readouterr().out
+    out = "".join(lines) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0 and "stage entered" in out, out
     assert "ppo: waited" in out and f"{TRAINING_LIMIT!r}" in out and "--reset-training-limit" in out
     with _client(api) as client:
         assert client.read_global_concurrency_limit_by_name(TRAINING_LIMIT).active_slots == 0
