@@ -51,8 +51,13 @@ def _run_packed(packed: torch.Tensor, linear: nn.Linear, x: torch.Tensor) -> tor
     return y.reshape(*x.shape[:-1], linear.out_features)
 
 
+def _kernel_applies(x: torch.Tensor) -> bool:
+    """The packed kernel has no autograd and takes float32 only; anything else runs the plain path."""
+    return not torch.is_grad_enabled() and x.dtype == torch.float32
+
+
 def _packed_forward(module: nn.Linear, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled() or x.dtype != torch.float32:  # the packed kernel has no autograd: plain path
+    if not _kernel_applies(x):
         return F.linear(x, module.weight, module.bias)
     return _run_packed(packed, module, x)
 
@@ -60,8 +65,7 @@ def _packed_forward(module: nn.Linear, packed: torch.Tensor, x: torch.Tensor) ->
 def _packed_lora_forward(module: nn.Module, packed: torch.Tensor, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """W x + b with W = W_base + scaling * B A packed (one matmul instead of three); peft's own forward when the
     adapter is disabled (the reference), merged, or called with gradients or extra arguments."""
-    if (torch.is_grad_enabled() or x.dtype != torch.float32 or args or kwargs or module.disable_adapters
-            or module.merged):
+    if not _kernel_applies(x) or args or kwargs or module.disable_adapters or module.merged:
         return type(module).forward(module, x, *args, **kwargs)
     return _run_packed(packed, module.base_layer, x)
 

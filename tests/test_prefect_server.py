@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, tiny_pipeline_overrides
+from conftest import REPO, free_port, tiny_pipeline_overrides
 from flows.pipeline import ACCELERATOR_STAGES, PARAMS, TRAINING_LIMIT
 from flows.report import LINK_KEY, MLFLOW_UI_URL_ENV, REPORT_KEY
 from flows.serve import stop, wait_for
@@ -154,7 +154,7 @@ def test_a_slot_left_taken_by_a_killed_run_is_announced_and_can_be_freed(served)
     code = ("import flows.pipeline as p; p.SLOT_NOTICE_S = 1.0\n"
             "with p.training_slot('ppo'):\n    print('stage entered', flush=True)")
     proc = subprocess.Popen([sys.executable, "-u", "-c", code], env={**os.environ, "PREFECT_API_URL": api},
-                            cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                            cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     while proc.poll() is None and not any("waited" in line for line in lines):
