@@ -65,7 +65,7 @@ $(TRL_STAMP): bench/requirements-trl.txt
 	TRL_EXPERIMENTAL_SILENCE=1 $(TRL_VENV)/bin/python -c "from trl.experimental.ppo import PPOConfig, PPOTrainer"
 	touch $(TRL_STAMP)
 
-# BENCH_ARGS go to bench.ppo_bench (e.g. "--workloads tiny --rounds 1"), ORCH_ARGS to bench.orchestration
+# BENCH_ARGS go to bench.ppo_bench (e.g. "--workloads tiny --rounds 1"), ORCH_ARGS to bench.orchestration (e.g. --short)
 bench: setup $(TRL_STAMP)
 	$(BIN)/python -m bench.orchestration $(ORCH_ARGS)
 	$(BIN)/python -m bench.ppo_bench $(BENCH_ARGS)

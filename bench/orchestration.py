@@ -1,8 +1,9 @@
 """Orchestration overhead: the pipeline through the Prefect flow with MLflow tracking, against the same stage
 bodies called directly, on the same configuration.
 
-    .venv/bin/python -m bench.orchestration            # the offline default, shortened (see SHORTENED)
-    .venv/bin/python -m bench.orchestration --tiny     # tiny models (seconds of work; the smoke test)
+    .venv/bin/python -m bench.orchestration            # the offline default, params.yaml as it is (~50 min on 2 cores)
+    .venv/bin/python -m bench.orchestration --short    # the default shortened (see SHORTENED; ~15 min)
+    .venv/bin/python -m bench.orchestration --tiny     # tiny models (a minute; the smoke test)
 
 Both paths run in a fresh process each (imports count), each writing under its own temporary root, so neither can
 reuse the other's outputs (no PPO resume, no cached splits):
@@ -12,7 +13,14 @@ reuse the other's outputs (no PPO resume, no cached splits):
   off and metrics not logged. The bodies' own artifact calls (sample tables, reports, dataset inputs, the reward
   trainer's MLflow callback) still run, inside one plain MLflow run on a throwaway store, so the overhead measured is
   Prefect plus the per-stage runs, params, metrics and model logging: a lower bound of what tracking costs.
-The last line is `orchestration_overhead=<(flow - direct) / flow>`.
+Besides wall time it reports each path's CPU seconds (user + system, the process and the children it waited for,
+which includes the temporary Prefect server), so an overhead that is work can be told from one that is waiting.
+Two whole runs on a shared machine also differ by its drift (+-10% between runs here), more than the target, so
+the overhead is attributed within the runs too: the extra time the flow's process spends outside its stage bodies
+(process start, the Prefect server and flow, stage runs' set-up, up-to-date checks, metrics files), plus the
+tracking calls the flow makes inside the bodies (metrics, model logging and registration, the champion lookups),
+clocked as they happen. Both figures are printed; the last line is
+`orchestration_overhead=<attributed seconds / the flow's wall time>`.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -72,31 +81,99 @@ def run_direct(overrides: list[str], out: Path) -> None:
     out.write_text(json.dumps(times))
 
 
-def timed(cmd: list[str], log: Path, env: dict) -> float:
-    start = time.perf_counter()
+# What the flow's stage bodies do for tracking that the direct loop does not (rlhflow.tracking functions).
+TRACKING_IN_BODIES = ("log_metrics", "log_model_dir", "version_of_model_dir", "challenge_champion",
+                      "apply_champion_decision")
+
+
+def run_flow(argv: list[str], out: Path) -> None:
+    """`python -m flows.pipeline` (this runs in its own process: see main), with clocks on the tracking calls made
+    inside stage bodies, and the temporary Prefect server's CPU seconds read before it stops."""
+    import contextlib
+
+    import psutil
+
+    import tasks._common as common
+    from flows import pipeline
+    from rlhflow import tracking
+
+    in_body, depth = [False], [0]
+    spent = dict.fromkeys(TRACKING_IN_BODIES, 0.0)
+
+    def clocked(name, fn):
+        def wrapper(*args, **kwargs):
+            if not in_body[0] or depth[0]:  # outside bodies it counts as outside time; nested calls once
+                return fn(*args, **kwargs)
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+                depth[0] -= 1
+        return wrapper
+
+    for name in TRACKING_IN_BODIES:
+        setattr(tracking, name, clocked(name, getattr(tracking, name)))
+    run_stage = common.run_stage
+
+    def run_stage_marking_the_body(name, body, cfg, parent_run_id=None):
+        def marked(cfg, ctx):
+            in_body[0] = True
+            try:
+                return body(cfg, ctx)
+            finally:
+                in_body[0] = False
+        return run_stage(name, marked, cfg, parent_run_id)
+
+    common.run_stage = run_stage_marking_the_body  # what every stage task calls
+    pipeline.main(argv)
+    server_cpu = 0.0
+    for child in psutil.Process().children(recursive=True):  # the temporary server, still up until exit
+        with contextlib.suppress(psutil.Error):
+            times = child.cpu_times()
+            server_cpu += times.user + times.system
+    out.write_text(json.dumps({"tracking_in_bodies_s": spent, "server_cpu_s": server_cpu}))
+
+
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(cmd: list[str], log: Path, env: dict) -> tuple[float, float]:
+    """(wall s, CPU s) of one command, its waited-for children included."""
+    cpu, start = children_cpu_s(), time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, children_cpu_s() - cpu
     if proc.returncode != 0:
         sys.stderr.write(log.read_text()[-6000:])
-        raise SystemExit(f"{cmd[2]} failed (exit {proc.returncode}); log: {log}")
-    return wall
+        raise SystemExit(f"{' '.join(cmd[2:5])} failed (exit {proc.returncode}); log: {log}")
+    return wall, cpu
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="tiny models instead of the (shortened) default")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--short", action="store_true",
+                      help="the default shortened (SHORTENED) instead of params.yaml as it is")
+    size.add_argument("--tiny", action="store_true", help="tiny models instead of the default")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="further params.yaml overrides for both paths")
     parser.add_argument("--direct-only", metavar="JSON", help=argparse.SUPPRESS)  # the direct path's own process
+    parser.add_argument("--flow-only", metavar="JSON", help=argparse.SUPPRESS)  # the flow path's own process
     parser.add_argument("--keep", action="store_true", help="keep the two output roots (printed)")
     args = parser.parse_args(argv)
     if args.direct_only:
         run_direct(args.overrides, Path(args.direct_only))
         return
+    if args.flow_only:
+        run_flow([a for o in args.overrides for a in ("--set", o)], Path(args.flow_only))
+        return
 
     tmp = Path(tempfile.mkdtemp(prefix="rlhflow-orch-"))
-    base = list(SHORTENED)
+    base = list(SHORTENED) if args.short else []
     if args.tiny:
         from rlhflow.testing import write_tiny_model
 
@@ -107,42 +184,59 @@ def main(argv: list[str] | None = None) -> None:
            # as the Makefile sets it: a loaded machine starts the temporary server slowly
            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS":
                os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")}
-    walls, stage_times = {}, {}
+    walls, cpus, stage_times = {}, {}, {}
     # the flow first: any cold-cache cost of the first run is charged to the orchestrated path (conservative)
     for path in ("flow", "direct"):
         root = tmp / path
         overrides = root_overrides(root) + base + args.overrides
         sets = [a for o in overrides for a in ("--set", o)]
         if path == "flow":
-            cmd = [sys.executable, "-m", "flows.pipeline", *sets]
+            cmd = [sys.executable, "-m", "bench.orchestration", "--flow-only", str(tmp / "flow.json"), *sets]
         else:
             cmd = [sys.executable, "-m", "bench.orchestration", "--direct-only", str(tmp / "direct.json"), *sets]
-        walls[path] = timed(cmd, tmp / f"{path}.log", env)
+        walls[path], cpus[path] = timed(cmd, tmp / f"{path}.log", env)
         if path == "flow":
             metrics_dir = root / "metrics"
             stage_times[path] = {p.stem: json.loads(p.read_text()).get(f"time/{p.stem}_s")
                                  for p in sorted(metrics_dir.glob("*.json"))}
         else:
             stage_times[path] = json.loads((tmp / "direct.json").read_text())
-        print(f"  {path}: {walls[path]:.1f} s", flush=True)
+        print(f"  {path}: {walls[path]:.1f} s wall, {cpus[path]:.1f} s CPU", flush=True)
 
     names = list(stage_times["direct"])
-    print(f"\n== orchestration overhead ({'tiny models' if args.tiny else 'default params, shortened: ' + ' '.join(SHORTENED)})")
+    what = ("tiny models" if args.tiny else "default params, shortened: " + " ".join(SHORTENED) if args.short
+            else "default params")
+    print(f"\n== orchestration overhead ({what}{', ' + ' '.join(args.overrides) if args.overrides else ''})")
     print(f"{'stage':14s} {'flow s':>9s} {'direct s':>9s}")
     for name in names:
         flow_s = stage_times["flow"].get(name)
         print(f"{name:14s} {flow_s if flow_s is not None else float('nan'):9.1f} {stage_times['direct'][name]:9.1f}")
     print(f"{'process wall':14s} {walls['flow']:9.1f} {walls['direct']:9.1f}")
-    ratio = walls["flow"] / walls["direct"]
-    overhead = (walls["flow"] - walls["direct"]) / walls["flow"]
-    print(f"flow/direct wall-time ratio {ratio:.3f}")
+    print(f"{'process CPU':14s} {cpus['flow']:9.1f} {cpus['direct']:9.1f}")
+    # Two whole runs differ by the machine's drift as well as by the orchestration (here +-10% between runs), so
+    # the overhead is also attributed within the runs: the time each path spends outside its stage bodies, plus the
+    # tracking calls the flow makes inside them, clocked as they happen.
+    outside = {path: walls[path] - sum(t or 0.0 for t in stage_times[path].values()) for path in walls}
+    flow_info = json.loads((tmp / "flow.json").read_text())
+    in_bodies = flow_info["tracking_in_bodies_s"]
+    attributed = outside["flow"] - outside["direct"] + sum(in_bodies.values())
+    print(f"{'outside bodies':14s} {outside['flow']:9.1f} {outside['direct']:9.1f}   (process start, imports, the "
+          "Prefect server and flow, stage runs' set-up, up-to-date checks)")
+    print("tracking inside the flow's stage bodies: "
+          + ", ".join(f"{name} {secs:.1f} s" for name, secs in in_bodies.items()))
+    print(f"temporary Prefect server: {flow_info['server_cpu_s']:.1f} CPU s over the flow")
+    ab = (walls["flow"] - walls["direct"]) / walls["flow"]
+    print(f"A/B: flow/direct wall-time ratio {walls['flow'] / walls['direct']:.3f}, CPU-time ratio "
+          f"{cpus['flow'] / cpus['direct']:.3f}, (flow - direct) / flow {ab:.3f}")
+    print(f"attributed: outside-bodies difference {outside['flow'] - outside['direct']:.1f} s + tracking in bodies "
+          f"{sum(in_bodies.values()):.1f} s = {attributed:.1f} s of the flow's {walls['flow']:.1f} s")
     if args.keep:
         print(f"outputs kept under {tmp}")
     else:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"orchestration_overhead={overhead:.3f}")
+    print(f"orchestration_overhead={attributed / walls['flow']:.3f}")
 
 
 if __name__ == "__main__":

@@ -74,3 +74,30 @@ def test_driver_against_trl(work_dir):
     trl = json.loads((work_dir / "tiny" / "result-trl-0.json").read_text())
     assert trl["engine"] == "trl" and len(trl["updates"]) == WORKLOADS["tiny"].updates
     assert all(u["generation_s"] > 0 and u["training_s"] > 0 for u in trl["updates"])
+
+
+@pytest.mark.slow
+def test_orchestration_overhead_on_tiny_models():
+    """Both paths run every stage (the flow's times come from its metrics files, the direct loop's from its own
+    clock); wall and CPU seconds for each; the flow's model logging is clocked inside its stage bodies; the last
+    line is the attributed overhead over the flow's wall time."""
+    from rlhflow.stages import STAGE_NAMES
+
+    proc = subprocess.run([sys.executable, "-m", "bench.orchestration", "--tiny"], cwd=REPO, env=ENV, check=True,
+                          capture_output=True, text=True)
+    out = proc.stdout
+    for name in STAGE_NAMES:
+        assert re.search(rf"^{name}\s+\d+\.\d\s+\d+\.\d$", out, re.M), f"{name} missing or nan:\n{out}"
+    walls = re.search(r"^process wall\s+(\d+\.\d)\s+(\d+\.\d)$", out, re.M)
+    cpus = re.search(r"^process CPU\s+(\d+\.\d)\s+(\d+\.\d)$", out, re.M)
+    assert walls and cpus, out
+    assert min(*map(float, walls.groups()), *map(float, cpus.groups())) > 0
+    model_logging = re.search(r"log_model_dir (\d+\.\d) s", out)
+    assert model_logging and float(model_logging.group(1)) > 0, out  # three models logged, two registered
+    attributed = re.search(r"= (-?\d+\.\d) s of the flow's (\d+\.\d) s$", out, re.M)
+    assert attributed, out
+    seconds, flow_wall = map(float, attributed.groups())
+    assert flow_wall == float(walls.group(1)) and 0 < seconds < flow_wall
+    last = out.strip().splitlines()[-1]
+    assert re.fullmatch(r"orchestration_overhead=-?\d\.\d{3}", last), last
+    assert float(last.split("=")[1]) == pytest.approx(seconds / flow_wall, abs=2e-3)
