@@ -1,7 +1,7 @@
 """Orchestration overhead: the pipeline through the Prefect flow with MLflow tracking, against the same stage
 bodies called directly, on the same configuration.
 
-    .venv/bin/python -m bench.orchestration            # the offline default, params.yaml as it is (~50 min on 2 cores)
+    .venv/bin/python -m bench.orchestration            # the offline default, params.yaml as it is (~40 min on 2 cores)
     .venv/bin/python -m bench.orchestration --short    # the default shortened (see SHORTENED; ~15 min)
     .venv/bin/python -m bench.orchestration --tiny     # tiny models (a minute; the smoke test)
 
