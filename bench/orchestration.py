@@ -213,9 +213,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:14s} {flow_s if flow_s is not None else float('nan'):9.1f} {stage_times['direct'][name]:9.1f}")
     print(f"{'process wall':14s} {walls['flow']:9.1f} {walls['direct']:9.1f}")
     print(f"{'process CPU':14s} {cpus['flow']:9.1f} {cpus['direct']:9.1f}")
-    # Two whole runs differ by the machine's drift as well as by the orchestration (here +-10% between runs), so
-    # the overhead is also attributed within the runs: the time each path spends outside its stage bodies, plus the
-    # tracking calls the flow makes inside them, clocked as they happen.
+    # the attributed overhead (module docstring): outside-body time difference + tracking clocked inside bodies
     outside = {path: walls[path] - sum(t or 0.0 for t in stage_times[path].values()) for path in walls}
     flow_info = json.loads((tmp / "flow.json").read_text())
     in_bodies = flow_info["tracking_in_bodies_s"]

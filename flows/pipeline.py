@@ -100,19 +100,18 @@ def training_slot(stage: str) -> Iterator[None]:
     from prefect.concurrency.sync import concurrency
 
     waited = 0.0
+    slot = contextlib.ExitStack()  # entered apart from the stage, so a TimeoutError from the stage is not caught
     while True:
-        stack = contextlib.ExitStack()
         try:
-            stack.enter_context(concurrency(TRAINING_LIMIT, occupy=1, strict=True, timeout_seconds=SLOT_NOTICE_S))
+            slot.enter_context(concurrency(TRAINING_LIMIT, occupy=1, strict=True, timeout_seconds=SLOT_NOTICE_S))
+            break
         except TimeoutError:
             waited += SLOT_NOTICE_S
             print(f"{stage}: waited {waited / 60:.0f} min for a slot of the Prefect concurrency limit "
                   f"{TRAINING_LIMIT!r}, held by another pipeline run. If no other run is active, a killed run left it "
                   "taken: free it with `python -m flows.pipeline --reset-training-limit`.")
-            continue
-        with stack:
-            yield
-        return
+    with slot:
+        yield
 
 
 def reset_training_limit() -> tuple[int, int]:

@@ -154,8 +154,7 @@ def test_a_slot_left_taken_by_a_killed_run_is_announced_and_can_be_freed(served)
     code = ("import flows.pipeline as p; p.SLOT_NOTICE_S = 1.0\n"
             "with p.training_slot('ppo'):\n    print('stage entered', flush=True)")
     proc = subprocess.Popen([sys.executable, "-u", "-c", code], env={**os.environ, "PREFECT_API_URL": api},
-                            cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     while proc.poll() is None and not any("waited" in line for line in lines):
         lines.append(proc.stdout.readline())  # the waiting stage prints a notice every second
