@@ -43,7 +43,7 @@ PARAMS = load_config()
 StageName = Literal[tuple(STAGE_NAMES)]  # an enum in the parameter form
 
 # Stages that load models on the accelerator; they hold one slot of this Prefect global concurrency limit.
-ACCELERATOR_STAGES = ("sft", "reward_model", "ppo", "evaluate")
+ACCELERATOR_STAGES = ("sft", "reward_model", "judge", "ppo", "evaluate")
 TRAINING_LIMIT = "rlhf-training"
 TRAINING_LIMIT_DEFAULT_SLOTS = 1
 
@@ -219,7 +219,7 @@ def run_pipeline(cfg: Config, stages: list[str] | None = None, force: bool = Fal
 @flow(name="rlhf-pipeline", log_prints=True)
 def rlhf_pipeline(config: Config = PARAMS, stages: list[StageName] | None = None, force: bool = False,
                   overrides: list[str] | None = None) -> dict[str, float]:
-    """The RLHF pipeline: demo_data -> validate -> sft -> reward_model -> ppo -> evaluate.
+    """The RLHF pipeline: demo_data -> validate -> sft -> reward_model -> judge -> ppo -> evaluate.
 
     Args:
         config: every hyperparameter (params.yaml; its values are the defaults)

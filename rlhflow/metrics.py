@@ -4,7 +4,8 @@
   after the chat-formatted prompt (temperature 1);
 - KL(policy || reference) per response: sum over the sampled response tokens of log pi(a_t) - log pi_ref(a_t)
   (the k1 estimator, unbiased under samples from the policy), averaged over responses, in nats;
-- win rate: fraction of prompts where the policy's response outscores the SFT response (ties count half);
+- win rate: fraction of prompts where the policy's response outscores the SFT response (ties count half), with
+  a percentile-bootstrap confidence interval over prompts;
 - pairwise accuracy (in rlhflow.reward): fraction of pairs where chosen outscores rejected;
 - drift and reward hacking: response length (words), distinct-n, repetition rate;
 - reward-model calibration: accuracy by confidence bucket, expected calibration error;
@@ -59,9 +60,27 @@ def response_kl(policy, reference, query_response: torch.Tensor, attention_mask:
     return (kl_per_token(logp, ref_logp, "k1") * response_mask).sum(dim=1)
 
 
+def _wins(policy_scores: torch.Tensor, baseline_scores: torch.Tensor) -> torch.Tensor:
+    """1 where the policy's response scores higher, 0.5 on a tie, 0 else: one value per prompt."""
+    return (policy_scores > baseline_scores).float() + 0.5 * (policy_scores == baseline_scores).float()
+
+
 def win_rate(policy_scores: torch.Tensor, baseline_scores: torch.Tensor) -> float:
-    wins = (policy_scores > baseline_scores).float() + 0.5 * (policy_scores == baseline_scores).float()
-    return float(wins.mean())
+    return float(_wins(policy_scores, baseline_scores).mean())
+
+
+def win_rate_interval(policy_scores: torch.Tensor, baseline_scores: torch.Tensor, *, confidence: float = 0.95,
+                      resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap interval of the win rate: prompts are resampled with replacement (each with its pair of
+    scores), and the interval holds the central `confidence` share of the resampled win rates."""
+    wins = _wins(policy_scores, baseline_scores)
+    if len(wins) == 0:
+        return math.nan, math.nan
+    generator = torch.Generator().manual_seed(seed)
+    resampled = wins[torch.randint(0, len(wins), (resamples, len(wins)), generator=generator)].mean(dim=1)
+    tail = (1 - confidence) / 2
+    low, high = torch.quantile(resampled, torch.tensor([tail, 1 - tail]))
+    return float(low), float(high)
 
 
 def distinct_n(texts: list[str], n: int) -> float:

@@ -25,6 +25,7 @@ from rlhflow import distributed
 from rlhflow.models import disable_dropout, resolve_model
 
 NORM_FILE = "reward_normalization.json"
+NORM_SAMPLE_PAIRS = 256  # training pairs whose scores set the normalisation
 Messages = list[dict[str, str]]
 
 
@@ -51,7 +52,44 @@ def encode_pair(tok: PreTrainedTokenizerBase, prompt_messages: Messages, respons
     return list(tok(prompt, response, truncation="longest_first", max_length=max_length)["input_ids"])
 
 
-def load_backbone(spec: str, *, trust_remote_code: bool = False):
+class MaskedMeanPooler(torch.nn.Module):
+    """Mean of the final hidden states over the real (unpadded) tokens, in place of BERT's [CLS] pooler.
+    Sentence encoders such as all-MiniLM-L6-v2 are trained to be read this way; their [CLS] vector is not."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention_mask: torch.Tensor | None = None  # set by a hook on the encoder before each forward
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        mask = (self.attention_mask if self.attention_mask is not None
+                else torch.ones(hidden_states.shape[:2], device=hidden_states.device))
+        mask = mask.unsqueeze(-1).to(hidden_states.dtype)
+        return (hidden_states * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
+
+
+def apply_pooling(model, pooling: str):
+    """Read the score from the encoder's masked mean (`mean`) or the architecture's own choice (`model`: BERT's
+    [CLS] pooler, a decoder's last real token). Recorded in the model's config, so `RewardModel.load` restores it."""
+    if pooling == "model":
+        return model
+    encoder = getattr(model, model.base_model_prefix, None)
+    if getattr(encoder, "pooler", None) is None:
+        raise ValueError(f"reward_model.pooling=mean needs an encoder with a pooler (BERT-like); "
+                         f"{type(model).__name__} has none: use pooling=model")
+    pooler = MaskedMeanPooler()
+    encoder.pooler = pooler
+
+    def remember_mask(module, args, kwargs):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        mask = kwargs.get("attention_mask")
+        pooler.attention_mask = mask if mask is not None else torch.ones_like(input_ids)
+
+    encoder.register_forward_pre_hook(remember_mask, with_kwargs=True)
+    model.config.reward_pooling = pooling
+    return model
+
+
+def load_backbone(spec: str, *, trust_remote_code: bool = False, pooling: str = "model"):
     """A sequence-classification model with one output (the score) and its tokenizer."""
     src = resolve_model(spec)
     tok = prepare_reward_tokenizer(AutoTokenizer.from_pretrained(src.location, trust_remote_code=trust_remote_code,
@@ -60,7 +98,7 @@ def load_backbone(spec: str, *, trust_remote_code: bool = False):
         src.location, num_labels=1, trust_remote_code=trust_remote_code, **src.weights_kwargs()
     )
     model.config.pad_token_id = tok.pad_token_id
-    return disable_dropout(model), tok
+    return disable_dropout(apply_pooling(model, pooling)), tok
 
 
 class RewardModel:
@@ -80,6 +118,7 @@ class RewardModel:
         model_dir = Path(model_dir)
         norm = json.loads((model_dir / NORM_FILE).read_text())
         model = AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True)
+        model = apply_pooling(model, getattr(model.config, "reward_pooling", "model"))
         tok = AutoTokenizer.from_pretrained(model_dir)
         return cls(disable_dropout(model), tok, max_length=norm["max_length"], mean=norm["mean"], std=norm["std"],
                    batch_size=batch_size, device=device)
@@ -87,12 +126,15 @@ class RewardModel:
     @torch.no_grad()
     def raw_scores(self, prompt_messages: list[Messages], responses: list[str]) -> torch.Tensor:
         ids = [encode_pair(self.tokenizer, p, r, self.max_length) for p, r in zip(prompt_messages, responses)]
-        out = []
-        for i in range(0, len(ids), self.batch_size):
-            batch = self.tokenizer.pad({"input_ids": ids[i : i + self.batch_size]}, return_tensors="pt")
+        # Batches of similar lengths pad little: scoring cost follows the real tokens, not the longest sequence.
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        scores = torch.zeros(len(ids))
+        for start in range(0, len(order), self.batch_size):
+            rows = order[start : start + self.batch_size]
+            batch = self.tokenizer.pad({"input_ids": [ids[i] for i in rows]}, return_tensors="pt")
             logits = self.model(**{k: v.to(self.device) for k, v in batch.items()}).logits
-            out.append(logits[:, 0].float().cpu())
-        return torch.cat(out) if out else torch.zeros(0)
+            scores[rows] = logits[:, 0].float().cpu()
+        return scores
 
     def score(self, prompt_messages: list[Messages], responses: list[str]) -> torch.Tensor:
         return (self.raw_scores(prompt_messages, responses) - self.mean) / self.std
@@ -127,13 +169,13 @@ def train_reward_model(cfg, train_rows: list[dict], *, backbone: str, out_dir: s
     from trl import RewardConfig, RewardTrainer
 
     torch.manual_seed(seed)  # the new score head's initialisation: the same in every run and every process
-    model, tok = load_backbone(backbone, trust_remote_code=trust_remote_code)
+    model, tok = load_backbone(backbone, trust_remote_code=trust_remote_code, pooling=cfg.pooling)
     train = pair_dataset(train_rows, tok, cfg.max_length)
 
     class _LogCallback(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if log_fn and logs:
-                log_fn({f"rm/train_{k}": v for k, v in logs.items() if isinstance(v, (int, float))}, state.global_step)
+                log_fn({f"train_{k}": v for k, v in logs.items() if isinstance(v, (int, float))}, state.global_step)
 
     args = RewardConfig(
         output_dir=str(work_dir), num_train_epochs=cfg.epochs,
@@ -154,12 +196,12 @@ def train_reward_model(cfg, train_rows: list[dict], *, backbone: str, out_dir: s
         step = int(resume.name.split("-")[-1])
         print(f"reward model: resuming training from {resume.name} (step {step})", flush=True)
         if log_fn:
-            log_fn({"rm/resumed_from_step": float(step)}, step)
+            log_fn({"resumed_from_step": float(step)}, step)
     trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
     if log_fn:  # the batch the Trainer actually used per optimisation step, over all processes
-        log_fn({"rm/global_batch_size": float(args.per_device_train_batch_size * args.world_size
+        log_fn({"global_batch_size": float(args.per_device_train_batch_size * args.world_size
                                               * args.gradient_accumulation_steps),
-                "rm/processes": float(args.world_size), "rm/train_steps": float(trainer.state.global_step)},
+                "processes": float(args.world_size), "train_steps": float(trainer.state.global_step)},
                trainer.state.global_step)
     if not distributed.is_main_process():
         return None
@@ -171,10 +213,15 @@ def train_reward_model(cfg, train_rows: list[dict], *, backbone: str, out_dir: s
     tok.save_pretrained(out)
     write_normalization(out, mean=0.0, std=1.0, max_length=cfg.max_length)
     rm = RewardModel.load(out, batch_size=cfg.eval_batch_size, device=trainer.model.device)
-    # Normalise by the scores of all training responses (chosen and rejected alike).
-    prompts = [r["prompt_messages"] for r in train_rows]
-    scores = torch.cat([rm.raw_scores(prompts, [r["chosen"] for r in train_rows]),
-                        rm.raw_scores(prompts, [r["rejected"] for r in train_rows])])
+    # Normalise by the scores of training responses (chosen and rejected alike); a fixed sample of pairs estimates
+    # the mean and std well and keeps the cost of this pass bounded on large datasets.
+    sample = train_rows
+    if len(train_rows) > NORM_SAMPLE_PAIRS:
+        picked = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed))[:NORM_SAMPLE_PAIRS]
+        sample = [train_rows[i] for i in sorted(picked.tolist())]
+    prompts = [r["prompt_messages"] for r in sample]
+    scores = torch.cat([rm.raw_scores(prompts, [r["chosen"] for r in sample]),
+                        rm.raw_scores(prompts, [r["rejected"] for r in sample])])
     rm.mean, rm.std = float(scores.mean()), float(scores.std().clamp_min(1e-6))
     write_normalization(out, mean=rm.mean, std=rm.std, max_length=cfg.max_length)
     return rm
@@ -208,9 +255,16 @@ def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> float:
     return float(((chosen > rejected).float() + 0.5 * (chosen == rejected).float()).mean())
 
 
+def accuracy_standard_error(accuracy: float, pairs: int) -> float:
+    """Binomial standard error of a pairwise accuracy over `pairs` independent pairs: sqrt(p (1 - p) / n)."""
+    return math.sqrt(accuracy * (1 - accuracy) / pairs) if pairs else math.nan
+
+
 def evaluate_pairs(rm: RewardModel, rows: list[dict]) -> dict[str, float]:
     chosen = rm.score([r["prompt_messages"] for r in rows], [r["chosen"] for r in rows])
     rejected = rm.score([r["prompt_messages"] for r in rows], [r["rejected"] for r in rows])
     margin = chosen - rejected
-    return {"accuracy": pairwise_accuracy(chosen, rejected), "margin_mean": float(margin.mean()),
+    accuracy = pairwise_accuracy(chosen, rejected)
+    return {"accuracy": accuracy, "accuracy_se": accuracy_standard_error(accuracy, len(rows)),
+            "margin_mean": float(margin.mean()),
             "chosen_mean": float(chosen.mean()), "rejected_mean": float(rejected.mean()), "pairs": float(len(rows))}

@@ -62,7 +62,7 @@ STAGES: list[Stage] = [
     ),
     Stage(
         name="validate",
-        description="read preference data, run the Great Expectations suite, write train/test splits",
+        description="read preference data, run the Great Expectations suite, write train/judge/test splits",
         params=["seed", "data", "validate", "sft.model"],
         deps=["${data.preferences}", "rlhflow/data/formats.py", "rlhflow/validation.py", "tasks/validate.py"],
         outs=[VALIDATED, "${validate.report_dir}"],
@@ -85,6 +85,14 @@ STAGES: list[Stage] = [
         metrics=[_metrics("reward_model")],
     ),
     Stage(
+        name="judge",
+        description="train the judge reward model on the judge split (prompts PPO and the proxy never see)",
+        params=["seed", "judge"],
+        deps=[VALIDATED, "${sft.out_dir}", "rlhflow/reward.py", "tasks/reward_model.py", "tasks/judge.py"],
+        outs=["${judge.out_dir}"],
+        metrics=[_metrics("judge")],
+    ),
+    Stage(
         name="ppo",
         description="PPO fine-tuning of the SFT policy against the reward model",
         params=["seed", "ppo", "reward_model.eval_batch_size"],
@@ -96,9 +104,11 @@ STAGES: list[Stage] = [
     ),
     Stage(
         name="evaluate",
-        description="SFT vs PPO policy on held-out prompts (reward, win rate, KL, perplexity, drift), RM calibration",
+        description="SFT vs PPO policy on held-out prompts, judged by the proxy and the judge (reward, win rate with "
+                    "bootstrap intervals, KL, perplexity, drift), RM calibration",
         params=["seed", "evaluate", "ppo.max_prompt_length", "ppo.stop_strings", "reward_model.eval_batch_size"],
-        deps=[VALIDATED, "${sft.out_dir}", "${reward_model.out_dir}", "${ppo.out_dir}", "${metrics_dir}/ppo_history.csv",
+        deps=[VALIDATED, "${sft.out_dir}", "${reward_model.out_dir}", "${judge.out_dir}", "${ppo.out_dir}",
+              "${metrics_dir}/ppo_history.csv",
               "rlhflow/metrics.py", "rlhflow/plots.py", "rlhflow/reward.py", "tasks/evaluate.py"],
         outs=["${evaluate.report_dir}"],
         metrics=[_metrics("evaluate")],

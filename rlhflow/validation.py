@@ -1,9 +1,14 @@
 """The data-validation suite for preference pairs, run with Great Expectations.
 
-`split_by_prompt` splits pairs into train/test by a stable hash of the prompt. `validate_preferences`
-runs one expectation suite on each split (an ephemeral GE context, a pandas dataframe batch),
-maps every failing row back to its `source_row` in the input, writes `validation.json` and
-`validation.html`, and raises `DataValidationError` naming the failed expectations and their rows.
+`split_by_prompt` splits pairs into train/test by a stable hash of the prompt (`assign_splits` also
+holds out the judge's share). `validate_preferences` runs one expectation suite on each split (an
+ephemeral GE context, a pandas dataframe batch), maps every failing row back to its `source_row` in
+the input, writes `validation.json` and `validation.html`, and raises `DataValidationError` naming the
+failed expectations and their rows.
+
+Blank and over-long rows are a policy, not a crash (`validate.blank`, `validate.overlong`): under
+`drop` the rows their expectations flag are dropped and counted per reason, and validation fails only
+when the dropped share exceeds `validate.max_dropped_fraction`. Every other failed expectation fails.
 
 Checks that GE has no single expectation for are expressed through helper columns or GE's
 multi-column expectations: token lengths go into `<column>_tokens` columns (computed with the
@@ -30,7 +35,7 @@ from rlhflow.fsutil import write_text_atomic
 os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
 
 TEXT_COLUMNS = ("prompt", "chosen", "rejected")
-SPLITS = ("train", "test")
+SPLITS = ("train", "judge", "test")
 SNIPPET_CHARS = 60
 
 
@@ -49,29 +54,39 @@ class ExpectationOutcome:
     expectation: str  # GE's name, e.g. expect_column_values_to_not_be_null
     column: str  # the column(s) it is about, e.g. "chosen" or "chosen, rejected"
     description: str  # what it means for preference data, in words
+    problem: str = ""  # what is wrong with a row it flags, in plain words ("a blank prompt (...)")
     success: bool = True
     unexpected_count: int = 0
     unexpected_per_split: dict[str, int] = field(default_factory=dict)
     examples: list[dict] = field(default_factory=list)  # {"split", "source_row", "snippet"}
     observed: dict[str, Any] = field(default_factory=dict)  # per split, for table-level expectations
     errors: list[str] = field(default_factory=list)  # GE could not evaluate it
+    drop_reason: str = ""  # e.g. "overlong_prompt": the rows it flags were dropped under that policy
+    dropped_count: int = 0
+    dropped_examples: list[dict] = field(default_factory=list)
+    message: str = ""  # a failure that is not about single rows, in full
 
     @property
     def name(self) -> str:
         return f"{self.expectation}({self.column})"
 
     def failure_line(self) -> str:
+        if self.message:
+            return f"{self.name}: {self.message}"
         if self.errors:
             return f"{self.name}: could not be evaluated: {'; '.join(self.errors)}"
         if not self.unexpected_count:
             found = ", ".join(f"{split}: {value}" for split, value in self.observed.items())
             return f"{self.name}: {self.description} failed ({found})"
-        shown = "; ".join(f"{e['split']} row {e['source_row']}: {e['snippet']}" for e in self.examples)
-        more = self.unexpected_count - len(self.examples)
-        return (
-            f"{self.name}: {self.unexpected_count} row{'s' if self.unexpected_count != 1 else ''} — {shown}"
-            + (f"; ... and {more} more" if more > 0 else "")
-        )
+        return f"{self.name}: {_rows_line(self.unexpected_count, self.problem, self.examples)}"
+
+
+def _rows_line(count: int, problem: str, examples: list[dict]) -> str:
+    """`3 rows with a blank prompt (...) — train row 5: prompt=""; ...`"""
+    shown = "; ".join(f"{e['split']} row {e['source_row']}: {e['snippet']}" for e in examples)
+    more = count - len(examples)
+    return (f"{count} row{'s' if count != 1 else ''}" + (f" with {problem}" if problem else "") + f" — {shown}"
+            + (f"; ... and {more} more" if more > 0 else ""))
 
 
 @dataclass
@@ -79,12 +94,31 @@ class ValidationResult:
     success: bool
     expectations: list[ExpectationOutcome]
     statistics: dict[str, dict[str, float]]  # per split: rows, prompts, token length means and maxima
+    dropped: dict[str, list[int]] = field(default_factory=dict)  # per split: positions of the rows dropped
+    total_rows: int = 0
     report_json: str = ""
     report_html: str = ""
 
     @property
     def failed(self) -> list[ExpectationOutcome]:
         return [e for e in self.expectations if not e.success]
+
+    @property
+    def dropped_per_reason(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for e in self.expectations:
+            if e.dropped_count:
+                counts[e.drop_reason] = counts.get(e.drop_reason, 0) + e.dropped_count
+        return counts
+
+    @property
+    def dropped_rows(self) -> int:
+        return sum(len(rows) for rows in self.dropped.values())
+
+    def kept(self, split: str, df: pd.DataFrame) -> pd.DataFrame:
+        """The split's rows that were not dropped (df as passed to `validate_preferences`)."""
+        df = df.reset_index(drop=True)
+        return df.drop(index=self.dropped.get(split, [])).reset_index(drop=True)
 
     def summary(self) -> dict[str, float]:
         """Flat numeric values for MLflow metrics."""
@@ -94,7 +128,11 @@ class ValidationResult:
             "validate/expectations_passed": float(len(self.expectations) - len(self.failed)),
             "validate/expectations_failed": float(len(self.failed)),
             "validate/unexpected_rows": float(sum(e.unexpected_count for e in self.expectations)),
+            "validate/dropped_rows": float(self.dropped_rows),
+            "validate/dropped_fraction": self.dropped_rows / self.total_rows if self.total_rows else 0.0,
         }
+        for reason, count in sorted(self.dropped_per_reason.items()):
+            out[f"validate/dropped_{reason}"] = float(count)
         for split, stats in self.statistics.items():
             for key, value in stats.items():
                 out[f"validate/{split}_{key}"] = float(value)
@@ -112,6 +150,8 @@ class ValidationResult:
         return {
             "success": self.success,
             "summary": self.summary(),
+            "dropped": {"rows": self.dropped_rows, "per_reason": self.dropped_per_reason,
+                        "rows_per_split": {s: len(rows) for s, rows in self.dropped.items()}},
             "statistics": self.statistics,
             "expectations": [asdict(e) | {"name": e.name} for e in self.expectations],
         }
@@ -124,6 +164,25 @@ def _prompt_hash(prompt: Any, seed: int) -> float:
     """A number in [0, 1) that depends only on the prompt text and the seed (stable across runs)."""
     digest = hashlib.sha256(f"{seed}\x00{prompt}".encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def assign_splits(df: pd.DataFrame, *, test_fraction: float, judge_fraction: float, seed: int,
+                  test: pd.DataFrame | None = None) -> dict[str, pd.DataFrame]:
+    """train / judge / test splits by prompt. The judge's share is split off the training prompts by a second,
+    independent hash, so the judge reward model never sees a prompt the proxy reward model or PPO trains on.
+    With `test` given (a held-out file), `df` is split into train and judge only, and `judge_fraction` is the
+    judge's share of `df`; otherwise it is the judge's share of all prompts."""
+    held_out_file = test is not None
+    if test is None:
+        train, test = split_by_prompt(df, test_fraction, seed)
+    else:
+        train = df
+    splits = {"train": train}
+    if judge_fraction > 0:
+        share_of_train = judge_fraction if held_out_file else judge_fraction / (1 - test_fraction)
+        splits["train"], splits["judge"] = split_by_prompt(train, share_of_train, seed + 1)
+    splits["test"] = test
+    return splits
 
 
 def split_by_prompt(df: pd.DataFrame, test_fraction: float, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -150,6 +209,9 @@ class _Check:
     column: str  # for messages
     description: str
     show: tuple[str, ...]  # columns whose values illustrate an offending row
+    problem: str = ""  # what is wrong with a row it flags, in plain words
+    drop_policy: str = ""  # "blank" or "overlong": the ValidateConfig field saying whether its rows may be dropped
+    drop_above: float | None = None  # only rows whose checked value exceeds this may be dropped (too short fails)
 
 
 def _checks(df: pd.DataFrame, cfg: ValidateConfig) -> list[_Check]:
@@ -163,32 +225,38 @@ def _checks(df: pd.DataFrame, cfg: ValidateConfig) -> list[_Check]:
         show = (column,) if column == "prompt" else ("prompt", column)
         checks += [
             _Check(gxe.ExpectColumnValuesToNotBeNull(column=column), column, f"{column} is never null",
-                   ("prompt",) if column != "prompt" else ()),
+                   ("prompt",) if column != "prompt" else (), problem=f"no {column} (null)"),
             _Check(gxe.ExpectColumnValuesToBeOfType(column=column, type_="str"), column, f"{column} values are strings",
-                   (column,)),
+                   (column,), problem=f"a {column} that is not a string"),
             _Check(gxe.ExpectColumnValuesToNotMatchRegex(column=column, regex=r"^\s*$"), column,
-                   f"{column} is not empty or whitespace", show),
+                   f"{column} is not empty or whitespace", show,
+                   problem=f"a blank {column} (empty or whitespace only)", drop_policy="blank"),
         ]
     bounds = {"prompt": (None, cfg.max_prompt_tokens)}
     bounds |= {c: (cfg.min_tokens, cfg.max_response_tokens) for c in ("chosen", "rejected")}
     for column in present:
         low, high = bounds[column]
         words = f"at most {high}" if low is None else f"between {low} and {high}"
+        problem = (f"an over-long {column} (more than {high} tokens)" if low is None
+                   else f"a {column} shorter than {low} or longer than {high} tokens")
         checks.append(_Check(
             gxe.ExpectColumnValuesToBeBetween(column=f"{column}_tokens", min_value=low, max_value=high),
-            f"{column}_tokens", f"{column} is {words} tokens long", (f"{column}_tokens", column)))
+            f"{column}_tokens", f"{column} is {words} tokens long", (f"{column}_tokens", column),
+            problem=problem, drop_policy="overlong", drop_above=high))
     if "chosen" in present and "rejected" in present:
         checks.append(_Check(
             gxe.ExpectSelectColumnValuesToBeUniqueWithinRecord(column_list=["chosen", "rejected"]),
-            "chosen, rejected", "chosen differs from rejected", ("chosen",)))
+            "chosen, rejected", "chosen differs from rejected", ("chosen",),
+            problem="chosen identical to rejected"))
     if len(present) == len(TEXT_COLUMNS):
         checks.append(_Check(
             gxe.ExpectCompoundColumnsToBeUnique(column_list=list(TEXT_COLUMNS)), "prompt, chosen, rejected",
-            "no duplicate (prompt, chosen, rejected) pairs", ("prompt", "chosen")))
+            "no duplicate (prompt, chosen, rejected) pairs", ("prompt", "chosen"),
+            problem="a duplicate (prompt, chosen, rejected) pair"))
     if "prompt_in_other_split" in df.columns:
         checks.append(_Check(
             gxe.ExpectColumnValuesToBeInSet(column="prompt_in_other_split", value_set=[False]), "prompt_in_other_split",
-            "no prompt is shared between train and test", ("prompt",)))
+            "no prompt is shared between splits", ("prompt",), problem="a prompt that is also in another split"))
     return checks
 
 
@@ -203,13 +271,15 @@ def _with_helper_columns(df: pd.DataFrame, tokenizer) -> pd.DataFrame:
     return df
 
 
-def _mark_shared_prompts(train: pd.DataFrame, test: pd.DataFrame) -> None:
-    """Helper column `prompt_in_other_split`. (A GE value set of the other split's prompts would be
+def _mark_shared_prompts(frames: dict[str, pd.DataFrame]) -> None:
+    """Helper column `prompt_in_other_split`. (A GE value set of the other splits' prompts would be
     re-serialised thousands of times inside GE, which gets slow for large datasets.)"""
-    if "prompt" in train.columns and "prompt" in test.columns:
-        prompts = {split: {p for p in df["prompt"] if isinstance(p, str)} for split, df in (("train", train), ("test", test))}
-        train["prompt_in_other_split"] = train["prompt"].isin(prompts["test"])
-        test["prompt_in_other_split"] = test["prompt"].isin(prompts["train"])
+    if not all("prompt" in df.columns for df in frames.values()):
+        return
+    prompts = {split: {p for p in df["prompt"] if isinstance(p, str)} for split, df in frames.items()}
+    for split, df in frames.items():
+        elsewhere = set().union(*(ps for other, ps in prompts.items() if other != split))
+        df["prompt_in_other_split"] = df["prompt"].isin(elsewhere)
 
 
 def _token_counts(values: pd.Series, tokenizer, batch_size: int = 4096) -> pd.Series:
@@ -260,28 +330,53 @@ def _run_suite(context, split: str, df: pd.DataFrame, checks: list[_Check]) -> d
     return {r.expectation_config.meta["check"]: r for r in results.results}  # results come back reordered
 
 
+def _example(df: pd.DataFrame, index: int, split: str, check: _Check) -> dict:
+    row = df.loc[index]
+    shown = ", ".join(f"{c}={_snippet(row[c])}" for c in check.show if c in df.columns)
+    return {"split": split, "source_row": int(row["source_row"]), "snippet": shown}
+
+
+def _droppable(check: _Check, df: pd.DataFrame, indexes: list[int], cfg: ValidateConfig) -> list[int]:
+    """The flagged rows that the check's policy (validate.blank / validate.overlong = drop) lets us drop."""
+    if not check.drop_policy or getattr(cfg, check.drop_policy) != "drop":
+        return []
+    if check.drop_above is None:
+        return list(indexes)
+    values = df[check.expectation.column]
+    return [i for i in indexes if values[i] > check.drop_above]
+
+
 def _merge(outcomes: dict[str, ExpectationOutcome], split: str, df: pd.DataFrame, check: _Check, result,
-           max_examples: int) -> None:
+           cfg: ValidateConfig, dropped: set[int]) -> None:
+    """Fold one split's result of one check into its outcome; rows it may drop go to `dropped`, not failures."""
+    max_examples = cfg.examples_per_failure
     name = f"{check.expectation.expectation_type}({check.column})"
     outcome = outcomes.setdefault(name, ExpectationOutcome(check.expectation.expectation_type, check.column,
-                                                           check.description))
+                                                           check.description, check.problem))
     res = result.result or {}
     errors = _error_messages(result.exception_info)
     outcome.errors += [f"{split}: {e}" for e in errors]
-    outcome.success = outcome.success and bool(result.success) and not errors
+    indexes = res.get("unexpected_index_list") or []
+    drop = _droppable(check, df, indexes, cfg)
+    if drop:
+        outcome.drop_reason = f"{check.drop_policy}_{check.column.removesuffix('_tokens')}"
+        outcome.dropped_count += len(drop)
+        dropped.update(drop)
+        outcome.dropped_examples += [_example(df, i, split, check)
+                                     for i in drop[: max(0, max_examples - len(outcome.dropped_examples))]]
+        kept = set(drop)
+        indexes = [i for i in indexes if i not in kept]
+    passed = bool(result.success) or (bool(drop) and not indexes)
+    outcome.success = outcome.success and passed and not errors
     if "observed_value" in res:
         outcome.observed[split] = res["observed_value"]
     if check.expectation.expectation_type == "expect_column_to_exist" and not result.success:
         outcome.observed[split] = f"missing (columns: {', '.join(c for c in df.columns if not c.endswith('_tokens'))})"
-    indexes = res.get("unexpected_index_list") or []
-    count = int(res.get("unexpected_count") or len(indexes))
+    count = len(indexes) if drop else int(res.get("unexpected_count") or len(indexes))
     if count:
         outcome.unexpected_per_split[split] = count
         outcome.unexpected_count += count
-    for index in indexes[: max(0, max_examples - len(outcome.examples))]:
-        row = df.loc[index]
-        shown = ", ".join(f"{c}={_snippet(row[c])}" for c in check.show if c in df.columns)
-        outcome.examples.append({"split": split, "source_row": int(row["source_row"]), "snippet": shown})
+    outcome.examples += [_example(df, i, split, check) for i in indexes[: max(0, max_examples - len(outcome.examples))]]
 
 
 def _statistics(df: pd.DataFrame) -> dict[str, float]:
@@ -296,29 +391,39 @@ def _statistics(df: pd.DataFrame) -> dict[str, float]:
     return stats
 
 
-def validate_preferences(train_df: pd.DataFrame, test_df: pd.DataFrame, *, cfg: ValidateConfig, tokenizer,
+def validate_preferences(splits: dict[str, pd.DataFrame], *, cfg: ValidateConfig, tokenizer,
                          report_dir: Path) -> ValidationResult:
-    """Run the suite on both splits, write the JSON and HTML reports, raise DataValidationError on failure."""
+    """Run the suite on every split (e.g. train, judge, test), write the JSON and HTML reports, raise
+    DataValidationError on failure. Rows dropped under the blank/over-long policies are in `result.dropped`;
+    `result.kept(split, df)` gives what to write."""
     import great_expectations as gx
     from great_expectations.data_context.types.base import ProgressBarsConfig
 
     context = gx.get_context(mode="ephemeral")
     context.variables.progress_bars = ProgressBarsConfig(globally=False)
 
-    frames = {"train": _with_helper_columns(train_df, tokenizer), "test": _with_helper_columns(test_df, tokenizer)}
-    _mark_shared_prompts(frames["train"], frames["test"])
+    frames = {split: _with_helper_columns(df, tokenizer) for split, df in splits.items()}
+    _mark_shared_prompts(frames)
     outcomes: dict[str, ExpectationOutcome] = {}
+    dropped: dict[str, set[int]] = {split: set() for split in frames}
     for split, df in frames.items():
         checks = _checks(df, cfg)
         results = _run_suite(context, split, df, checks)
         for i, check in enumerate(checks):  # in suite order: GE returns results reordered
-            _merge(outcomes, split, df, check, results[i], cfg.examples_per_failure)
+            _merge(outcomes, split, df, check, results[i], cfg, dropped[split])
 
     expectations = list(outcomes.values())
+    total = sum(len(df) for df in frames.values())
+    n_dropped = sum(len(rows) for rows in dropped.values())
+    if n_dropped:
+        expectations.append(_dropped_share_outcome(expectations, n_dropped, total, cfg))
     result = ValidationResult(
         success=all(e.success for e in expectations),
         expectations=expectations,
-        statistics={split: _statistics(df) for split, df in frames.items()},
+        statistics={split: _statistics(df.drop(index=sorted(dropped[split]))) | {"rows_dropped": float(len(dropped[split]))}
+                    for split, df in frames.items()},
+        dropped={split: sorted(rows) for split, rows in dropped.items() if rows},
+        total_rows=total,
     )
     report_dir = Path(report_dir)
     result.report_json = str(report_dir / "validation.json")
@@ -328,6 +433,25 @@ def validate_preferences(train_df: pd.DataFrame, test_df: pd.DataFrame, *, cfg: 
     if not result.success:
         raise DataValidationError(result)
     return result
+
+
+def _dropped_share_outcome(expectations: list[ExpectationOutcome], n_dropped: int, total: int,
+                           cfg: ValidateConfig) -> ExpectationOutcome:
+    """The dropped rows as one more expectation: at most `max_dropped_fraction` of all rows."""
+    share = n_dropped / total
+    outcome = ExpectationOutcome("max_dropped_fraction", "rows",
+                                 f"at most {cfg.max_dropped_fraction:.1%} of the rows dropped as blank or over-long")
+    outcome.observed["all"] = f"{n_dropped} of {total} rows ({share:.1%})"
+    outcome.success = share <= cfg.max_dropped_fraction
+    if not outcome.success:
+        reasons = ", ".join(f"{e.drop_reason}: {e.dropped_count}" for e in expectations if e.dropped_count)
+        examples = [x for e in expectations for x in e.dropped_examples][: cfg.examples_per_failure]
+        outcome.message = (
+            f"{n_dropped} of {total} rows ({share:.1%}) would be dropped, more than validate.max_dropped_fraction="
+            f"{cfg.max_dropped_fraction} ({reasons}) — " + "; ".join(
+                f"{x['split']} row {x['source_row']}: {x['snippet']}" for x in examples)
+            + ". Fix the data, raise the token limits, or set validate.overlong/validate.blank=fail to list every row")
+    return outcome
 
 
 # ---- reports ------------------------------------------------------------------------------------------
@@ -342,10 +466,16 @@ def render_html(result: ValidationResult) -> str:
         f"<tr><td>{esc(k)}</td>" + "".join(f"<td>{result.statistics[s].get(k, '')}</td>" for s in result.statistics)
         + "</tr>" for k in stat_keys
     )
+    reasons = result.dropped_per_reason
+    dropped_reasons = (" (" + esc(", ".join(f"{r}: {n}" for r, n in sorted(reasons.items()))) + ")") if reasons else ""
     exp_rows = []
     for e in result.expectations:
         counts = ", ".join(f"{s}: {n}" for s, n in e.unexpected_per_split.items()) or "0"
         details = [f"{esc(x['split'])} row {x['source_row']}: {esc(x['snippet'])}" for x in e.examples]
+        details += [f"dropped: {esc(x['split'])} row {x['source_row']}: {esc(x['snippet'])}" for x in e.dropped_examples]
+        details += [esc(e.message)] if e.message else []
+        if e.dropped_count:
+            counts += f"; dropped ({esc(e.drop_reason)}): {e.dropped_count}"
         details += [esc(f"{s}: {v}") for s, v in e.observed.items() if not e.success]
         details += [esc(err) for err in e.errors]
         exp_rows.append(
@@ -363,6 +493,7 @@ tr.ok td:first-child {{ color: #080; }} tr.bad {{ background: #fdd; }}
 <h1>Preference data validation: {status}</h1>
 <p>{len(result.expectations) - len(result.failed)} of {len(result.expectations)} expectations passed
 (Great Expectations suite; rows are numbered as in the input file).</p>
+<p>Dropped rows: {result.dropped_rows} of {result.total_rows}{dropped_reasons}.</p>
 <h2>Statistics</h2>
 <table><tr><th></th>{''.join(f'<th>{esc(s)}</th>' for s in result.statistics)}</tr>{stats_rows}</table>
 <h2>Expectations</h2>

@@ -43,7 +43,7 @@ class StageContext:
 
 StageBody = Callable[[Config, StageContext], dict[str, float]]
 # Stages whose training runs data parallel under `accelerate launch`; in the others, rank 0 works alone.
-DATA_PARALLEL_STAGES = {"reward_model", "ppo"}
+DATA_PARALLEL_STAGES = {"reward_model", "judge", "ppo"}
 
 
 def run_stage(name: str, body: StageBody, cfg: Config, parent_run_id: str | None = None) -> dict[str, float]:

@@ -1,7 +1,10 @@
 """Stage evaluate: on held-out prompts, sample from the SFT model and the PPO policy and score both with the
-reward model; KL of the policy to the reference; perplexity of both on held-out reference responses; what
+proxy reward model (the one PPO optimised) and with the judge (trained on other prompts, never optimised
+against); win rates with 95% bootstrap intervals, and the proxy-judge gap as a reward-hacking signal; KL of the
+policy to the reference; perplexity of both on held-out reference responses; what
 reveals reward hacking and drift (length, distinct-n, repetition); reward-model accuracy, calibration and
-ranking agreement on held-out pairs. Then the champion decision for the registered reward model and policy.
+ranking agreement on held-out pairs. Then the champion decision for the registered reward model and policy (the
+policy by the judge's win rate).
 
 Metrics go to the stage run, the parent run and metrics/evaluate.json; plots and the samples table to the stage
 run; the report (reports/evaluate/report.md) says which version is champion and why."""
@@ -81,7 +84,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow import plots, tracking
     from rlhflow.data.formats import read_jsonl
     from rlhflow.fsutil import atomic_dir, write_json_atomic, write_text_atomic
-    from rlhflow.metrics import perplexity, response_kl, win_rate
+    from rlhflow.metrics import perplexity, response_kl, win_rate, win_rate_interval
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device
     from rlhflow.reward import RewardModel
 
@@ -92,6 +95,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     sft = load_causal_lm(sft_dir, pad_token_id=tokenizer.pad_token_id).to(device).eval()
     policy = load_causal_lm(policy_dir, pad_token_id=tokenizer.pad_token_id).to(device).eval()
     rm = RewardModel.load(cfg.path(cfg.reward_model.out_dir), batch_size=cfg.reward_model.eval_batch_size, device=device)
+    judge = RewardModel.load(cfg.path(cfg.judge.out_dir), batch_size=cfg.judge.eval_batch_size, device=device)
 
     test = read_jsonl(cfg.path(cfg.validate_.out_dir) / "test.jsonl")
     prompts_df = test.drop_duplicates("prompt").head(e.n_prompts)
@@ -100,6 +104,9 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     sft_out, policy_out = sample(sft, tokenizer, prompts, cfg), sample(policy, tokenizer, prompts, cfg)
     sft_texts, policy_texts = texts_of(sft_out), texts_of(policy_out)
     sft_scores, policy_scores = rm.score(prompts, sft_texts), rm.score(prompts, policy_texts)
+    sft_judged, policy_judged = judge.score(prompts, sft_texts), judge.score(prompts, policy_texts)
+    win_ci = win_rate_interval(policy_scores, sft_scores, seed=cfg.seed)
+    judge_win_ci = win_rate_interval(policy_judged, sft_judged, seed=cfg.seed)
     kl = torch.cat([response_kl(policy, sft, o.query_response, o.attention_mask, o.context_length,
                                 o.response_mask, e.temperature).cpu() for o in policy_out])
 
@@ -111,26 +118,34 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
         "eval/reward_mean": float(policy_scores.mean()),
         "eval/reward_mean_sft": float(sft_scores.mean()),
         "eval/win_rate_vs_sft": win_rate(policy_scores, sft_scores),
+        "eval/win_rate_ci_low": win_ci[0], "eval/win_rate_ci_high": win_ci[1],
+        "eval/judge_reward_mean": float(policy_judged.mean()),
+        "eval/judge_reward_mean_sft": float(sft_judged.mean()),
+        "eval/judge_win_rate_vs_sft": win_rate(policy_judged, sft_judged),
+        "eval/judge_win_rate_ci_low": judge_win_ci[0], "eval/judge_win_rate_ci_high": judge_win_ci[1],
         "eval/kl": float(kl.mean()),
         "eval/perplexity": perplexity(policy, tokenizer, *ppl_args, batch_size=e.batch_size),
         "eval/perplexity_sft": perplexity(sft, tokenizer, *ppl_args, batch_size=e.batch_size),
         **text_metrics(policy_texts), **text_metrics(sft_texts, "_sft"), **pairs.metrics,
     }
+    # reward hacking shows as a proxy win rate above the judge's
+    metrics["eval/proxy_judge_gap"] = metrics["eval/win_rate_vs_sft"] - metrics["eval/judge_win_rate_vs_sft"]
     # NaN (e.g. Kendall's tau without ranked prompts) is left out: "no value", in MLflow and DVC alike
     metrics = {k: v for k, v in metrics.items() if not math.isnan(v)}
     ctx.log_metrics(metrics, on_parent=True)
 
     samples = {"prompt": list(prompts_df["prompt"]), "sft_response": sft_texts, "ppo_response": policy_texts,
                "sft_reward": [float(x) for x in sft_scores], "ppo_reward": [float(x) for x in policy_scores],
+               "sft_judge": [float(x) for x in sft_judged], "ppo_judge": [float(x) for x in policy_judged],
                "kl": [float(x) for x in kl]}
     mlflow.log_table(samples, artifact_file="samples.json")
 
     def champion_policy_win_rate(version) -> float:
-        """The champion policy on this run's prompts, judged by this run's reward model against the same SFT samples."""
+        """The champion policy on this run's prompts, judged by this run's judge against the same SFT samples."""
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = tracking.registered_model_dir(mlflow.MlflowClient(), POLICY_NAME, version.version, tmp)
             champion = load_causal_lm(str(model_dir), pad_token_id=tokenizer.pad_token_id).to(device).eval()
-            return win_rate(rm.score(prompts, texts_of(sample(champion, tokenizer, prompts, cfg))), sft_scores)
+            return win_rate(judge.score(prompts, texts_of(sample(champion, tokenizer, prompts, cfg))), sft_judged)
 
     def champion_rm_accuracy(version) -> float:
         """The champion reward model on this run's held-out pairs."""
@@ -143,7 +158,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     if cfg.tracking.log_models and cfg.tracking.register_models:
         client = mlflow.MlflowClient()
         challenges = [(REWARD_MODEL_NAME, cfg.reward_model.out_dir, "rm/accuracy", champion_rm_accuracy),
-                      (POLICY_NAME, cfg.ppo.out_dir, "eval/win_rate_vs_sft", champion_policy_win_rate)]
+                      (POLICY_NAME, cfg.ppo.out_dir, "eval/judge_win_rate_vs_sft", champion_policy_win_rate)]
         for name, out_dir, metric, champion_value in challenges:
             version = tracking.version_of_model_dir(client, name, cfg.path(out_dir))
             if version is not None:
@@ -201,6 +216,15 @@ def report_markdown(metrics: dict[str, float], samples: dict[str, list], buckets
         return f"{metrics[key]:.4f}" if key in metrics else "n/a"
 
     lines = ["# Evaluation: PPO policy vs SFT model", ""]
+    if "eval/judge_win_rate_vs_sft" in metrics:
+        lines += ["## Win rate against the SFT model", "", "| judged by | win rate | 95% bootstrap interval |",
+                  "|---|---|---|",
+                  f"| proxy reward model (optimised by PPO) | {fmt('eval/win_rate_vs_sft')} | "
+                  f"{fmt('eval/win_rate_ci_low')} - {fmt('eval/win_rate_ci_high')} |",
+                  f"| judge reward model (never optimised) | {fmt('eval/judge_win_rate_vs_sft')} | "
+                  f"{fmt('eval/judge_win_rate_ci_low')} - {fmt('eval/judge_win_rate_ci_high')} |", "",
+                  f"Proxy minus judge: {fmt('eval/proxy_judge_gap')} (a large positive gap is a sign of reward "
+                  "hacking: the policy pleases the model it was trained against more than an independent one).", ""]
     if decisions:
         lines += ["## Model registry", "", "| model | candidate | champion | decision | why |", "|---|---|---|---|---|"]
         lines += [f"| {d.model} | v{d.candidate} | v{d.champion} | {'promoted' if d.promoted else 'kept'} | {d.reason} |"
@@ -209,7 +233,8 @@ def report_markdown(metrics: dict[str, float], samples: dict[str, list], buckets
     lines += ["## Metrics", "", "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {v:.4f} |" for k, v in sorted(metrics.items())]
     lines += ["", "## Reward hacking and drift", "", "| | SFT | PPO |", "|---|---|---|",
-              f"| reward (this reward model) | {fmt('eval/reward_mean_sft')} | {fmt('eval/reward_mean')} |"]
+              f"| reward, proxy (optimised by PPO) | {fmt('eval/reward_mean_sft')} | {fmt('eval/reward_mean')} |",
+              f"| reward, judge (never optimised) | {fmt('eval/judge_reward_mean_sft')} | {fmt('eval/judge_reward_mean')} |"]
     for key, label in [("response_length", "response length, words"), ("distinct_1", "distinct-1"),
                        ("distinct_2", "distinct-2"), ("repetition_rate", "repetition rate (seq-rep-4)"),
                        ("perplexity", "perplexity of reference answers")]:

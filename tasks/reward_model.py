@@ -1,92 +1,94 @@
-"""Stage reward_model: train a Bradley-Terry reward model with trl's RewardTrainer on the validated train
-pairs; report pairwise accuracy on held-out pairs (and on real human preference pairs from hh-rlhf when
-that file is present); register the model as `rlhf-reward-model` (alias `candidate`)."""
+"""Stage reward_model: train the proxy Bradley-Terry reward model with trl's RewardTrainer on the validated train
+pairs, report pairwise accuracy (with its standard error) on the held-out test pairs, and register the model as
+`rlhf-reward-model` (alias `candidate`). PPO optimises against this model; the judge stage trains another one."""
 
 from __future__ import annotations
 
-from rlhflow.config import Config
+from pathlib import Path
+
+from rlhflow.config import Config, RewardModelConfig
 from tasks._common import StageContext, cli, stage_task
 
 NAME = "reward_model"
 REGISTERED_NAME = "rlhf-reward-model"
 
 
-def backbone_spec(cfg: Config) -> str:
-    return str(cfg.path(cfg.sft.out_dir)) if cfg.reward_model.backbone == "sft" else cfg.reward_model.backbone
+def backbone_spec(cfg: Config, rm_cfg: RewardModelConfig) -> str:
+    return str(cfg.path(cfg.sft.out_dir)) if rm_cfg.backbone == "sft" else rm_cfg.backbone
 
 
-def checkpoint_fingerprint(cfg: Config) -> str:
+def checkpoint_fingerprint(cfg: Config, rm_cfg: RewardModelConfig, train_file: Path, seed: int) -> str:
     """What a Trainer checkpoint must have been made from to be resumed: the same reward-model settings (where
     checkpoints go and how often aside), seed, backbone, training data and number of processes."""
     import json
-    from pathlib import Path
 
     from rlhflow import distributed
     from rlhflow.fsutil import file_stamps
 
-    rm_cfg, backbone = cfg.reward_model, backbone_spec(cfg)
-    files = [cfg.path(cfg.validate_.out_dir) / "train.jsonl"]
-    if rm_cfg.hh_train_rows and rm_cfg.hh_eval_path:
-        files.append(cfg.path(rm_cfg.hh_eval_path))
+    backbone = backbone_spec(cfg, rm_cfg)
+    files = [train_file]
     if Path(backbone).is_dir():
         files += sorted(Path(backbone).glob("*.safetensors"))
     settings = rm_cfg.model_dump(exclude={"out_dir", "checkpoint_dir", "checkpoint_every", "eval_batch_size"})
-    return json.dumps({"reward_model": settings, "backbone": backbone, "seed": cfg.seed, "inputs": file_stamps(files),
+    return json.dumps({"reward_model": settings, "backbone": backbone, "seed": seed, "inputs": file_stamps(files),
                        "processes": distributed.world_size()}, sort_keys=True)
 
 
-def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
+def train_pairwise_model(cfg: Config, ctx: StageContext, rm_cfg: RewardModelConfig, *, split: str, prefix: str,
+                         registered_name: str, seed: int) -> dict[str, float]:
+    """Train a reward model (the proxy or the judge) on one validated split, score the test split, log and register
+    it. Metrics are named `<prefix>/accuracy`, `<prefix>/accuracy_se`, `<prefix>/margin`, ..."""
     import shutil
     import tempfile
 
     import mlflow
 
     from rlhflow import distributed, tracking
-    from rlhflow.data.formats import load_preferences, read_jsonl
+    from rlhflow.data.formats import read_jsonl
     from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir
     from rlhflow.reward import evaluate_pairs, train_reward_model
 
-    rm_cfg = cfg.reward_model
     validated = cfg.path(cfg.validate_.out_dir)
-    train_rows = read_jsonl(validated / "train.jsonl").to_dict("records")
+    train_file = validated / f"{split}.jsonl"
+    if not train_file.exists():
+        raise FileNotFoundError(f"{train_file}: no {split} split; run the validate stage first")
+    train_rows = read_jsonl(train_file).to_dict("records")
     test_rows = read_jsonl(validated / "test.jsonl").to_dict("records")
 
-    hh_rows: list[dict] = []
-    hh_path = cfg.path(rm_cfg.hh_eval_path) if rm_cfg.hh_eval_path else None
-    if hh_path and hh_path.exists():
-        hh = load_preferences(str(hh_path)).to_dict("records")
-        hh_rows = hh[-rm_cfg.hh_eval_rows:]  # held out: taken from the end, training rows from the start
-        train_rows = train_rows + hh[: min(rm_cfg.hh_train_rows, len(hh) - len(hh_rows))]
-
     if ctx.main_process:
-        tracking.log_dataset(validated / "train.jsonl", name="preferences-train", context="training")
+        tracking.log_dataset(train_file, name=f"preferences-{split}", context="training")
     out_dir = cfg.path(rm_cfg.out_dir)
     # the other processes of a multi-process run write only into a scratch dir, which is thrown away
     output = atomic_dir(out_dir) if ctx.main_process else tempfile.TemporaryDirectory()
     # Trainer checkpoints of an interrupted run with the same inputs are resumed from; others are dropped
     checkpoint_dir = cfg.path(rm_cfg.checkpoint_dir)
     if ctx.main_process:
-        prepare_checkpoint_dir(checkpoint_dir, checkpoint_fingerprint(cfg))
+        prepare_checkpoint_dir(checkpoint_dir, checkpoint_fingerprint(cfg, rm_cfg, train_file, seed))
     distributed.barrier()
     with output as tmp:
-        rm = train_reward_model(rm_cfg, train_rows, backbone=backbone_spec(cfg), out_dir=tmp,
-                                work_dir=checkpoint_dir, seed=cfg.seed,
-                                log_fn=lambda m, step: ctx.log_metrics(m, step=step),
+        rm = train_reward_model(rm_cfg, train_rows, backbone=backbone_spec(cfg, rm_cfg), out_dir=tmp,
+                                work_dir=checkpoint_dir, seed=seed,
+                                log_fn=lambda m, step: ctx.log_metrics({f"{prefix}/{k}": v for k, v in m.items()},
+                                                                       step=step),
                                 trust_remote_code=cfg.sft.trust_remote_code)
         if rm is None:  # not the main process: its part of the training is done
             return {}
         held_out = evaluate_pairs(rm, test_rows)
-        metrics = {"rm/accuracy": held_out["accuracy"], "rm/margin": held_out["margin_mean"],
-                   "rm/eval_pairs": held_out["pairs"], "rm/train_pairs": float(len(train_rows)),
-                   "rm/score_mean": rm.mean, "rm/score_std": rm.std}
-        if hh_rows:
-            hh_eval = evaluate_pairs(rm, hh_rows)
-            metrics.update({"rm/accuracy_hh": hh_eval["accuracy"], "rm/margin_hh": hh_eval["margin_mean"]})
+        metrics = {f"{prefix}/accuracy": held_out["accuracy"], f"{prefix}/accuracy_se": held_out["accuracy_se"],
+                   f"{prefix}/margin": held_out["margin_mean"], f"{prefix}/eval_pairs": held_out["pairs"],
+                   f"{prefix}/train_pairs": float(len(train_rows)), f"{prefix}/score_mean": rm.mean,
+                   f"{prefix}/score_std": rm.std}
     shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
     ctx.log_metrics(metrics)
     mlflow.log_dict({"normalization": {"mean": rm.mean, "std": rm.std}}, "reward_normalization.json")
-    tracking.log_model_dir(cfg, out_dir, name="reward_model", kind="reward", registered_name=REGISTERED_NAME)
+    tracking.log_model_dir(cfg, out_dir, name=NAME if prefix == "rm" else prefix, kind="reward",
+                           registered_name=registered_name)
     return metrics
+
+
+def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
+    return train_pairwise_model(cfg, ctx, cfg.reward_model, split="train", prefix="rm",
+                                registered_name=REGISTERED_NAME, seed=cfg.seed)
 
 
 task = stage_task(NAME, run)

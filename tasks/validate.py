@@ -1,6 +1,8 @@
-"""Stage validate: read the preference data, run the Great Expectations suite, write train/test splits.
+"""Stage validate: read the preference data, run the Great Expectations suite, write the train, judge and test
+splits (by prompt: the judge's reward model trains on prompts that neither the proxy reward model nor PPO sees).
 
-On any failed expectation the stage raises with a message naming each expectation and a few offending
+Blank and over-long rows are dropped and counted per reason (validate.blank / validate.overlong), up to
+validate.max_dropped_fraction of the rows. On any other failed expectation the stage raises with a message naming each expectation and a few offending
 rows; the previous validated splits and report stay as they were, and the failed report is written next
 to them (`<report_dir>.failed/`) and logged on the failed MLflow run.
 """
@@ -28,15 +30,16 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.data.formats import load_preferences, write_jsonl
     from rlhflow.fsutil import atomic_dir
     from rlhflow.models import load_tokenizer
-    from rlhflow.validation import DataValidationError, split_by_prompt, validate_preferences
+    from rlhflow.validation import DataValidationError, assign_splits, validate_preferences
 
-    limit = cfg.validate_.max_rows
-    data = load_preferences(_source(cfg, cfg.data.preferences), hf_split=cfg.data.hf_split, max_rows=limit)
+    v = cfg.validate_
+    data = load_preferences(_source(cfg, cfg.data.preferences), hf_split=cfg.data.hf_split, max_rows=v.max_rows)
+    test = None
     if cfg.data.test_preferences:
-        train = data
-        test = load_preferences(_source(cfg, cfg.data.test_preferences), hf_split=cfg.data.hf_split, max_rows=limit)
-    else:
-        train, test = split_by_prompt(data, cfg.validate_.test_fraction, cfg.seed)
+        test = load_preferences(_source(cfg, cfg.data.test_preferences), hf_split=cfg.data.hf_split,
+                                max_rows=v.max_rows)
+    splits = assign_splits(data, test_fraction=v.test_fraction, judge_fraction=v.judge_fraction, seed=cfg.seed,
+                           test=test)
     tokenizer = load_tokenizer(cfg.sft.model, trust_remote_code=cfg.sft.trust_remote_code)
 
     out_dir, report_dir = cfg.path(cfg.validate_.out_dir), cfg.path(cfg.validate_.report_dir)
@@ -44,14 +47,14 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     try:
         with atomic_dir(report_dir) as tmp_report:
             try:
-                result = validate_preferences(train, test, cfg=cfg.validate_, tokenizer=tokenizer, report_dir=tmp_report)
+                result = validate_preferences(splits, cfg=v, tokenizer=tokenizer, report_dir=tmp_report)
             except DataValidationError:
                 shutil.rmtree(failed_dir, ignore_errors=True)
                 shutil.copytree(tmp_report, failed_dir)
                 raise
             with atomic_dir(out_dir) as tmp_out:
-                write_jsonl(train, tmp_out / "train.jsonl")
-                write_jsonl(test, tmp_out / "test.jsonl")
+                for split, df in splits.items():  # train.jsonl, judge.jsonl, test.jsonl
+                    write_jsonl(result.kept(split, df), tmp_out / f"{split}.jsonl")
     except DataValidationError:
         if failed_dir.exists():
             mlflow.log_artifacts(str(failed_dir), artifact_path="validation_failed")
@@ -61,6 +64,10 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     mlflow.log_artifacts(str(report_dir), artifact_path="validation")
     tracking.log_dataset(out_dir / "train.jsonl", name="preferences-train", context="training")
     tracking.log_dataset(out_dir / "test.jsonl", name="preferences-test", context="evaluation")
+    if (out_dir / "judge.jsonl").exists():
+        tracking.log_dataset(out_dir / "judge.jsonl", name="preferences-judge", context="judge")
+    for reason, count in sorted(result.dropped_per_reason.items()):
+        print(f"validate: dropped {count} row(s): {reason}", flush=True)
     summary = result.summary()
     ctx.log_metrics(summary)
     return summary

@@ -49,7 +49,7 @@ def test_written_demo_reads_back_and_passes_validation(tmp_path):
     assert len(df) == 960 and df["source_row"].tolist() == list(range(1, 961))
     validate_cfg = ValidateConfig()
     train, test = split_by_prompt(df, validate_cfg.test_fraction, seed=0)
-    result = validate_preferences(train, test, cfg=validate_cfg, tokenizer=tiny_tokenizer(), report_dir=tmp_path / "r")
+    result = validate_preferences({"train": train, "test": test}, cfg=validate_cfg, tokenizer=tiny_tokenizer(), report_dir=tmp_path / "r")
     assert result.success
     assert result.summary()["validate/test_rows"] > 100
 

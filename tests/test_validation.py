@@ -10,7 +10,7 @@ import pytest
 from rlhflow.config import ValidateConfig
 from rlhflow.data.formats import load_preferences
 from rlhflow.testing import tiny_tokenizer
-from rlhflow.validation import DataValidationError, split_by_prompt, validate_preferences
+from rlhflow.validation import DataValidationError, assign_splits, split_by_prompt, validate_preferences
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,8 @@ def pairs(n: int, start_row: int = 1, prefix: str = "train") -> pd.DataFrame:
 
 
 def run(train, test, tokenizer, tmp_path, **cfg):
-    return validate_preferences(train, test, cfg=ValidateConfig(**cfg), tokenizer=tokenizer, report_dir=tmp_path)
+    return validate_preferences({"train": train, "test": test}, cfg=ValidateConfig(**cfg), tokenizer=tokenizer,
+                                report_dir=tmp_path)
 
 
 def failure(train, test, tokenizer, tmp_path, **cfg) -> DataValidationError:
@@ -107,9 +108,11 @@ def test_empty_and_whitespace_strings(tokenizer, tmp_path):
     test = pairs(4, start_row=101, prefix="test")
     test.loc[2, "rejected"] = "   \n"
     test.loc[3, "prompt"] = ""
-    err = failure(pairs(4), test, tokenizer, tmp_path)
-    assert "test row 103:" in failed_line(err, "expect_column_values_to_not_match_regex(rejected)")
-    assert "test row 104:" in failed_line(err, "expect_column_values_to_not_match_regex(prompt)")
+    err = failure(pairs(4), test, tokenizer, tmp_path, blank="fail")
+    line = failed_line(err, "expect_column_values_to_not_match_regex(rejected)")
+    assert "1 row with a blank rejected (empty or whitespace only) — test row 103:" in line
+    line = failed_line(err, "expect_column_values_to_not_match_regex(prompt)")
+    assert "1 row with a blank prompt (empty or whitespace only) — test row 104:" in line
 
 
 def test_chosen_equal_to_rejected(tokenizer, tmp_path):
@@ -131,10 +134,74 @@ def test_over_long_texts(tokenizer, tmp_path):
     train = pairs(4)
     train.loc[2, "chosen"] = "water " * 200
     train.loc[1, "prompt"] = "please " * 200
-    err = failure(train, pairs(2, prefix="test"), tokenizer, tmp_path, max_response_tokens=64, max_prompt_tokens=64)
+    err = failure(train, pairs(2, prefix="test"), tokenizer, tmp_path, max_response_tokens=64, max_prompt_tokens=64,
+                  overlong="fail")
     line = failed_line(err, "expect_column_values_to_be_between(chosen_tokens)")
     assert "1 row" in line and "train row 3: chosen_tokens=" in line
     assert "train row 2: prompt_tokens=" in failed_line(err, "expect_column_values_to_be_between(prompt_tokens)")
+
+
+def test_blank_and_over_long_rows_are_dropped_counted_and_kept_out(tokenizer, tmp_path):
+    train = pairs(40)
+    train.loc[3, "chosen"] = "water " * 200  # over-long response
+    train.loc[7, "prompt"] = "please " * 200  # over-long prompt
+    train.loc[9, "rejected"] = " \t"  # blank response
+    result = run(train, pairs(10, start_row=101, prefix="test"), tokenizer, tmp_path, max_response_tokens=64,
+                 max_prompt_tokens=64, max_dropped_fraction=0.1)
+    assert result.success and result.dropped == {"train": [3, 7, 9]}
+    assert result.dropped_per_reason == {"overlong_chosen": 1, "overlong_prompt": 1, "blank_rejected": 1}
+    summary = result.summary()
+    assert summary["validate/dropped_rows"] == 3 and summary["validate/dropped_fraction"] == 3 / 50
+    assert summary["validate/dropped_overlong_prompt"] == 1 and summary["validate/dropped_blank_rejected"] == 1
+    assert summary["validate/train_rows"] == 37 and summary["validate/train_rows_dropped"] == 3
+    kept = result.kept("train", train)
+    assert len(kept) == 37 and not {4, 8, 10} & set(kept["source_row"])  # rows are named by their input line
+    report = json.loads((tmp_path / "validation.json").read_text())
+    assert report["dropped"]["per_reason"] == result.dropped_per_reason
+    page = (tmp_path / "validation.html").read_text()
+    assert "Dropped rows: 3 of 50" in page and "dropped: train row 8:" in page
+
+
+def test_too_many_dropped_rows_fail_naming_the_share_the_reasons_and_rows(tokenizer, tmp_path):
+    train = pairs(20)
+    train.loc[[2, 5], "chosen"] = "water " * 200
+    err = failure(train, pairs(4, prefix="test"), tokenizer, tmp_path, max_response_tokens=64,
+                  max_dropped_fraction=0.05)
+    line = failed_line(err, "max_dropped_fraction(rows)")
+    assert "2 of 24 rows (8.3%) would be dropped, more than validate.max_dropped_fraction=0.05" in line
+    assert "overlong_chosen: 2" in line and "train row 3:" in line and "train row 6:" in line
+    assert err.result.summary()["validate/expectations_failed"] == 1  # only the share: the rows themselves may go
+
+
+def test_too_short_responses_are_no_over_long_rows_and_still_fail(tokenizer, tmp_path):
+    train = pairs(20)
+    train.loc[4, "rejected"] = "N"
+    err = failure(train, pairs(4, prefix="test"), tokenizer, tmp_path, min_tokens=2)
+    line = failed_line(err, "expect_column_values_to_be_between(rejected_tokens)")
+    assert "1 row with a rejected shorter than 2 or longer than 512 tokens — train row 5:" in line
+
+
+def test_judge_split_is_disjoint_by_prompt_and_its_share_is_kept():
+    df = pd.concat([pairs(300), pairs(300)], ignore_index=True)  # every prompt twice
+    splits = assign_splits(df, test_fraction=0.2, judge_fraction=0.25, seed=0)
+    prompts = {name: set(split["prompt"]) for name, split in splits.items()}
+    assert sorted(splits) == ["judge", "test", "train"] and sum(map(len, splits.values())) == len(df)
+    assert not prompts["train"] & prompts["judge"] and not prompts["judge"] & prompts["test"]
+    assert not prompts["train"] & prompts["test"]
+    assert 0.18 < len(prompts["judge"]) / 300 < 0.32 and 0.14 < len(prompts["test"]) / 300 < 0.26
+    # the test split is the same as without a judge: adding the judge takes prompts from training only
+    _, test_alone = split_by_prompt(df, 0.2, seed=0)
+    assert prompts["test"] == set(test_alone["prompt"])
+
+
+def test_a_prompt_shared_by_the_judge_and_train_splits_fails(tokenizer, tmp_path):
+    train, judge, test = pairs(5), pairs(3, start_row=20, prefix="judge"), pairs(3, start_row=50, prefix="test")
+    judge.loc[0, "prompt"] = train.loc[2, "prompt"]
+    with pytest.raises(DataValidationError) as err:
+        validate_preferences({"train": train, "judge": judge, "test": test}, cfg=ValidateConfig(), tokenizer=tokenizer,
+                             report_dir=tmp_path)
+    line = failed_line(err.value, "expect_column_values_to_be_in_set(prompt_in_other_split)")
+    assert "train row 3:" in line and "judge row 20:" in line
 
 
 def test_prompts_leaking_between_train_and_test(tokenizer, tmp_path):
