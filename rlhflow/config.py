@@ -197,7 +197,10 @@ class PPOConfig(Section):
 class EvaluateConfig(Section):
     n_prompts: int = Field(64, ge=1, description="held-out prompts sampled from SFT and PPO policies")
     max_new_tokens: int = Field(48, ge=1)
-    temperature: float = Field(0.7, gt=0)
+    temperature: float | None = Field(
+        None, gt=0, description="sampling temperature of the evaluation samples and of the KL computed on them; "
+        "unset: ppo.temperature, the temperature the policy was trained at (top-k / top-p are ppo's too)"
+    )
     batch_size: int = Field(16, ge=1)
     perplexity_rows: int = Field(64, ge=1)
     report_dir: str = "reports/evaluate"
@@ -223,6 +226,11 @@ class Config(Section):
     tracking: TrackingConfig = TrackingConfig()
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    @property
+    def eval_temperature(self) -> float:
+        """The temperature evaluation samples at and computes the KL at: evaluate.temperature, else ppo.temperature."""
+        return self.evaluate.temperature if self.evaluate.temperature is not None else self.ppo.temperature
 
     # ---- paths -------------------------------------------------------------------------------
     def path(self, value: str | os.PathLike) -> Path:
