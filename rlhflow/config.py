@@ -131,6 +131,10 @@ class PPOConfig(Section):
     mini_batch_size: int = Field(4, ge=1, description="responses per optimisation step, over all processes")
     ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
     learning_rate: float = Field(2e-5, gt=0)
+    lr_schedule: Literal["constant", "linear"] = Field(
+        "constant", description="learning rate per update: constant, or linear: learning_rate * (1 - (u - 1) / steps) "
+        "for update u, decaying to 0 at the end of the run (annealed per update, as TRL does)"
+    )
     adam_eps: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
@@ -153,7 +157,13 @@ class PPOConfig(Section):
     # with few updates (the CPU default) lam=0.95 leaves early tokens almost no signal (0.95^47 ~ 0.09)
     lam: float = Field(1.0, ge=0, le=1)
     whiten_advantages: bool = True
-    reward_normalization: Literal["none", "whiten", "running"] = "none"
+    reward_normalization: Literal["none", "whiten", "running", "sft"] = Field(
+        "none", description="scores -> rewards: none; whiten: (score - mean) / std over each rollout batch; running: "
+        "over all scores so far; sft: with the mean and std of the SFT policy's scores on reward_norm_prompts "
+        "training prompts, sampled before the first update and fixed for the run (Huang et al., N+ details)"
+    )
+    reward_norm_prompts: int = Field(64, ge=1, description="reward_normalization=sft: training prompts whose SFT "
+                                     "samples give the statistics (over all processes)")
     # losses
     cliprange: float = Field(0.2, gt=0)
     cliprange_value: float | None = Field(0.2, gt=0)
