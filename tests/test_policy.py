@@ -285,16 +285,22 @@ def _with_generation_defaults(model, **fields):
     return configured
 
 
-def test_the_models_generation_config_does_not_change_sampling(tok, model):
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_models_generation_config_does_not_change_sampling(tok, model, lora):
     """Sampling draws from softmax(logits / T) (with our top-k / top-p only) whatever the model's generation_config
     says: the same tokens as a model without one from the same seed, and the sampling pass's log-probs equal those of
-    a plain forward pass."""
+    a plain forward pass. Also through a peft model (PPO with LoRA), whose generate passes on the base model's
+    generation_config."""
     configured = _with_generation_defaults(
         model, min_p=0.5, repetition_penalty=2.0, no_repeat_ngram_size=1, typical_p=0.2, epsilon_cutoff=0.01,
         suppress_tokens=list(range(100, 300)), bad_words_ids=[[74], [261]], min_new_tokens=12, top_k=3,
         begin_suppress_tokens=[201], forced_bos_token_id=5, renormalize_logits=True)
     plain = copy.deepcopy(model)
     plain.generation_config = GenerationConfig()
+    if lora:  # a fresh adapter (B = 0) leaves the outputs as they are
+        from peft import LoraConfig, get_peft_model
+
+        configured = get_peft_model(configured, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     ids, mask = encode_prompts(tok, MESSAGES * 4, 64)
     kwargs = dict(max_new_tokens=12, temperature=0.7, generator_seed=5, return_logits=True)
     got, expected = generate(configured, tok, ids, mask, **kwargs), generate(plain, tok, ids, mask, **kwargs)
