@@ -158,6 +158,10 @@ class PPOConfig(Section):
     mini_batch_size: int = Field(4, ge=1, description="responses per optimisation step, over all processes")
     ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
     learning_rate: float = Field(2e-5, gt=0)
+    lr_schedule: Literal["constant", "linear"] = Field(
+        "constant", description="learning rate per update: constant, or linear: learning_rate * (1 - (u - 1) / steps) "
+        "for update u, decaying to 0 at the end of the run (annealed per update, as TRL does)"
+    )
     adam_eps: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
@@ -180,7 +184,13 @@ class PPOConfig(Section):
     # with few updates (the CPU default) lam=0.95 leaves early tokens almost no signal (0.95^47 ~ 0.09)
     lam: float = Field(1.0, ge=0, le=1)
     whiten_advantages: bool = True
-    reward_normalization: Literal["none", "whiten", "running"] = "none"
+    reward_normalization: Literal["none", "whiten", "running", "sft"] = Field(
+        "none", description="scores -> rewards: none; whiten: (score - mean) / std over each rollout batch; running: "
+        "over all scores so far; sft: with the mean and std of the SFT policy's scores on reward_norm_prompts "
+        "training prompts, sampled before the first update and fixed for the run (Huang et al., N+ details)"
+    )
+    reward_norm_prompts: int = Field(64, ge=1, description="reward_normalization=sft: training prompts whose SFT "
+                                     "samples give the statistics (over all processes)")
     # losses
     cliprange: float = Field(0.2, gt=0)
     cliprange_value: float | None = Field(0.2, gt=0)
@@ -224,7 +234,10 @@ class PPOConfig(Section):
 class EvaluateConfig(Section):
     n_prompts: int = Field(64, ge=1, description="held-out prompts sampled from SFT and PPO policies")
     max_new_tokens: int = Field(48, ge=1)
-    temperature: float = Field(0.7, gt=0)
+    temperature: float | None = Field(
+        None, gt=0, description="sampling temperature of the evaluation samples and of the KL computed on them; "
+        "unset: ppo.temperature, the temperature the policy was trained at (top-k / top-p are ppo's too)"
+    )
     batch_size: int = Field(16, ge=1)
     perplexity_rows: int = Field(64, ge=1)
     report_dir: str = "reports/evaluate"
@@ -251,6 +264,11 @@ class Config(Section):
     tracking: TrackingConfig = TrackingConfig()
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    @property
+    def eval_temperature(self) -> float:
+        """The temperature evaluation samples at and computes the KL at: evaluate.temperature, else ppo.temperature."""
+        return self.evaluate.temperature if self.evaluate.temperature is not None else self.ppo.temperature
 
     # ---- paths -------------------------------------------------------------------------------
     def path(self, value: str | os.PathLike) -> Path:

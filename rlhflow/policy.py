@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -20,6 +21,7 @@ from typing import Sequence
 import torch
 from torch import nn
 from transformers import GenerationConfig, PreTrainedTokenizerBase
+from transformers.generation import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
 from rlhflow.packed import packed_linears
 from rlhflow.ppo.core import entropy_from_logits, logprobs_from_logits
@@ -98,27 +100,91 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stop_strings: Sequence[st
     return ids
 
 
-def _cut_response(tokenizer, ids: list[int], eos_ids: set[int], stop_strings: Sequence[str]) -> tuple[int, bool, str]:
-    """(number of tokens kept, ended, text) for one sampled response."""
+def _stop_string_start(prompt_tail: str, text: str, stop_strings: Sequence[str]) -> int | None:
+    """Where in `text` the earliest stop string that ends inside it starts (negative: it began in `prompt_tail`, the
+    end of the prompt), or None. A stop string wholly inside the prompt does not count."""
+    joined = prompt_tail + text
+    starts = []
+    for s in stop_strings:
+        at = joined.find(s, max(0, len(prompt_tail) - len(s) + 1))  # the match must end after the prompt
+        if at >= 0:
+            starts.append(at - len(prompt_tail))
+    return min(starts) if starts else None
+
+
+def _cut_response(tokenizer, ids: list[int], eos_ids: set[int], stop_strings: Sequence[str], *, prompt_tail: str = "",
+                  stopped_after: int | None = None) -> tuple[int, bool, str]:
+    """(number of tokens kept, ended, text) for one sampled response.
+
+    prompt_tail: the end of the decoded prompt, so that a stop string which the prompt begins and the response
+    completes counts, as transformers' StopStringCriteria counts it (then the text is cut at the response's start).
+    stopped_after: the number of tokens generated before generation stopped this row on a stop string; what follows
+    is padding and is never kept."""
+    if stopped_after is not None:
+        ids = ids[:stopped_after]
     eos_at = next((i for i, t in enumerate(ids) if t in eos_ids), None)
     body = ids if eos_at is None else ids[:eos_at]
     text = tokenizer.decode(body, skip_special_tokens=True)
-    hits = [text.find(s) for s in stop_strings if s and s in text]
-    if hits:
-        # the stop string appears before any EOS: keep tokens up to the one that completes it (binary search
-        # over prefixes: "contains a stop string" only turns on as the prefix grows)
+    start = _stop_string_start(prompt_tail, text, stop_strings)
+    if start is not None:
+        # the stop string ends before any EOS: keep tokens up to the one that completes it (binary search over
+        # prefixes: "completes a stop string" only turns on as the prefix grows)
         lo, hi = 1, len(body)
         while lo < hi:
             mid = (lo + hi) // 2
             prefix = tokenizer.decode(body[:mid], skip_special_tokens=True)
-            if any(s and s in prefix for s in stop_strings):
+            if _stop_string_start(prompt_tail, prefix, stop_strings) is not None:
                 hi = mid
             else:
                 lo = mid + 1
-        return lo, True, text[: min(hits)]
+        return lo, True, text[: max(start, 0)]
     if eos_at is not None:
         return eos_at + 1, True, text
-    return len(ids), False, text
+    # stopped on a stop string the decoded text does not show (e.g. one inside a special token's name): it ended
+    return len(ids), stopped_after is not None, text
+
+
+class _RecordStops(StoppingCriteria):
+    """Wraps a stopping criterion and records, per row, how many tokens had been generated when it first fired
+    (rows are padded after that)."""
+
+    def __init__(self, criterion: StoppingCriteria, context_length: int):
+        self.criterion, self.context_length = criterion, context_length
+        self.stopped_after: list[int | None] | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        done = self.criterion(input_ids, scores, **kwargs)
+        if self.stopped_after is None:
+            self.stopped_after = [None] * input_ids.shape[0]
+        generated = input_ids.shape[1] - self.context_length
+        for row in done.nonzero().flatten().tolist():
+            if self.stopped_after[row] is None:
+                self.stopped_after[row] = generated
+        return done
+
+
+def _prompt_tails(tokenizer, input_ids: torch.Tensor, attention_mask: torch.Tensor, stop_strings: Sequence[str],
+                  ) -> list[str]:
+    """The last characters of each decoded prompt that a stop string completed by the response could begin in."""
+    width = max((len(s) for s in stop_strings), default=1) - 1
+    if width == 0:
+        return [""] * input_ids.shape[0]
+    return [tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=True)[-width:]
+            for row, m in zip(input_ids.cpu(), attention_mask.cpu())]
+
+
+@contextlib.contextmanager
+def _only_generation_config(model: nn.Module, gen_config: GenerationConfig):
+    """Make `gen_config` the model's own generation config while it generates: transformers fills every field the
+    call leaves unset (None) from the model's generation_config (min_p, suppress_tokens, repetition_penalty, ...),
+    and any of those would change the sampling distribution away from softmax(logits / T) with top-k / top-p."""
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model's transformer
+    saved = target.generation_config
+    target.generation_config = gen_config
+    try:
+        yield
+    finally:
+        target.generation_config = saved
 
 
 @torch.no_grad()
@@ -130,45 +196,48 @@ def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, input_ids: to
 
     A response ends at the first EOS (or a stop string that is a single vocabulary token) or at the token that
     completes a stop string; that token is kept as the last real token (it carries the score) and everything
-    after it becomes pad. `texts` are decoded without special tokens and cut before the stop string.
+    after it becomes pad. A stop string counts when it ends inside the response, also one that the prompt begins
+    (transformers stops such a row too); never one wholly inside the prompt. `texts` are decoded without special
+    tokens and cut before the stop string. Sampling uses only the settings given here, never the model's own
+    generation_config (its processors would change the distribution PPO's ratios assume).
     `generator_seed` makes the sampling reproducible without touching the global RNG.
     return_logits / return_hidden keep the sampling pass's raw logits and last hidden states (PPO's old
     log-probs and shared-head values without a second forward pass). On CPU in float32 the linear layers run on
     oneDNN-packed weights while sampling (`rlhflow.packed`)."""
     stop_strings = [s for s in stop_strings if s]
     eos_ids = stop_token_ids(tokenizer, stop_strings)
+    # only what we set: the model's own generation defaults must not change the sampling distribution
     gen_config = GenerationConfig(
         do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
-        eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id,
-        # neutral values, so a model's own generation defaults cannot change the sampling distribution
-        repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0, typical_p=1.0,
-        epsilon_cutoff=0.0, eta_cutoff=0.0, min_new_tokens=0, use_cache=True,
-        stop_strings=stop_strings or None, return_dict_in_generate=True, output_logits=return_logits,
-        output_hidden_states=return_hidden,
+        eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True, return_dict_in_generate=True,
+        output_logits=return_logits, output_hidden_states=return_hidden,
     )
-    extra = {"tokenizer": tokenizer} if stop_strings else {}
+    context_length = input_ids.shape[1]
+    stops = _RecordStops(StopStringCriteria(tokenizer, stop_strings), context_length) if stop_strings else None
     was_training = model.training
     model.eval()
     cuda = [input_ids.device.index or 0] if input_ids.device.type == "cuda" else []
     # a private, seeded RNG stream leaves the global state as it was; without a seed, sample from the caller's RNG
     with torch.random.fork_rng(devices=cuda, enabled=generator_seed is not None), \
-            packed_linears(model, batch_size=input_ids.shape[0]):
+            packed_linears(model, batch_size=input_ids.shape[0]), _only_generation_config(model, gen_config):
         if generator_seed is not None:
             torch.manual_seed(generator_seed)
         gen_out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_config,
-                                 **extra)
+                                 stopping_criteria=StoppingCriteriaList([stops] if stops else []))
     model.train(was_training)
     out = gen_out.sequences
 
-    context_length = input_ids.shape[1]
     response = out[:, context_length:].clone()
     B, T = response.shape
     response_mask = torch.zeros_like(response)
     ended = torch.zeros(B, dtype=torch.bool)
     texts = []
     eos_set = set(eos_ids)
+    tails = _prompt_tails(tokenizer, input_ids, attention_mask, stop_strings)
+    stopped_after = (stops.stopped_after if stops is not None else None) or [None] * B
     for i, ids in enumerate(response.tolist()):
-        keep, ended[i], text = _cut_response(tokenizer, ids, eos_set, stop_strings)
+        keep, ended[i], text = _cut_response(tokenizer, ids, eos_set, stop_strings, prompt_tail=tails[i],
+                                             stopped_after=stopped_after[i])
         response_mask[i, :keep] = 1
         texts.append(text)
     response = response.masked_fill(response_mask == 0, tokenizer.pad_token_id)

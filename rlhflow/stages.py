@@ -71,7 +71,8 @@ STAGES: list[Stage] = [
     Stage(
         name="sft",
         description="load the SFT model, keep a plain safetensors copy, baseline perplexity and samples",
-        params=["seed", "sft", "ppo.max_prompt_length", "evaluate.temperature"],
+        params=["seed", "sft", "ppo.max_prompt_length", "ppo.temperature", "ppo.top_k", "ppo.top_p",
+                "evaluate.temperature"],
         deps=[VALIDATED, "rlhflow/models.py", "rlhflow/policy.py", "tasks/sft.py"],
         outs=["${sft.out_dir}"],
         metrics=[_metrics("sft")],
@@ -106,7 +107,8 @@ STAGES: list[Stage] = [
         name="evaluate",
         description="SFT vs PPO policy on held-out prompts, judged by the proxy and the judge (reward, win rate with "
                     "bootstrap intervals, KL, perplexity, drift), RM calibration",
-        params=["seed", "evaluate", "ppo.max_prompt_length", "ppo.stop_strings", "reward_model.eval_batch_size"],
+        params=["seed", "evaluate", "ppo.max_prompt_length", "ppo.stop_strings", "ppo.temperature", "ppo.top_k",
+                "ppo.top_p", "reward_model.eval_batch_size", "judge.eval_batch_size"],
         deps=[VALIDATED, "${sft.out_dir}", "${reward_model.out_dir}", "${judge.out_dir}", "${ppo.out_dir}",
               "${metrics_dir}/ppo_history.csv",
               "rlhflow/metrics.py", "rlhflow/plots.py", "rlhflow/reward.py", "tasks/evaluate.py"],

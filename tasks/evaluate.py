@@ -28,13 +28,15 @@ CALIBRATION_CSV = "eval_calibration.csv"
 
 
 def sample(model, tokenizer, prompt_messages, cfg: Config):
-    """Responses for all prompts, with the same sampling seed for every model compared."""
+    """Responses for all prompts, with the same sampling seed for every model compared; sampled as PPO samples
+    (top-k / top-p, stop strings) at the evaluation temperature."""
     from rlhflow.policy import sample_responses
 
     e = cfg.evaluate
     return sample_responses(model, tokenizer, prompt_messages, batch_size=e.batch_size,
                             max_prompt_length=cfg.ppo.max_prompt_length, max_new_tokens=e.max_new_tokens,
-                            temperature=e.temperature, stop_strings=cfg.ppo.stop_strings, seed=cfg.seed)
+                            temperature=cfg.eval_temperature, top_k=cfg.ppo.top_k, top_p=cfg.ppo.top_p,
+                            stop_strings=cfg.ppo.stop_strings, seed=cfg.seed)
 
 
 def texts_of(outputs) -> list[str]:
@@ -108,7 +110,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     win_ci = win_rate_interval(policy_scores, sft_scores, seed=cfg.seed)
     judge_win_ci = win_rate_interval(policy_judged, sft_judged, seed=cfg.seed)
     kl = torch.cat([response_kl(policy, sft, o.query_response, o.attention_mask, o.context_length,
-                                o.response_mask, e.temperature).cpu() for o in policy_out])
+                                o.response_mask, cfg.eval_temperature).cpu() for o in policy_out])  # as sampled
 
     ref_rows = test.drop_duplicates("prompt").head(e.perplexity_rows)
     ppl_args = (list(ref_rows["prompt_messages"]), list(ref_rows["chosen"]))

@@ -40,7 +40,8 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
         rows = held_out.head(s.n_samples)
         outs = sample_responses(model, tokenizer, list(rows["prompt_messages"]), batch_size=s.batch_size,
                                 max_prompt_length=cfg.ppo.max_prompt_length, max_new_tokens=s.max_new_tokens,
-                                temperature=cfg.evaluate.temperature, seed=cfg.seed)
+                                temperature=cfg.eval_temperature, top_k=cfg.ppo.top_k, top_p=cfg.ppo.top_p,
+                                seed=cfg.seed)
         responses = [t for o in outs for t in o.texts]
         mlflow.log_table({"prompt": list(rows["prompt"]), "response": responses}, artifact_file="sft_samples.json")
     ctx.log_metrics(metrics)

@@ -49,3 +49,9 @@ def test_paths_resolve_against_the_repo_not_the_cwd(tmp_path, monkeypatch):
     cfg = load_config()
     assert cfg.path(cfg.sft.out_dir) == REPO_ROOT / "models" / "sft"
     assert cfg.path("/abs/x") == __import__("pathlib").Path("/abs/x")
+
+
+def test_evaluation_temperature_follows_ppo_unless_set():
+    cfg = load_config(overrides=["ppo.temperature=0.9"])
+    assert cfg.evaluate.temperature is None and cfg.eval_temperature == 0.9  # params.yaml leaves it unset
+    assert load_config(overrides=["ppo.temperature=0.9", "evaluate.temperature=0.5"]).eval_temperature == 0.5

@@ -64,6 +64,24 @@ def test_a_nan_evaluation_never_becomes_champion():
     assert not tracking.decide_champion("m", "2", "rm/accuracy", math.nan, "1", 0.5).promoted
 
 
+# ---- sampling settings ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("evaluate_temperature,expected", [(None, 0.9), (0.5, 0.5)])
+def test_evaluation_samples_as_ppo_samples(monkeypatch, evaluate_temperature, expected):
+    """top-k / top-p are PPO's; the temperature is evaluate.temperature, by default the PPO temperature."""
+    import rlhflow.policy
+    from rlhflow.config import load_config
+    from tasks.evaluate import sample
+
+    calls = []
+    monkeypatch.setattr(rlhflow.policy, "sample_responses", lambda *args, **kwargs: calls.append(kwargs))
+    cfg = load_config(overrides=["ppo.temperature=0.9", "ppo.top_k=7", "ppo.top_p=0.8",
+                                 f"evaluate.temperature={'null' if evaluate_temperature is None else evaluate_temperature}"])
+    sample(None, None, [], cfg)
+    assert calls[0]["temperature"] == expected and calls[0]["top_k"] == 7 and calls[0]["top_p"] == 0.8
+
+
 # ---- one tiny pipeline in a real git+DVC repo ------------------------------------------------------------------
 
 

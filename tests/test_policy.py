@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 from rlhflow.packed import packed_linears
 from rlhflow.policy import (
@@ -12,6 +13,7 @@ from rlhflow.policy import (
     _cut_response,
     encode_prompts,
     generate,
+    pad_sequences,
     sequence_logprobs,
 )
 from rlhflow.ppo.core import entropy_from_logits
@@ -234,3 +236,90 @@ def test_cut_response_rules(tok):
     assert ended and text == "hello world " and "yes" in tok.decode(ids[:keep]) and "yes" not in tok.decode(ids[:keep - 1])
     # EOS before the stop string wins
     assert _cut_response(tok, ids[:1] + [eos] + ids[1:], {eos}, ["yes"])[:2] == (2, True)
+
+
+def _forced_token_model(tok, model, token_id: int):
+    """A copy of the tiny model that samples `token_id` at every step, whatever the temperature."""
+    forced = copy.deepcopy(model)
+    head = torch.nn.Linear(forced.config.hidden_size, len(tok), bias=True)
+    torch.nn.init.zeros_(head.weight)
+    with torch.no_grad():
+        head.bias.fill_(-100.0)
+        head.bias[token_id] = 100.0
+    forced.lm_head = head
+    return forced
+
+
+def test_stop_string_across_the_prompt_boundary_ends_the_response_without_keeping_padding(tok, model):
+    """Row 0's prompt ends with "\\n": its first "\\n" completes the stop string "\\n\\n" (transformers stops the row
+    there and pads it); row 1 completes it with its second token. Neither keeps padding as response tokens."""
+    newline = tok("\n", add_special_tokens=False)["input_ids"]
+    assert newline == [201]
+    rows = [tok("hello x\n", add_special_tokens=False)["input_ids"], tok("hello x", add_special_tokens=False)["input_ids"]]
+    ids, mask = pad_sequences(rows, tok.pad_token_id, side="left")
+    forced = _forced_token_model(tok, model, newline[0])
+    out = generate(forced, tok, ids, mask, max_new_tokens=6, stop_strings=["\n\n"], generator_seed=0)
+    assert out.response.tolist() == [[201, tok.pad_token_id], [201, 201]]
+    assert out.response_mask.tolist() == [[1, 0], [1, 1]]  # the padding after row 0's stop is not response
+    assert out.ended.tolist() == [True, True]
+    assert out.texts == ["", ""]  # cut before the stop string, which began in the prompt for row 0
+
+
+def test_cut_response_counts_stop_strings_that_end_in_the_response(tok):
+    ids = tok("s no", add_special_tokens=False)["input_ids"]
+    eos = tok.eos_token_id
+    # "ye" ends the prompt: the response's first token completes "yes"
+    assert _cut_response(tok, ids, {eos}, ["yes"], prompt_tail="hello ye") == (1, True, "")
+    # a stop string wholly inside the prompt does not count
+    assert _cut_response(tok, ids, {eos}, ["yes"], prompt_tail="yes hello") == (len(ids), False, "s no")
+    # generation stopped after 2 tokens (a stop string transformers matched): the rest is padding, never kept
+    padded = ids[:2] + [tok.pad_token_id] * 3
+    assert _cut_response(tok, padded, {eos}, ["zzz"], stopped_after=2) == (2, True, tok.decode(ids[:2]))
+
+
+def _with_generation_defaults(model, **fields):
+    """A copy of `model` whose own generation_config sets logits processors that would change sampling."""
+    configured = copy.deepcopy(model)
+    for key, value in fields.items():
+        setattr(configured.generation_config, key, value)
+    return configured
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_models_generation_config_does_not_change_sampling(tok, model, lora):
+    """Sampling draws from softmax(logits / T) (with our top-k / top-p only) whatever the model's generation_config
+    says: the same tokens as a model without one from the same seed, and the sampling pass's log-probs equal those of
+    a plain forward pass. Also through a peft model (PPO with LoRA), whose generate passes on the base model's
+    generation_config."""
+    configured = _with_generation_defaults(
+        model, min_p=0.5, repetition_penalty=2.0, no_repeat_ngram_size=1, typical_p=0.2, epsilon_cutoff=0.01,
+        suppress_tokens=list(range(100, 300)), bad_words_ids=[[74], [261]], min_new_tokens=12, top_k=3,
+        begin_suppress_tokens=[201], forced_bos_token_id=5, renormalize_logits=True)
+    plain = copy.deepcopy(model)
+    plain.generation_config = GenerationConfig()
+    if lora:  # a fresh adapter (B = 0) leaves the outputs as they are
+        from peft import LoraConfig, get_peft_model
+
+        configured = get_peft_model(configured, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    ids, mask = encode_prompts(tok, MESSAGES * 4, 64)
+    kwargs = dict(max_new_tokens=12, temperature=0.7, generator_seed=5, return_logits=True)
+    got, expected = generate(configured, tok, ids, mask, **kwargs), generate(plain, tok, ids, mask, **kwargs)
+    assert torch.equal(got.query_response, expected.query_response)
+    assert any(100 <= t < 300 for t in got.response.flatten().tolist())  # suppressed by the config, sampled anyway
+    pv = PolicyAndValue(configured, "shared")
+    qr, am, P = got.query_response, got.attention_mask, got.context_length
+    with torch.no_grad():
+        forward_logprobs = sequence_logprobs(configured, qr, am, P, 0.7)
+    assert torch.allclose(pv.from_generation(got, 0.7, torch.zeros_like(forward_logprobs))[0], forward_logprobs,
+                          atol=1e-5)
+
+
+def test_suppressed_tokens_and_an_early_eos_can_be_sampled(tok, model):
+    ids, mask = encode_prompts(tok, MESSAGES, 64)
+    newline = _with_generation_defaults(_forced_token_model(tok, model, 201), suppress_tokens=[201],
+                                        begin_suppress_tokens=[201], bad_words_ids=[[201]])
+    out = generate(newline, tok, ids, mask, max_new_tokens=3, generator_seed=0)
+    assert out.response.tolist() == [[201] * 3] * 2
+    eos = _with_generation_defaults(_forced_token_model(tok, model, tok.eos_token_id), min_new_tokens=3, min_length=50)
+    out = generate(eos, tok, ids, mask, max_new_tokens=3, generator_seed=0)
+    assert out.response.tolist() == [[tok.eos_token_id]] * 2 and out.ended.all()

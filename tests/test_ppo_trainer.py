@@ -76,6 +76,44 @@ def test_reward_normalization(tok, tmp_path, normalization):
         assert trainer.running_scores.count == 16
 
 
+def test_sft_reward_normalization_uses_fixed_statistics_of_sft_samples(tok, tmp_path):
+    """Before the first update the SFT policy's samples for reward_norm_prompts prompts are scored once; their
+    statistics normalise every later score: the SFT samples themselves come out with mean 0 and std 1."""
+    calls = []
+
+    def score(prompts, texts):
+        calls.append(vowel_fraction(prompts, texts))
+        return calls[-1]
+
+    trainer = make_trainer(tok, tmp_path, score_fn=score, kl_coef=0.0, reward_normalization="sft",
+                           reward_norm_prompts=16)
+    first = trainer.update()
+    sft_scores, rollout_scores = calls
+    assert len(sft_scores) == 16 and trainer.sft_scores.count == 16
+    normalized = trainer.sft_scores.normalize(sft_scores)
+    assert normalized.mean().item() == pytest.approx(0.0, abs=1e-5)
+    assert normalized.std(correction=0).item() == pytest.approx(1.0, abs=1e-4)
+    assert first["ppo/reward_norm_mean"] == pytest.approx(sft_scores.double().mean().item())
+    assert first["ppo/reward_norm_std"] == pytest.approx(sft_scores.double().std(correction=0).item())
+    assert first["ppo/reward_total_mean"] == pytest.approx(trainer.sft_scores.normalize(rollout_scores).mean().item(),
+                                                           abs=1e-5)  # not 0: not this batch's own statistics
+    second = trainer.update()
+    assert len(calls) == 3  # sampled once
+    assert (second["ppo/reward_norm_mean"], second["ppo/reward_norm_std"]) == (
+        first["ppo/reward_norm_mean"], first["ppo/reward_norm_std"])
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear"])
+def test_learning_rate_schedule(tok, tmp_path, schedule):
+    """linear: lr * (1 - (u - 1) / steps) for update u, 0 once the run is done; constant by default."""
+    trainer = make_trainer(tok, tmp_path, steps=4, learning_rate=1e-2, lr_schedule=schedule)
+    lrs = [h["ppo/lr"] for h in trainer.train()]
+    expected = [1e-2, 0.75e-2, 0.5e-2, 0.25e-2] if schedule == "linear" else [1e-2] * 4
+    assert lrs == pytest.approx(expected)
+    assert core.learning_rate(1e-2, 5, 4, schedule) == (0.0 if schedule == "linear" else 1e-2)
+    assert make_trainer(tok, tmp_path).cfg.lr_schedule == "constant"
+
+
 def test_adaptive_kl_coefficient_in_the_loop(tok, tmp_path):
     trainer = make_trainer(tok, tmp_path, kl_coef=0.1, adaptive_kl={"enabled": True, "target": 1.0, "horizon": 100})
     first, second = trainer.update(), trainer.update()
@@ -92,6 +130,7 @@ RESUME_VARIANTS = {
     "shared": dict(reward_normalization="running", adaptive_kl={"enabled": True, "target": 1.0, "horizon": 50}),
     "separate+lora": dict(value_model="separate", lora={"enabled": True, "r": 4, "alpha": 8}, learning_rate=5e-2,
                           kl_estimator="k3"),
+    "sft-normalization+linear-lr": dict(reward_normalization="sft", reward_norm_prompts=8, lr_schedule="linear"),
 }
 
 
@@ -101,8 +140,9 @@ def test_resume_equals_uninterrupted_run(tok, tmp_path, variant):
     full = make_trainer(tok, tmp_path / "a", steps=6, checkpoint_every=3, **extra)
     full_history = full.train()
 
-    first = make_trainer(tok, tmp_path / "b", steps=3, checkpoint_every=3, **extra)
-    first.train()
+    first = make_trainer(tok, tmp_path / "b", steps=6, checkpoint_every=3, **extra)
+    for _ in range(3):  # interrupted after its third update
+        first.update()
     ckpt_dir = tmp_path / "b" / "ckpt"
     assert [p.name for p in ckpt_dir.iterdir()] == ["step-000003"]
     assert {p.name for p in (ckpt_dir / "step-000003").iterdir()} == {
@@ -120,6 +160,7 @@ def test_resume_equals_uninterrupted_run(tok, tmp_path, variant):
         assert torch.allclose(p, q, atol=1e-6), name
     assert resumed.kl_ctl.value == pytest.approx(full.kl_ctl.value)
     assert resumed.running_scores.state_dict() == pytest.approx(full.running_scores.state_dict())
+    assert resumed.sft_scores.state_dict() == pytest.approx(full.sft_scores.state_dict())
 
 
 def test_non_finite_score_raises_without_checkpoint(tok, tmp_path):

@@ -6,6 +6,7 @@ from rlhflow.ppo.core import (
     RunningMoments,
     gae,
     kl_per_token,
+    learning_rate,
     masked_mean,
     masked_var,
     masked_whiten,
@@ -16,7 +17,8 @@ from rlhflow.ppo.core import (
 
 __all__ = [
     "AdaptiveKLController", "FixedKLController", "NonFiniteError", "PPOTrainer", "RunningMoments", "gae",
-    "kl_per_token", "masked_mean", "masked_var", "masked_whiten", "per_token_rewards", "policy_loss", "value_loss",
+    "kl_per_token", "learning_rate", "masked_mean", "masked_var", "masked_whiten", "per_token_rewards", "policy_loss",
+    "value_loss",
 ]
 
 

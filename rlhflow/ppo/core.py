@@ -174,6 +174,22 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+# ---- learning-rate schedule ----------------------------------------------------------------------
+
+
+def learning_rate(base_lr: float, update: int, total_updates: int, schedule: str) -> float:
+    """The learning rate of update u (1-based) out of U.
+
+    constant: lr
+    linear:   lr * (1 - (u - 1) / U)    (annealed per update, as TRL does: 0 once the U updates are done)
+    """
+    if schedule == "constant":
+        return base_lr
+    if schedule == "linear":
+        return base_lr * max(0.0, 1.0 - (update - 1) / total_updates)
+    raise ValueError(f"unknown learning-rate schedule {schedule!r} (expected 'constant' or 'linear')")
+
+
 # ---- KL coefficient controllers ------------------------------------------------------------------
 
 

@@ -5,10 +5,12 @@ One update (`PPOTrainer.update`):
      strings); old log-probs, entropy and shared-head values from the sampling pass's logits and hidden states
      (`rollout_logprobs`; or a forward pass of their own), a separate critic's forward pass, and a forward pass
      for the reference log-probs (a frozen copy, or with LoRA the same model with the adapter disabled);
-  2. score the decoded texts, subtract the missing-EOS penalty, normalise the scores;
+  2. score the decoded texts, subtract the missing-EOS penalty, normalise the scores (whiten: this batch's
+     statistics; running: all scores so far; sft: fixed statistics of the SFT policy's scores, sampled before the
+     first update);
   3. per-token rewards r_t = -beta * kl_t (+ score on the last token), GAE, whitened advantages;
   4. `ppo_epochs` passes over shuffled minibatches: clipped policy loss + vf_coef * clipped value loss
-     - entropy_coef * entropy, gradient clipping, AdamW;
+     - entropy_coef * entropy, gradient clipping, AdamW at this update's learning rate (constant or linear decay);
   5. update the KL coefficient, log the stats, checkpoint every `checkpoint_every` updates.
 All models run in eval mode (no dropout); gradients flow regardless.
 
@@ -21,6 +23,7 @@ share it; the time/ entries are the main process's):
   ppo/policy_loss, ppo/value_loss, ppo/clipfrac, ppo/value_clipfrac, ppo/approxkl   means over minibatches
   ppo/returns_mean, ppo/advantages_mean   token means (advantages before whitening)
   ppo/response_length, ppo/eos_fraction, ppo/lr
+  ppo/reward_norm_mean, ppo/reward_norm_std   with reward_normalization=sft: the fixed SFT score statistics
   ppo/responses                   responses in the update over all processes (the global batch)
   time/generation_s (sampling), time/forward_s (old/ref log-probs and values), time/scoring_s (score_fn),
   time/training_s (the PPO epochs)
@@ -53,6 +56,8 @@ ScoreFn = Callable[[list, list[str]], "torch.Tensor | Sequence[float]"]
 CHECKPOINT_PREFIX = "step-"
 # config fields that may change between a run and its resumption without changing what the run means
 _RESUMABLE_CHANGES = {"steps", "checkpoint_every", "checkpoint_dir", "out_dir"}
+# sampling seeds of the reward-normalisation samples: a stream apart from the updates' (1, 2, ...)
+_SFT_SAMPLES_STREAM = 2**31
 
 
 class NonFiniteError(RuntimeError):
@@ -148,6 +153,7 @@ class PPOTrainer:
         else:
             self.kl_ctl = core.FixedKLController(cfg.kl_coef)
         self.running_scores = core.RunningMoments()
+        self.sft_scores = core.RunningMoments()  # reward_normalization=sft: filled once, before the first update
 
         self.step = 0  # updates done
         self.history: list[dict[str, float]] = []
@@ -245,6 +251,8 @@ class PPOTrainer:
         elif cfg.reward_normalization == "running":
             self.running_scores.update(distributed.gather(scores))
             scores = self.running_scores.normalize(scores)
+        elif cfg.reward_normalization == "sft":
+            scores = self.sft_scores.normalize(scores)  # (score - mean_sft) / std_sft, the same for the whole run
 
         kl = core.kl_per_token(old_logprobs, ref_logprobs, cfg.kl_estimator) * mask
         if self._on_any_process(~torch.isfinite(kl).all()):
@@ -275,12 +283,40 @@ class PPOTrainer:
             "time/forward_s": t2 - t1,
             "time/scoring_s": t3 - t2,
         }
+        if cfg.reward_normalization == "sft":
+            stats.update({"ppo/reward_norm_mean": self.sft_scores.mean, "ppo/reward_norm_std": self.sft_scores.std})
         if cfg.whiten_advantages:
             advantages = core.masked_whiten(advantages, mask, sum_across=self.sum_across)
         batch = dict(query_response=qr, attention_mask=am, mask=mask, logprobs=old_logprobs, values=old_values,
                      advantages=advantages, returns=returns)
         batch["context_length"] = ctx
         return batch, stats
+
+    @torch.no_grad()
+    def _fit_sft_scores(self) -> None:
+        """The statistics of reward_normalization=sft: score responses of the initial (SFT) policy to
+        reward_norm_prompts training prompts, sampled as rollouts sample, penalised as rollouts are."""
+        cfg, dev = self.cfg, self.device
+        n_local = distributed.shard_size(cfg.reward_norm_prompts, "ppo.reward_norm_prompts")
+        order = list(range(len(self.prompts)))
+        random.Random(self.seed).shuffle(order)  # a stream of its own: the rollouts' prompt order is unchanged
+        idx = [order[i % len(order)] for i in range(cfg.reward_norm_prompts)]
+        idx = idx[self.rank * n_local:(self.rank + 1) * n_local]  # this process's share
+        scores = []
+        for batch, start in enumerate(range(0, len(idx), self.local_batch_size)):
+            messages = [self.prompts[i] for i in idx[start:start + self.local_batch_size]]
+            input_ids, prompt_mask = encode_prompts(self.tokenizer, messages, cfg.max_prompt_length)
+            gen = generate(self.policy, self.tokenizer, input_ids.to(dev), prompt_mask.to(dev),
+                           max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                           top_p=cfg.top_p, stop_strings=cfg.stop_strings,
+                           generator_seed=((self.seed * 1_000_003 + _SFT_SAMPLES_STREAM + batch) * self.world_size
+                                           + self.rank))
+            raw = torch.as_tensor(self.score_fn(messages, gen.texts), dtype=torch.float32).to(dev).flatten()
+            scores.append(core.penalize_missing_eos(raw, gen.ended, cfg.missing_eos_penalty))
+        all_scores = distributed.gather(torch.cat(scores))
+        if not torch.isfinite(all_scores).all():
+            raise NonFiniteError("score of an SFT sample", 1)
+        self.sft_scores.update(all_scores)
 
     def _on_any_process(self, flag: torch.Tensor) -> bool:
         """Whether `flag` is true in any process (so that all of them raise together, none waits forever)."""
@@ -336,6 +372,12 @@ class PPOTrainer:
     def update(self) -> dict[str, float]:
         """One PPO update (rollout + optimisation + KL control); returns its stats."""
         update = self.step + 1
+        if self.cfg.reward_normalization == "sft" and self.sft_scores.count == 0:
+            if self.step > 0:
+                raise ValueError("reward_normalization=sft needs the SFT score statistics, which the checkpoint lacks")
+            self._fit_sft_scores()  # no update yet: the policy is the SFT model
+        for group in self.optimizer.param_groups:
+            group["lr"] = core.learning_rate(self.cfg.learning_rate, update, self.cfg.steps, self.cfg.lr_schedule)
         batch, stats = self._rollout(update)
         t0 = time.perf_counter()
         stats.update(self._optimize(batch, update))
@@ -410,6 +452,7 @@ class PPOTrainer:
             "step": self.step,
             "kl_controller": self.kl_ctl.state_dict(),
             "running_scores": self.running_scores.state_dict(),
+            "sft_scores": self.sft_scores.state_dict(),
             "prompt_queue": self._prompt_queue,
             "python_rng": [py_state[0], list(py_state[1]), py_state[2]],
             "history": self.history,
@@ -440,8 +483,10 @@ class PPOTrainer:
             path = found[-1]
         path = Path(path)
         state = json.loads((path / "trainer_state.json").read_text())
+        # a linear learning-rate schedule spans `steps`: another run length changes the updates already made
+        resumable = _RESUMABLE_CHANGES - ({"steps"} if self.cfg.lr_schedule == "linear" else set())
         changed = sorted(k for k, v in self.cfg.model_dump().items()
-                         if k not in _RESUMABLE_CHANGES and state["config"].get(k) != v)
+                         if k not in resumable and state["config"].get(k) != v)
         if changed:
             warnings.warn(f"resuming from {path} with changed PPO settings: {', '.join(changed)}")
         params = dict(self.model.named_parameters())
@@ -458,6 +503,8 @@ class PPOTrainer:
         self.py_rng.setstate((version, tuple(internal), gauss))
         self.kl_ctl.load_state_dict(state["kl_controller"])
         self.running_scores.load_state_dict(state["running_scores"])
+        if "sft_scores" in state:  # checkpoints from before reward_normalization=sft have none
+            self.sft_scores.load_state_dict(state["sft_scores"])
         self._prompt_queue = list(state["prompt_queue"])
         self.history = state["history"]
         self.step = int(state["step"])
