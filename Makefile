@@ -1,7 +1,8 @@
 # make run   - set up (first time), generate the demo data and run the whole pipeline flow on params.yaml
 # make test  - set up (first time), then the test suite
 # make ui    - set up (first time), then a Prefect server, an MLflow server and the pipeline's deployments (Ctrl-C stops all)
-# make bench - set up (first time), build the peer venv (trl 1.12, once), then the benchmarks (README "Benchmarks")
+# make bench - set up (first time), build the peer venv (trl 1.12, once), then the benchmarks (docs/benchmarks.md)
+# make docs  - set up (first time), then the documentation site (MkDocs) in site/
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 PYTHON ?= python3
@@ -18,7 +19,7 @@ export GX_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-e2e bench ui dvc-yaml clean
+.PHONY: setup run test test-e2e bench ui docs dvc-yaml clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -77,6 +78,10 @@ MLFLOW_PORT ?= 5000
 
 ui: setup
 	$(BIN)/python -m flows.serve --start-servers --host $(UI_HOST) --prefect-port $(PREFECT_PORT) --mlflow-port $(MLFLOW_PORT)
+
+# the site from docs/ (mkdocs.yml); --strict fails on broken links and anchors, as tests/test_docs.py does
+docs: setup
+	$(BIN)/mkdocs build --strict --site-dir site
 
 dvc-yaml: setup
 	$(BIN)/python -m rlhflow.stages > dvc.yaml

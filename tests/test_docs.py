@@ -1,0 +1,121 @@
+"""The documentation: the MkDocs site builds with --strict, README.md stays short, relative links resolve, and every
+code reference `path::function Lstart-Lend` in docs/ppo.md names a function whose definition spans those lines.
+
+Code changes move line numbers. A stale reference fails with the corrected one in the message; to rewrite them all
+in place:
+
+    UPDATE_DOCS_REFS=1 .venv/bin/python -m pytest -q tests/test_docs.py
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+PPO_PAGE = DOCS / "ppo.md"
+README = REPO / "README.md"
+README_MAX_LINES = 300
+
+# `rlhflow/ppo/core.py::gae L106-L126`, `rlhflow/policy.py::PolicyAndValue.forward L341-L353`
+CODE_REF = re.compile(r"(?P<path>[\w./-]+\.py)::(?P<name>[A-Za-z_][\w.]*) L(?P<start>\d+)-L(?P<end>\d+)")
+# [text](target) and ![alt](target), target up to whitespace or ')'
+MD_LINK = re.compile(r"!?\[[^\]]*\]\((?P<target>[^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def definition_span(path: Path, name: str) -> tuple[int, int] | None:
+    """(first line, last line) of the function, class or `Class.method` called `name` in `path`, decorators
+    included; None when there is no such definition."""
+    node: ast.AST = ast.parse(path.read_text(), filename=str(path))
+    for part in name.split("."):
+        body = getattr(node, "body", [])
+        found = [n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                 and n.name == part]
+        if not found:
+            return None
+        node = found[0]
+    start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    return start, node.end_lineno
+
+
+def code_refs(text: str) -> list[re.Match]:
+    return list(CODE_REF.finditer(text))
+
+
+def test_ppo_page_has_code_refs():
+    refs = code_refs(PPO_PAGE.read_text())
+    names = {m["name"] for m in refs}
+    # the method's equations, each with a code location
+    for name in ("policy_loss", "value_loss", "gae", "kl_per_token", "per_token_rewards", "masked_whiten",
+                 "AdaptiveKLController.update", "entropy_from_logits", "RunningMoments.update"):
+        assert name in names, f"docs/ppo.md has no code reference to {name}"
+
+
+def test_ppo_page_code_refs_match_the_code():
+    """Each `path::name Lstart-Lend` must name an existing definition spanning exactly those lines."""
+    text = PPO_PAGE.read_text()
+    update = os.environ.get("UPDATE_DOCS_REFS") == "1"
+    missing, stale = [], []
+
+    def fix(m: re.Match) -> str:
+        path = REPO / m["path"]
+        span = definition_span(path, m["name"]) if path.is_file() else None
+        if span is None:
+            missing.append(f"{m[0]}: no {m['name']} in {m['path']}")
+            return m[0]
+        start, end = span
+        corrected = f"{m['path']}::{m['name']} L{start}-L{end}"
+        if (int(m["start"]), int(m["end"])) != (start, end):
+            stale.append(f"{m[0]}  ->  {corrected}")
+        return corrected
+
+    new_text = CODE_REF.sub(fix, text)
+    assert not missing, "docs/ppo.md names code that does not exist:\n  " + "\n  ".join(missing)
+    if update and new_text != text:
+        PPO_PAGE.write_text(new_text)
+        return
+    assert not stale, ("docs/ppo.md has stale line ranges (run `UPDATE_DOCS_REFS=1 pytest tests/test_docs.py` to "
+                       "rewrite them):\n  " + "\n  ".join(stale))
+
+
+def test_readme_is_short():
+    n = len(README.read_text().splitlines())
+    assert n <= README_MAX_LINES, f"README.md has {n} lines; keep it at {README_MAX_LINES} at most (details: docs/)"
+
+
+def _relative_links(md: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", md.read_text(), flags=re.S)  # links inside code blocks are not links
+    text = re.sub(r"`[^`\n]*`", "", text)
+    targets = [m["target"] for m in MD_LINK.finditer(text)]
+    return [t for t in targets if not re.match(r"^[a-z][a-z0-9+.-]*:", t, re.I) and not t.startswith("#")]
+
+
+@pytest.mark.parametrize("md", [README, *sorted(DOCS.glob("*.md"))], ids=lambda p: str(p.relative_to(REPO)))
+def test_relative_links_resolve(md: Path):
+    broken = []
+    for target in _relative_links(md):
+        path = target.split("#", 1)[0].split("?", 1)[0]
+        if path and not (md.parent / path).exists():
+            broken.append(target)
+    assert not broken, f"{md.relative_to(REPO)} links to missing files: {broken}"
+
+
+def test_mkdocs_build_strict(tmp_path):
+    if importlib.util.find_spec("mkdocs") is None:
+        pytest.skip("mkdocs is not installed (pip install mkdocs==1.6.1, as in requirements.txt)")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(REPO / "mkdocs.yml"),
+         "--site-dir", str(tmp_path / "site")],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
+    assert (tmp_path / "site" / "index.html").is_file()
+    assert (tmp_path / "site" / "ppo" / "index.html").is_file()
