@@ -38,17 +38,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # the default params.yaml, shortened so that one path takes a few minutes on 2 CPU cores
 SHORTENED = ["ppo.steps=4", "reward_model.epochs=0.5", "evaluate.n_prompts=16", "evaluate.perplexity_rows=16",
-             "sft.perplexity_rows=16", "sft.n_samples=2", "reward_model.hh_eval_rows=64"]
+             "sft.perplexity_rows=16", "sft.n_samples=2", "judge.epochs=0.5"]
 TINY = ["data.demo.n_prompts=60", "sft.n_samples=2", "sft.max_new_tokens=8", "sft.perplexity_rows=8",
         "reward_model.backbone=sft", "reward_model.epochs=1", "reward_model.batch_size=8",
-        "reward_model.hh_eval_rows=16", "ppo.steps=2", "ppo.batch_size=4", "ppo.mini_batch_size=2",
+        "judge.backbone=sft", "judge.epochs=1", "judge.batch_size=8", "ppo.steps=2", "ppo.batch_size=4", "ppo.mini_batch_size=2",
         "ppo.max_new_tokens=8", "evaluate.n_prompts=4", "evaluate.max_new_tokens=8", "evaluate.perplexity_rows=4"]
 
 
-def root_overrides(root: Path) -> list[str]:
-    """Every output (and the MLflow store) under `root`."""
+def root_overrides(root: Path, demo_data: bool = False) -> list[str]:
+    """Every output (and the MLflow store) under `root`; the demo data as input with `demo_data` (tiny models)."""
     return [
-        f"data.preferences={root}/data/raw/demo/preferences.jsonl", f"data.demo.out_dir={root}/data/raw/demo",
+        *([f"data.preferences={root}/data/raw/demo/preferences.jsonl"] if demo_data else []),
+        f"data.demo.out_dir={root}/data/raw/demo", f"judge.out_dir={root}/models/judge",
+        f"judge.checkpoint_dir={root}/checkpoints/judge", f"reward_model.checkpoint_dir={root}/checkpoints/reward_model",
         f"validate.out_dir={root}/data/validated", f"validate.report_dir={root}/reports/validation",
         f"sft.out_dir={root}/models/sft", f"reward_model.out_dir={root}/models/reward_model",
         f"ppo.out_dir={root}/models/policy", f"ppo.checkpoint_dir={root}/checkpoints/ppo",
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     # the flow first: any cold-cache cost of the first run is charged to the orchestrated path (conservative)
     for path in ("flow", "direct"):
         root = tmp / path
-        overrides = root_overrides(root) + base + args.overrides
+        overrides = root_overrides(root, demo_data=args.tiny) + base + args.overrides
         sets = [a for o in overrides for a in ("--set", o)]
         if path == "flow":
             cmd = [sys.executable, "-m", "bench.orchestration", "--flow-only", str(tmp / "flow.json"), *sets]

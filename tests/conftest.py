@@ -22,7 +22,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +68,12 @@ def tiny_pipeline_overrides(root: Path | str, model_dir: Path, *, tracking: bool
         f"reward_model.out_dir={root}/models/reward_model",
         "reward_model.epochs=1",
         "reward_model.batch_size=8",
-        "reward_model.hh_eval_rows=16",
+        f"reward_model.checkpoint_dir={root}/checkpoints/reward_model",
+        "judge.backbone=sft",
+        f"judge.out_dir={root}/models/judge",
+        f"judge.checkpoint_dir={root}/checkpoints/judge",
+        "judge.epochs=1",
+        "judge.batch_size=8",
         f"ppo.out_dir={root}/models/policy",
         f"ppo.checkpoint_dir={root}/checkpoints/ppo",
         "ppo.steps=2",

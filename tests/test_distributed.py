@@ -60,7 +60,7 @@ def overrides(root: Path, model_dir: Path, run: str) -> list[str]:
         f"tracking.tracking_uri=sqlite:///{root}/{run}/mlflow.db", "tracking.log_models=false",
         f"reward_model.backbone={model_dir}", f"reward_model.out_dir={root}/{run}/reward_model",
         "reward_model.epochs=2", "reward_model.batch_size=8", "reward_model.learning_rate=1e-3",
-        "reward_model.max_length=64", "reward_model.hh_eval_path=null", "reward_model.checkpoint_every=2",
+        "reward_model.max_length=64", "reward_model.checkpoint_every=2",
         f"reward_model.checkpoint_dir={root}/{run}/rm_checkpoints",
         f"ppo.out_dir={root}/{run}/policy", f"ppo.checkpoint_dir={root}/{run}/checkpoints",
         "ppo.reward_fn=rlhflow.testing:prompt_length_reward", "ppo.top_k=1", "ppo.steps=2", "ppo.batch_size=4",

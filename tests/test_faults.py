@@ -162,7 +162,7 @@ def test_killed_reward_model_training_resumes_from_its_last_checkpoint(tmp_path,
     overrides = [f"validate.out_dir={tmp_path / 'validated'}", f"reward_model.backbone={tiny_model_dir}",
                  f"reward_model.out_dir={tmp_path / 'reward_model'}", f"reward_model.checkpoint_dir={tmp_path / 'ckpt'}",
                  f"reward_model.batch_size={RM_BATCH}", f"reward_model.checkpoint_every={RM_CHECKPOINT_EVERY}",
-                 "reward_model.max_length=32", "reward_model.hh_eval_path=null", "reward_model.epochs=1",
+                 "reward_model.max_length=32", "reward_model.epochs=1",
                  f"metrics_dir={tmp_path / 'metrics'}", "tracking.log_models=false",
                  f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"]
     total_steps = RM_ROWS // RM_BATCH

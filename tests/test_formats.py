@@ -11,7 +11,7 @@ import pytest
 
 from rlhflow.data.formats import DataFormatError, load_preferences, read_jsonl, write_jsonl
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHIPPED_DATA = Path(__file__).resolve().parents[1] / "data"  # real preference data shipped with the project
 
 
 def write_lines(path: Path, lines: list[str]) -> Path:
@@ -143,18 +143,16 @@ def test_content_problems_are_kept_for_the_validation_suite(tmp_path):
     assert len(df) == 5 and pd.isna(df.loc[0, "chosen"]) and df.loc[1, "chosen"] == ""
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "hh-rlhf-harmless" / "dev.jsonl.gz").exists(), reason="shared data absent")
 def test_real_hh_rlhf_file():
-    df = load_preferences(SHARED_DATA / "hh-rlhf-harmless" / "dev.jsonl.gz")
+    df = load_preferences(SHIPPED_DATA / "hh-rlhf-harmless" / "harmless-base.jsonl.gz")
     assert len(df) == 1500
     assert df["prompt_messages"].map(lambda m: m[0]["role"] == "user" and m[-1]["role"] == "user").all()
     assert not df["chosen"].str.contains("\n\nAssistant:").all()
     assert df["prompt"].map(lambda p: isinstance(p, str) and p.strip() != "").all()
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "llamafactory-dpo-en" / "dpo_en_demo.json").exists(), reason="shared data absent")
 def test_real_sharegpt_file():
-    df = load_preferences(SHARED_DATA / "llamafactory-dpo-en" / "dpo_en_demo.json")
+    df = load_preferences(SHIPPED_DATA / "llamafactory-dpo-en" / "dpo_en_demo.json")
     assert len(df) == 300
     assert df["source_row"].tolist() == list(range(1, 301))
     assert df["chosen"].map(lambda t: isinstance(t, str) and t.strip() != "").all()

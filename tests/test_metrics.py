@@ -82,3 +82,17 @@ def test_ranking_agreement_uses_only_prompts_with_a_total_ranking_of_three_or_mo
     assert prompts == 1 and tau == pytest.approx(1 / 3)
     tau, prompts = ranking_agreement(rows[2:], scores)
     assert prompts == 0 and math.isnan(tau)
+
+
+def test_win_rate_interval_on_known_cases():
+    from rlhflow.metrics import win_rate_interval
+
+    ones, zeros = torch.ones(50), torch.zeros(50)
+    assert win_rate_interval(ones, zeros) == (1.0, 1.0)  # every resample wins everywhere
+    assert win_rate_interval(zeros, zeros) == (0.5, 0.5)  # ties count half
+    # 400 prompts, half won: the binomial 95% interval is 0.5 +- 1.96 * sqrt(0.25 / 400) = 0.451 .. 0.549
+    policy = torch.tensor([1.0, 0.0] * 200)
+    low, high = win_rate_interval(policy, torch.full((400,), 0.5), resamples=4000)
+    assert low == pytest.approx(0.451, abs=0.01) and high == pytest.approx(0.549, abs=0.01)
+    assert win_rate_interval(policy, torch.full((400,), 0.5), seed=3) == win_rate_interval(
+        policy, torch.full((400,), 0.5), seed=3)  # seeded: the same interval every run

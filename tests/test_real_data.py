@@ -1,0 +1,93 @@
+"""The shipped real preference data as the default input.
+
+- With the default model's tokenizer it passes `validate` on params.yaml as it is: the few over-long and blank
+  rows are dropped and counted per reason, and the judge's split is disjoint from the proxy's, checked on the files.
+- The whole flow on it (tiny models) logs every judge and interval metric on the stage runs and the parent run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from conftest import REPO, stage_command, stage_env, tiny_pipeline_overrides
+from rlhflow.config import DEFAULT_PREFERENCES
+from rlhflow.data.formats import read_jsonl
+
+JUDGE_METRICS = ["eval/judge_win_rate_vs_sft", "eval/judge_reward_mean", "eval/judge_reward_mean_sft",
+                 "eval/win_rate_ci_low", "eval/win_rate_ci_high", "eval/judge_win_rate_ci_low",
+                 "eval/judge_win_rate_ci_high", "eval/proxy_judge_gap"]
+
+
+def test_shipped_data_passes_validate_with_the_default_tokenizer(tmp_path):
+    overrides = [f"validate.out_dir={tmp_path}/validated", f"validate.report_dir={tmp_path}/report",
+                 f"metrics_dir={tmp_path}/metrics", f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"]
+    done = subprocess.run(stage_command("tasks.validate", overrides), cwd=REPO, env=stage_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((tmp_path / "metrics/validate.json").read_text())
+    # 23 of the 1,500 pairs: 18 prompts and 1 rejected response over 512 tokens, 4 empty chosen responses
+    assert metrics["validate/dropped_overlong_prompt"] == 18 and metrics["validate/dropped_overlong_rejected"] == 1
+    assert metrics["validate/dropped_blank_chosen"] == 4
+    assert metrics["validate/dropped_rows"] == 23 and metrics["validate/dropped_fraction"] <= 0.05
+    assert "validate: dropped 18 row(s): overlong_prompt" in done.stdout
+
+    splits = {name: read_jsonl(tmp_path / "validated" / f"{name}.jsonl") for name in ("train", "judge", "test")}
+    assert sum(len(df) for df in splits.values()) == 1500 - 23
+    assert all(metrics[f"validate/{name}_rows"] == len(df) for name, df in splits.items())
+    prompts = {name: set(df["prompt"]) for name, df in splits.items()}
+    assert not prompts["train"] & prompts["judge"], "the judge trains on prompts the proxy reward model saw"
+    assert not prompts["judge"] & prompts["test"] and not prompts["train"] & prompts["test"]
+    pairs = {name: set(zip(df["chosen"], df["rejected"])) for name, df in splits.items()}
+    assert not pairs["train"] & pairs["judge"]
+    assert len(splits["judge"]) > 300 and len(splits["train"]) > 2 * len(splits["judge"])
+    report = json.loads((tmp_path / "report/validation.json").read_text())
+    assert report["success"] and report["dropped"]["rows"] == 23
+
+
+@pytest.fixture(scope="module")
+def prefect_server():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.mark.slow
+def test_flow_on_the_shipped_data_logs_the_judge_and_the_intervals(prefect_server, tmp_path, tiny_model_dir):
+    import mlflow
+
+    from flows.pipeline import rlhf_pipeline
+
+    overrides = [o for o in tiny_pipeline_overrides(tmp_path, tiny_model_dir) if not o.startswith("data.preferences=")]
+    # the tiny tokenizer spends many more tokens per word than the default model's
+    overrides += ["validate.max_prompt_tokens=100000", "validate.max_response_tokens=100000",
+                  "reward_model.max_length=128", "judge.max_length=128", "evaluate.n_prompts=8"]
+    results = rlhf_pipeline(overrides=overrides)
+    assert (tmp_path / "data/validated/judge.jsonl").exists() and not (tmp_path / "data/raw/demo").exists()
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("rlhf").experiment_id])
+    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+    children = {r.data.tags["stage"]: r for r in runs if "stage" in r.data.tags}
+    assert parent.data.params["data.preferences"] == DEFAULT_PREFERENCES
+    for key in JUDGE_METRICS:
+        assert children["evaluate"].data.metrics[key] == pytest.approx(results[key]), key
+        assert parent.data.metrics[key] == pytest.approx(results[key]), key
+    for key in ("judge/accuracy", "judge/accuracy_se"):
+        assert key in children["judge"].data.metrics and key in parent.data.metrics
+    assert 0 <= parent.data.metrics["judge/accuracy"] <= 1 and "rm/accuracy_se" in children["reward_model"].data.metrics
+    assert results["eval/win_rate_ci_low"] <= results["eval/win_rate_vs_sft"] <= results["eval/win_rate_ci_high"]
+    assert (results["eval/judge_win_rate_ci_low"] <= results["eval/judge_win_rate_vs_sft"]
+            <= results["eval/judge_win_rate_ci_high"])
+    assert results["eval/proxy_judge_gap"] == pytest.approx(
+        results["eval/win_rate_vs_sft"] - results["eval/judge_win_rate_vs_sft"])
+    assert "validate/dropped_fraction" in children["validate"].data.metrics
+    assert {d.dataset.name for d in children["judge"].inputs.dataset_inputs} == {"preferences-judge"}
+
+    # the judge is its own registered model, and the policy's champion decision is the judge's
+    assert client.get_model_version_by_alias("rlhf-judge", "candidate").run_id == children["judge"].info.run_id
+    report = (tmp_path / "reports/evaluate/report.md").read_text()
+    assert "eval/judge_win_rate_vs_sft" in report.split("## Metrics")[0]  # the registry table names it
+    assert "judge reward model (never optimised)" in report
