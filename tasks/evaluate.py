@@ -43,6 +43,12 @@ def texts_of(outputs) -> list[str]:
     return [t for o in outputs for t in o.texts]
 
 
+def eos_fraction(outputs) -> float:
+    """Share of responses that ended by themselves (EOS or a stop string) rather than at max_new_tokens."""
+    ended = [bool(e) for o in outputs for e in o.ended]
+    return sum(ended) / len(ended) if ended else math.nan
+
+
 def text_metrics(texts: list[str], suffix: str = "") -> dict[str, float]:
     """Drift and reward-hacking signals of a set of responses (suffix "_sft" for the SFT model's)."""
     from rlhflow.metrics import distinct_n, mean_length, repetition_rate
@@ -128,6 +134,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
         "eval/kl": float(kl.mean()),
         "eval/perplexity": perplexity(policy, tokenizer, *ppl_args, batch_size=e.batch_size),
         "eval/perplexity_sft": perplexity(sft, tokenizer, *ppl_args, batch_size=e.batch_size),
+        "eval/eos_fraction": eos_fraction(policy_out), "eval/eos_fraction_sft": eos_fraction(sft_out),
         **text_metrics(policy_texts), **text_metrics(sft_texts, "_sft"), **pairs.metrics,
     }
     # reward hacking shows as a proxy win rate above the judge's
@@ -237,7 +244,8 @@ def report_markdown(metrics: dict[str, float], samples: dict[str, list], buckets
     lines += ["", "## Reward hacking and drift", "", "| | SFT | PPO |", "|---|---|---|",
               f"| reward, proxy (optimised by PPO) | {fmt('eval/reward_mean_sft')} | {fmt('eval/reward_mean')} |",
               f"| reward, judge (never optimised) | {fmt('eval/judge_reward_mean_sft')} | {fmt('eval/judge_reward_mean')} |"]
-    for key, label in [("response_length", "response length, words"), ("distinct_1", "distinct-1"),
+    for key, label in [("response_length", "response length, words"), ("eos_fraction", "responses ended by EOS"),
+                       ("distinct_1", "distinct-1"),
                        ("distinct_2", "distinct-2"), ("repetition_rate", "repetition rate (seq-rep-4)"),
                        ("perplexity", "perplexity of reference answers")]:
         lines.append(f"| {label} | {fmt(f'eval/{key}_sft')} | {fmt(f'eval/{key}')} |")
