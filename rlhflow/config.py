@@ -152,7 +152,7 @@ class LoraConfig(Section):
 
 
 class PPOConfig(Section):
-    steps: int = Field(24, ge=1, description="PPO updates (each one rollout batch)")
+    steps: int = Field(20, ge=1, description="PPO updates (each one rollout batch)")
     batch_size: int = Field(8, ge=1, description="prompts per rollout, over all processes of an `accelerate launch` "
                             "(each of N takes batch_size / N)")
     mini_batch_size: int = Field(4, ge=1, description="responses per optimisation step, over all processes")

@@ -43,20 +43,22 @@ def missing_column(d):
 def nulls(d):
     rows = [row(i, chosen=None) if i in (2, 6) else row(i) for i in range(N_ROWS)]  # lines 3 and 7
     return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}"], [
-        r"expect_column_values_to_not_be_null\(chosen\): 2 rows", r"(train|test) row 3:", r"(train|test) row 7:"]
+        r"expect_column_values_to_not_be_null\(chosen\): 2 rows", r"(train|judge|test) row 3:", r"(train|judge|test) row 7:"]
 
 
-def empty_strings(d):
+def empty_strings(d):  # with validate.blank=fail: listed, not dropped
     rows = [row(i, rejected="") if i == 4 else row(i, prompt="   ") if i == 8 else row(i) for i in range(N_ROWS)]
-    return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}"], [
-        r"expect_column_values_to_not_match_regex\(rejected\): 1 row — (train|test) row 5:",
-        r"expect_column_values_to_not_match_regex\(prompt\): 1 row — (train|test) row 9:"]
+    return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}", "validate.blank=fail"], [
+        r"expect_column_values_to_not_match_regex\(rejected\): 1 row with a blank rejected \(empty or whitespace "
+        r"only\) — (train|judge|test) row 5:",
+        r"expect_column_values_to_not_match_regex\(prompt\): 1 row with a blank prompt \(empty or whitespace only\) "
+        r"— (train|judge|test) row 9:"]
 
 
 def chosen_equal_to_rejected(d):
     rows = [row(i, rejected=row(i)["chosen"]) if i in (1, 3) else row(i) for i in range(N_ROWS)]
     return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}"], [
-        r"unique_within_record\(chosen, rejected\): 2 rows", r"(train|test) row 2:", r"(train|test) row 4:"]
+        r"unique_within_record\(chosen, rejected\): 2 rows", r"(train|judge|test) row 2:", r"(train|judge|test) row 4:"]
 
 
 def duplicate_pairs(d):
@@ -79,10 +81,18 @@ def wrong_encoding(d):
     return [f"data.preferences={d / 'p.jsonl'}"], [r"line 3: not UTF-8 \(byte 0xe9"]
 
 
-def over_long_texts(d):
+def over_long_texts(d):  # with validate.overlong=fail: listed, not dropped
     rows = [row(i, chosen="water the plant " * 300) if i == 7 else row(i) for i in range(N_ROWS)]
+    return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}", "validate.overlong=fail"], [
+        r"expect_column_values_to_be_between\(chosen_tokens\): 1 row with a chosen shorter than 1 or longer than "
+        r"512 tokens — (train|judge|test) row 8: chosen_tokens="]
+
+
+def too_many_over_long_texts(d):  # dropped by default, but 4 of 40 rows is more than max_dropped_fraction
+    rows = [row(i, prompt="water the plant " * 300) if i in (2, 11, 20, 33) else row(i) for i in range(N_ROWS)]
     return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}"], [
-        r"expect_column_values_to_be_between\(chosen_tokens\): 1 row — (train|test) row 8: chosen_tokens="]
+        r"max_dropped_fraction\(rows\): 4 of 40 rows \(10\.0%\) would be dropped, more than "
+        r"validate\.max_dropped_fraction=0\.05 \(overlong_prompt: 4\)", r"row 3: prompt_tokens=", r"row 34:"]
 
 
 def prompt_leaking_into_test(d):
@@ -91,7 +101,7 @@ def prompt_leaking_into_test(d):
     test_rows[1] = row(4, chosen="A different answer about plant 4.")  # test line 2 reuses train line 5's prompt
     test = write_rows(d / "test.jsonl", test_rows)
     return [f"data.preferences={train}", f"data.test_preferences={test}"], [
-        r"in_set\(prompt_in_other_split\): 2 rows", r"train row 5:", r"test row 2:"]
+        r"in_set\(prompt_in_other_split\): 2 rows", r"(train|judge) row 5:", r"test row 2:"]
 
 
 def wrong_types(d):
@@ -131,7 +141,7 @@ def broken_json_list(d):
 
 
 CASES = [missing_column, nulls, empty_strings, chosen_equal_to_rejected, duplicate_pairs, invalid_json_line,
-         wrong_encoding, over_long_texts, prompt_leaking_into_test, wrong_types, empty_file, huge_file_over_max_rows,
+         wrong_encoding, over_long_texts, too_many_over_long_texts, prompt_leaking_into_test, wrong_types, empty_file, huge_file_over_max_rows,
          not_a_preference_file, missing_file, broken_json_list]
 
 

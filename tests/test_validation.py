@@ -241,3 +241,29 @@ def test_rows_are_named_by_their_line_in_the_input_file(tokenizer, tmp_path):
     train, test = df[df["prompt"] != "Question 0?"], df[df["prompt"] == "Question 0?"]
     err = failure(train, test, tokenizer, tmp_path / "report")
     assert "train row 5:" in failed_line(err, "expect_select_column_values_to_be_unique_within_record")
+
+
+def test_an_hh_format_file_with_over_long_and_blank_rows(tokenizer, tmp_path):
+    def dialogue(question: str, answer: str) -> str:
+        return f"\n\nHuman: {question}\n\nAssistant: {answer}"
+
+    rows = [{"chosen": dialogue(f"How do I keep plant {i} alive?", f"Water plant {i} weekly."),
+             "rejected": dialogue(f"How do I keep plant {i} alive?", "Plants are boring.")} for i in range(40)]
+    rows[3]["chosen"] = dialogue("How do I keep plant 3 alive?", "")  # the assistant said nothing
+    rows[10] = {k: dialogue("please " * 100, v.split("Assistant: ")[-1]) for k, v in rows[10].items()}
+    path = tmp_path / "hh.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    splits = assign_splits(load_preferences(path), test_fraction=0.2, judge_fraction=0.25, seed=0)
+
+    result = validate_preferences(splits, cfg=ValidateConfig(max_prompt_tokens=64), tokenizer=tokenizer,
+                                  report_dir=tmp_path / "ok")
+    assert result.dropped_per_reason == {"blank_chosen": 1, "overlong_prompt": 1}
+    kept = {row for split, df in splits.items() for row in result.kept(split, df)["source_row"]}
+    assert len(kept) == 38 and not {4, 11} & kept  # lines 4 and 11 of the file
+
+    with pytest.raises(DataValidationError) as err:  # 2 of 40 rows is more than 2%
+        validate_preferences(splits, cfg=ValidateConfig(max_prompt_tokens=64, max_dropped_fraction=0.02),
+                             tokenizer=tokenizer, report_dir=tmp_path / "failed")
+    line = failed_line(err.value, "max_dropped_fraction(rows)")
+    assert "2 of 40 rows (5.0%)" in line and "blank_chosen: 1" in line and "overlong_prompt: 1" in line
+    assert "row 4:" in line and "row 11:" in line
