@@ -11,7 +11,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
 
 from conftest import make_dvc_repo
 from rlhflow import lineage, tracking
@@ -93,6 +92,30 @@ AGREEMENT = textwrap.dedent("""
 """)
 
 
+LOCK_PROBE = textwrap.dedent("""
+    from pathlib import Path
+
+    from dvc.lock import LockError
+    from dvc.repo import Repo
+
+    from rlhflow.testing import prompt_length_reward
+
+    def reward(prompts, responses, **kwargs):
+        repo = Repo(str(Path(__file__).parent))
+        try:
+            repo.lock.lock()
+            repo.lock.unlock()
+            state = "free"
+        except LockError:
+            state = "held"
+        finally:
+            repo.close()
+        with open(Path(__file__).parent / "lock-probe.txt", "a") as f:
+            f.write(state + "\\n")
+        return prompt_length_reward(prompts, responses)
+""")
+
+
 def test_flow_run_is_dvcs_record_and_its_parent_run_restores(tmp_path, tiny_model_dir):
     repo = tmp_path / "repo"
     run = make_dvc_repo(repo, tiny_model_dir, timeout=900)
@@ -133,16 +156,21 @@ def test_flow_run_is_dvcs_record_and_its_parent_run_restores(tmp_path, tiny_mode
     assert [n for n, (up, _) in agree["output"].items() if not up] == ["evaluate"]
     ok("dvc", "checkout", "evaluate")  # the deleted output back from the cache
 
-    # a run with an override: ppo and evaluate run again, dvc.lock records the values they ran with
-    out = ok(sys.executable, "-m", "flows.pipeline", "--set", "ppo.learning_rate=0.01")
+    # a run with an override: ppo and evaluate run again, dvc.lock records the values they ran with. The override
+    # is a reward function that, called while PPO trains, checks that DVC's repository lock is free then.
+    (repo / "lockprobe.py").write_text(LOCK_PROBE)
+    override = ["--set", "ppo.reward_fn=lockprobe:reward"]
+    out = ok(sys.executable, "-m", "flows.pipeline", *override)
     assert "sft: skipped" in out and "ppo: running" in out and "evaluate: running" in out, out[-3000:]
+    probes = (repo / "lock-probe.txt").read_text().split()
+    assert probes and set(probes) == {"free"}, probes  # no flow holds DVC's lock while a stage trains
     lock2 = lineage.load_lock((repo / "dvc.lock").read_text())
-    assert lock2["stages"]["ppo"]["params"]["params.yaml"]["ppo"]["learning_rate"] == 0.01
+    assert lock2["stages"]["ppo"]["params"]["params.yaml"]["ppo"]["reward_fn"] == "lockprobe:reward"
     status = ok("dvc", "status")
     assert "ppo" in status and "modified" in status and "sft:" not in status, status
     md5s2 = _workspace_md5s(repo, lock2)
     assert md5s2 != md5s1 and md5s2["models/policy"] != md5s1["models/policy"]
-    out = ok(sys.executable, "-m", "flows.pipeline", "--set", "ppo.learning_rate=0.01")
+    out = ok(sys.executable, "-m", "flows.pipeline", *override)
     assert "ppo: skipped" in out and "evaluate: skipped" in out, out[-3000:]  # same override: up to date
 
     # both parent runs are restorable: their lineage is on MLflow
@@ -158,7 +186,7 @@ def test_flow_run_is_dvcs_record_and_its_parent_run_restores(tmp_path, tiny_mode
         assert children and all(c.data.tags["mlflow.source.git.commit"] == head for c in children)
     exp = client.get_experiment(first.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development" and exp.tags["mlflow.note.content"]
-    assert second.data.params["ppo.learning_rate"] == "0.01"
+    assert second.data.params["ppo.reward_fn"] == "lockprobe:reward"
     logged = lineage.load_lock(Path(mlflow.artifacts.download_artifacts(
         run_id=first.info.run_id, artifact_path="dvc.lock", dst_path=str(tmp_path / "a"),
         tracking_uri=f"sqlite:///{repo}/mlflow.db")).read_text())
