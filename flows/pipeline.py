@@ -11,7 +11,8 @@ FAILED and stops everything downstream.
   that ran is committed as `dvc repro` commits it (outputs into the DVC cache, its dvc.lock entry), so after a
   flow run `dvc status` is clean and `dvc repro` does nothing. `force=True` runs everything.
 - The parent run is restorable: artifacts `dvc.lock` (its stages' lock entries), `params.yaml` and the uncached
-  outputs; `python -m flows.restore RUN_ID` puts its outputs back (flows/restore.py).
+  outputs; `python -m flows.restore RUN_ID` puts its outputs back (flows/restore.py). A run with overrides
+  (`--set`, the Prefect form) is also saved as a DVC experiment, listed by `dvc exp show`. See docs/lineage.md.
 - Accelerator stages hold a slot of the Prefect global concurrency limit TRAINING_LIMIT (1 slot unless
   changed with `prefect gcl update`), so two pipeline runs never train on the same GPU at once.
 - Retries with exponential backoff for the steps that can fail transiently (hashing and recording, Prefect
@@ -143,7 +144,8 @@ def record_stage(name: str, cfg: Config) -> None:
 
 @task(name="log-lineage", **TRANSIENT_RETRIES)
 def log_lineage(cfg: Config, names: list[str]) -> None:
-    """The parent run's `dvc.lock`, `params.yaml` and uncached outputs (what `flows.restore` reads back)."""
+    """The parent run's `dvc.lock`, `params.yaml` and uncached outputs (what `flows.restore` reads back); a run
+    with overrides also becomes a DVC experiment."""
     lineage.log_run_lineage(cfg, names)
 
 

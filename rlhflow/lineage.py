@@ -23,7 +23,8 @@ compared the same way. The repository's dvc.lock is accepted there too.
 
 Every MLflow parent run carries the lock entries of its stages as the artifact `dvc.lock`, the resolved params as
 `params.yaml` and the small uncached outputs (metrics, plot data) under `outputs/`; `restore` puts such a run's
-outputs back from the DVC cache (or the default remote) and checks each md5 against that record.
+outputs back from the DVC cache (or the default remote) and checks each md5 against that record. A run with
+overrides is also saved as a DVC experiment (`save_experiment`), so `dvc exp show` lists its params and metrics.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import yaml
 
 from rlhflow.config import REPO_ROOT, Config
 from rlhflow.fsutil import atomic_file
-from rlhflow.stages import Stage, get_stage
+from rlhflow.stages import STAGES, Stage, get_stage
 
 PARAMS_FILE = "params.yaml"  # the key dvc.lock files its params under
 
@@ -325,14 +326,19 @@ def record_run(stage: Stage, cfg: Config) -> dict[str, Any]:
     return record_flow_lock(stage, cfg).to_lock_entry(stage)
 
 
+def dvc_records(stage: Stage, cfg: Config) -> bool:
+    """DVC stands for the stage in this config (its dvc.lock entry is the record), not the flow's own lock."""
+    if not is_dvc_project():
+        return False
+    with dvc_repo() as repo:
+        return dvc_stage(repo, stage, cfg) is not None
+
+
 def lock_entry(stage: Stage, cfg: Config) -> dict[str, Any] | None:
     """The recorded entry that stands for the stage's outputs in this config: dvc.lock's where DVC stands for
     the run, else the flow's own."""
-    if is_dvc_project():
-        with dvc_repo() as repo:
-            if dvc_stage(repo, stage, cfg) is not None:
-                return _read_lock(REPO_ROOT / LOCK_FILE).get(stage.name)
-    return _read_lock(flow_lock_path(cfg)).get(stage.name)
+    path = REPO_ROOT / LOCK_FILE if dvc_records(stage, cfg) else flow_lock_path(cfg)
+    return _read_lock(path).get(stage.name)
 
 
 def uncached_outputs(stage: Stage) -> list[str]:
@@ -342,8 +348,24 @@ def uncached_outputs(stage: Stage) -> list[str]:
 
 def log_run_lineage(cfg: Config, names: list[str]) -> dict[str, Any]:
     """On the active (parent) MLflow run: artifact `dvc.lock` (the lock entries of the run's stages),
-    `params.yaml` (the fully resolved params) and `outputs/<path>` (the uncached outputs). Returns the lock."""
+    `params.yaml` (the fully resolved params) and `outputs/<path>` (the uncached outputs). A run with overrides
+    that DVC recorded is also saved as a DVC experiment (tag `dvc.experiment`). Returns the lock."""
     import mlflow
+
+    run = mlflow.active_run()
+    if names and has_overrides(cfg) and all(dvc_records(get_stage(n), cfg) for n in names):
+        import subprocess
+
+        try:
+            with dvc_repo() as repo, repo_lock(repo):  # dvc.lock as the last stage left it
+                ref = save_experiment(cfg, f"flow-{run.info.run_id[:10]}",
+                                      f"pipeline run {run.info.run_id}: {', '.join(names)}")
+        except (OSError, subprocess.SubprocessError) as err:  # a nicety: the run is recorded and restorable anyway
+            stderr = getattr(err, "stderr", b"") or b""
+            print(f"could not save the run as a DVC experiment: {err} {stderr.decode(errors='replace')[-500:]}")
+            ref = None
+        if ref:
+            mlflow.set_tag(EXP_TAG, ref.rsplit("/", 1)[-1])
 
     lock: dict[str, Any] = {"schema": "2.0", "stages": {}}
     for name in names:
@@ -476,3 +498,68 @@ def _checkout_stage(repo: Any, name: str, outputs: Path | None) -> dict[str, str
         shutil.copyfile(copy, out.fs_path)
         sources[out.def_path] = "mlflow"
     return sources
+
+
+# ---- runs with overrides as DVC experiments (`dvc exp show`) -----------------------------------------------------
+
+EXP_TAG = "dvc.experiment"
+
+
+def has_overrides(cfg: Config) -> bool:
+    """The run's config differs from the repository's params.yaml (--set, the Prefect form, --params)."""
+    from rlhflow.config import load_config
+
+    return cfg.to_params() != load_config().to_params()
+
+
+def _git(*args: str, env: dict[str, str] | None = None, stdin: bytes | None = None) -> str:
+    import subprocess
+
+    return subprocess.run(["git", *args], cwd=REPO_ROOT, env={**os.environ, **(env or {})}, input=stdin,
+                          capture_output=True, check=True, timeout=60).stdout.decode().strip()
+
+
+def save_experiment(cfg: Config, name: str, message: str) -> str | None:
+    """Record the run as a DVC experiment on the current commit, as `dvc exp save` would, without touching the
+    workspace: a commit (parent HEAD) of the tracked files as they are in the workspace, with params.yaml holding
+    the run's resolved params and the run's dvc.lock, metrics and plot data, under `refs/exps/...`. Returns the
+    ref, or None where there is no git commit to hang it on."""
+    import subprocess
+
+    from dvc.repo.experiments.refs import ExpRefInfo
+
+    from rlhflow.config import write_params
+
+    try:
+        head = _git("rev-parse", "--verify", "HEAD")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    ident = {"GIT_AUTHOR_NAME": "rlhflow flow", "GIT_AUTHOR_EMAIL": "flow@rlhflow",
+             "GIT_COMMITTER_NAME": "rlhflow flow", "GIT_COMMITTER_EMAIL": "flow@rlhflow"}
+    files: dict[str, bytes] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_params(cfg, Path(tmp) / PARAMS_FILE)
+        files[PARAMS_FILE] = (Path(tmp) / PARAMS_FILE).read_bytes()
+    if (REPO_ROOT / LOCK_FILE).is_file():
+        files[LOCK_FILE] = (REPO_ROOT / LOCK_FILE).read_bytes()
+    for stage in STAGES:
+        for template in uncached_outputs(stage):
+            path = cfg.path(stage.resolve(cfg, template))
+            try:
+                rel = path.resolve().relative_to(REPO_ROOT).as_posix()
+            except ValueError:
+                continue  # outside the repository: not part of a commit
+            if path.is_file():
+                files[rel] = path.read_bytes()
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**ident, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        _git("read-tree", "HEAD", env=env)
+        _git("add", "--update", env=env)  # tracked files as they are in the workspace (the code that ran)
+        for rel, data in files.items():
+            blob = _git("hash-object", "-w", "--stdin", stdin=data)
+            _git("update-index", "--add", "--cacheinfo", f"100644,{blob},{rel}", env=env)
+        tree = _git("write-tree", env=env)
+        commit = _git("commit-tree", tree, "-p", head, "-m", message, env=env)
+    ref = str(ExpRefInfo(baseline_sha=head, name=name))
+    _git("update-ref", ref, commit)
+    return ref

@@ -69,6 +69,20 @@ def _workspace_md5s(repo: Path, lock: dict) -> dict[str, str]:
     return found
 
 
+def _find_exp(node, name: str) -> dict:
+    """The `data` of the experiment called `name` in `dvc exp show --json` output."""
+    if isinstance(node, dict):
+        if node.get("name") == name and "data" in node:
+            return node["data"]
+        node = list(node.values())
+    if isinstance(node, list):
+        for item in node:
+            found = _find_exp(item, name)
+            if found:
+                return found
+    return {}
+
+
 # In the temporary repo: the flow's own record (the second implementation, used where DVC cannot stand for a
 # run) and DVC's decision agree on every stage, now and after a param, a code file or an output changes.
 AGREEMENT = textwrap.dedent("""
@@ -162,9 +176,11 @@ def test_flow_run_is_dvcs_record_and_its_parent_run_restores(tmp_path, tiny_mode
     override = ["--set", "ppo.reward_fn=lockprobe:reward"]
     out = ok(sys.executable, "-m", "flows.pipeline", *override)
     assert "sft: skipped" in out and "ppo: running" in out and "evaluate: running" in out, out[-3000:]
+    assert "could not save the run as a DVC experiment" not in out, out[-3000:]
     probes = (repo / "lock-probe.txt").read_text().split()
     assert probes and set(probes) == {"free"}, probes  # no flow holds DVC's lock while a stage trains
     lock2 = lineage.load_lock((repo / "dvc.lock").read_text())
+    ppo_metrics2 = json.loads((repo / "metrics/ppo.json").read_text())
     assert lock2["stages"]["ppo"]["params"]["params.yaml"]["ppo"]["reward_fn"] == "lockprobe:reward"
     status = ok("dvc", "status")
     assert "ppo" in status and "modified" in status and "sft:" not in status, status
@@ -187,6 +203,13 @@ def test_flow_run_is_dvcs_record_and_its_parent_run_restores(tmp_path, tiny_mode
     exp = client.get_experiment(first.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development" and exp.tags["mlflow.note.content"]
     assert second.data.params["ppo.reward_fn"] == "lockprobe:reward"
+
+    # the run with an override is a DVC experiment, with its params and metrics (the first run is the baseline)
+    assert lineage.EXP_TAG not in first.data.tags
+    dvc_exp = _find_exp(json.loads(ok("dvc", "exp", "show", "--json")), second.data.tags[lineage.EXP_TAG])
+    assert dvc_exp["params"]["params.yaml"]["data"]["ppo"]["reward_fn"] == "lockprobe:reward"
+    ppo_metrics = next(v["data"] for k, v in dvc_exp["metrics"].items() if os.path.normpath(k) == "metrics/ppo.json")
+    assert ppo_metrics == ppo_metrics2
     logged = lineage.load_lock(Path(mlflow.artifacts.download_artifacts(
         run_id=first.info.run_id, artifact_path="dvc.lock", dst_path=str(tmp_path / "a"),
         tracking_uri=f"sqlite:///{repo}/mlflow.db")).read_text())
