@@ -377,8 +377,10 @@ def log_run_lineage(cfg: Config, names: list[str]) -> dict[str, Any]:
             rel = stage.resolve(cfg, template)
             if cfg.path(rel).is_file():
                 mlflow.log_artifact(str(cfg.path(rel)), artifact_path=_artifact_dir(rel))
-    mlflow.log_text(yaml.safe_dump(lock, sort_keys=False), LOCK_FILE)
-    mlflow.log_text(yaml.safe_dump(cfg.to_params(), sort_keys=False), PARAMS_FILE)
+    from rlhflow.tracking import redact  # URL passwords and secret environment values never reach MLflow
+
+    mlflow.log_text(redact(yaml.safe_dump(lock, sort_keys=False)), LOCK_FILE)
+    mlflow.log_text(redact(yaml.safe_dump(cfg.to_params(), sort_keys=False)), PARAMS_FILE)
     return lock
 
 
@@ -529,6 +531,7 @@ def save_experiment(cfg: Config, name: str, message: str) -> str | None:
     from dvc.repo.experiments.refs import ExpRefInfo
 
     from rlhflow.config import write_params
+    from rlhflow.tracking import redact
 
     try:
         head = _git("rev-parse", "--verify", "HEAD")
@@ -539,7 +542,7 @@ def save_experiment(cfg: Config, name: str, message: str) -> str | None:
     files: dict[str, bytes] = {}
     with tempfile.TemporaryDirectory() as tmp:
         write_params(cfg, Path(tmp) / PARAMS_FILE)
-        files[PARAMS_FILE] = (Path(tmp) / PARAMS_FILE).read_bytes()
+        files[PARAMS_FILE] = redact((Path(tmp) / PARAMS_FILE).read_text()).encode()
     if (REPO_ROOT / LOCK_FILE).is_file():
         files[LOCK_FILE] = (REPO_ROOT / LOCK_FILE).read_bytes()
     for stage in STAGES:
