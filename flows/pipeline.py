@@ -6,9 +6,13 @@ MLflow parent run (one child run per stage that runs). Run it with
 or from the Prefect UI (see `make ui` and flows/serve.py). A failing stage fails the flow, marks the parent run
 FAILED and stops everything downstream.
 
-- Skipping: a stage whose deps (DVC md5 of data, upstream outputs and code), params sections and outputs are
-  those recorded after its last successful run is skipped, as `dvc repro` would (flows/uptodate.py); its
-  recorded metrics (metrics/<stage>.json) are reported instead. `force=True` runs everything.
+- Skipping and recording are DVC's (rlhflow/lineage.py): a stage DVC finds unchanged (`changed()`, as
+  `dvc repro` asks it) is skipped and its recorded metrics (metrics/<stage>.json) are reported instead; a stage
+  that ran is committed as `dvc repro` commits it (outputs into the DVC cache, its dvc.lock entry), so after a
+  flow run `dvc status` is clean and `dvc repro` does nothing. `force=True` runs everything.
+- The parent run is restorable: artifacts `dvc.lock` (its stages' lock entries), `params.yaml` and the uncached
+  outputs; `python -m flows.restore RUN_ID` puts its outputs back (flows/restore.py). A run with overrides
+  (`--set`, the Prefect form) is also saved as a DVC experiment, listed by `dvc exp show`. See docs/lineage.md.
 - Accelerator stages hold a slot of the Prefect global concurrency limit TRAINING_LIMIT (1 slot unless
   changed with `prefect gcl update`), so two pipeline runs never train on the same GPU at once.
 - Retries with exponential backoff for the steps that can fail transiently (hashing and recording, Prefect
@@ -32,7 +36,8 @@ from prefect.tasks import exponential_backoff
 from rlhflow import tracking
 from rlhflow.config import Config, apply_overrides, config_from_dict, load_config
 from rlhflow.stages import STAGE_NAMES, STAGES, get_stage
-from flows import report, uptodate
+from flows import report
+from rlhflow import lineage
 from tasks._common import parse_args
 from tasks.demo_data import uses_demo_data
 
@@ -129,12 +134,19 @@ def reset_training_limit() -> tuple[int, int]:
 @task(name="check-up-to-date", **TRANSIENT_RETRIES)
 def check_up_to_date(name: str, cfg: Config) -> list[str]:
     """Why the stage must run (empty: it is up to date)."""
-    return uptodate.why_stale(get_stage(name), cfg)
+    return lineage.why_stale(get_stage(name), cfg)
 
 
 @task(name="record-stage", **TRANSIENT_RETRIES)
 def record_stage(name: str, cfg: Config) -> None:
-    uptodate.record_run(get_stage(name), cfg)
+    lineage.record_run(get_stage(name), cfg)
+
+
+@task(name="log-lineage", **TRANSIENT_RETRIES)
+def log_lineage(cfg: Config, names: list[str]) -> None:
+    """The parent run's `dvc.lock`, `params.yaml` and uncached outputs (what `flows.restore` reads back); a run
+    with overrides also becomes a DVC experiment."""
+    lineage.log_run_lineage(cfg, names)
 
 
 @task(name="publish-report", **TRANSIENT_RETRIES)
@@ -201,6 +213,7 @@ def run_pipeline(cfg: Config, stages: list[str] | None = None, force: bool = Fal
 
                 mlflow.set_tag("skipped_stages", ",".join(skipped))
             tracking.log_metrics({k: v for k, v in results.items() if k.startswith("time/")})
+            log_lineage(cfg, names)
     except BaseException as err:
         error = tracking.redact(f"{type(err).__name__}: {err}")[:2000]
         raise

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from rlhflow.codedeps import import_closure
 from rlhflow.config import Config
 
 VALIDATED = "${validate.out_dir}"
@@ -30,6 +31,9 @@ class Stage:
     plots: list[str] = field(default_factory=list)  # data files behind the plots in PLOTS
     persist: list[str] = field(default_factory=list)  # outputs kept between runs (checkpoints)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "deps", with_code_deps(self.deps, self.module))
+
     @property
     def module(self) -> str:
         return f"tasks.{self.name}"
@@ -45,6 +49,15 @@ class Stage:
             return str(node)
 
         return re.sub(r"\$\{([^}]+)\}", lookup, template)
+
+
+def with_code_deps(deps: list[str], module: str) -> list[str]:
+    """The deps as listed (data, upstream outputs, code), then every project file the stage's module imports
+    (rlhflow/codedeps.py), sorted; files inside a listed directory are covered by it."""
+    listed = list(dict.fromkeys(deps))
+    dirs = [d.rstrip("/") + "/" for d in listed if "${" not in d and not d.endswith(".py")]
+    code = [f for f in import_closure(module) if f not in listed and not any(f.startswith(d) for d in dirs)]
+    return listed + code
 
 
 def _metrics(stage: str) -> str:

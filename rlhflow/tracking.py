@@ -38,8 +38,24 @@ def setup(cfg: Config):
     mlflow.set_tracking_uri(uri)
     if uri.startswith("sqlite:") and mlflow.get_experiment_by_name(cfg.tracking.experiment) is None:
         mlflow.create_experiment(cfg.tracking.experiment, artifact_location=sqlite_artifact_root(uri).as_uri())
-    mlflow.set_experiment(cfg.tracking.experiment)
+    experiment = mlflow.set_experiment(cfg.tracking.experiment)
+    missing = {k: v for k, v in EXPERIMENT_TAGS.items() if experiment.tags.get(k) is None}
+    for key, value in missing.items():  # a description the user wrote in the UI is kept
+        mlflow.set_experiment_tag(key, value)
     return mlflow
+
+
+# What MLflow's UI shows for the experiment: its kind, and a description (the experiment page's note).
+EXPERIMENT_TAGS = {
+    "mlflow.experimentKind": "custom_model_development",
+    "mlflow.note.content": (
+        "RLHF pipeline runs (rlhflow): one parent run per pipeline run, one child run per stage (tag `stage`). "
+        "A parent run carries the git commit (`mlflow.source.git.commit`), the resolved params (params and the "
+        "`params.yaml` artifact) and its stages' DVC lock entries (artifact `dvc.lock`): "
+        "`python -m flows.restore RUN_ID` puts its data, models and metrics back."
+    ),
+}
+GIT_COMMIT_TAG = "mlflow.source.git.commit"
 
 
 # ---- preflight: fail in seconds, before any stage runs, when the tracking store cannot be used -----------
@@ -166,7 +182,7 @@ def start_run(cfg: Config, *, name: str, params: dict[str, Any], tags: dict[str,
     """A run that is marked FAILED (and re-raises) when the body raises, FINISHED otherwise."""
     mlflow = setup(cfg)
     commit = git_commit()
-    tags = {**tags, **({"git_commit": commit} if commit else {})}
+    tags = {**tags, **({"git_commit": commit, GIT_COMMIT_TAG: commit} if commit else {})}
     run = mlflow.start_run(run_name=name, parent_run_id=parent_run_id, nested=parent_run_id is not None, tags=tags)
     try:
         if params:

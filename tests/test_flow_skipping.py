@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from conftest import make_dvc_repo, tiny_pipeline_overrides
-from flows import uptodate
+from rlhflow import lineage
 from rlhflow.config import load_config
 from rlhflow.stages import get_stage
 
@@ -38,31 +38,31 @@ def test_recorded_stage_is_up_to_date_until_a_param_dep_or_output_changes(tmp_pa
     validate = get_stage("validate")
     (tmp_path / "prefs.jsonl").write_text('{"prompt": "a", "chosen": "x", "rejected": "y"}\n')
     cfg = _config(tmp_path)
-    assert uptodate.why_stale(validate, cfg) != []  # never ran: it runs
+    assert lineage.why_stale(validate, cfg) != []  # never ran: it runs
     _write_validate_outputs(tmp_path)
-    uptodate.record_run(validate, cfg)
-    assert uptodate.why_stale(validate, cfg) == []
+    lineage.record_run(validate, cfg)
+    assert lineage.why_stale(validate, cfg) == []
 
     # a param of one of its sections
-    reasons = uptodate.why_stale(validate, _config(tmp_path, "validate.test_fraction=0.3"))
+    reasons = lineage.why_stale(validate, _config(tmp_path, "validate.test_fraction=0.3"))
     assert reasons == ["params validate changed"]
     # a param of a section it does not read changes nothing
-    assert uptodate.why_stale(validate, _config(tmp_path, "ppo.kl_coef=0.3")) == []
+    assert lineage.why_stale(validate, _config(tmp_path, "ppo.kl_coef=0.3")) == []
 
     # a dep file's content (not its time)
     prefs = tmp_path / "prefs.jsonl"
     prefs.write_text(prefs.read_text())
-    assert uptodate.why_stale(validate, cfg) == []
+    assert lineage.why_stale(validate, cfg) == []
     prefs.write_text(prefs.read_text() + '{"prompt": "b", "chosen": "x", "rejected": "y"}\n')
-    assert uptodate.why_stale(validate, cfg) == [f"dep {prefs} changed"]
-    uptodate.record_run(validate, cfg)
-    assert uptodate.why_stale(validate, cfg) == []
+    assert lineage.why_stale(validate, cfg) == [f"dep {prefs} changed"]
+    lineage.record_run(validate, cfg)
+    assert lineage.why_stale(validate, cfg) == []
 
     # an output edited or deleted by hand
     (tmp_path / "validated/test.jsonl").write_text('{"prompt": "c"}\n')
-    assert uptodate.why_stale(validate, cfg) == [f"output {tmp_path}/validated changed"]
+    assert lineage.why_stale(validate, cfg) == [f"output {tmp_path}/validated changed"]
     shutil.rmtree(tmp_path / "validated")
-    assert f"output {tmp_path}/validated is missing" in uptodate.why_stale(validate, cfg)
+    assert f"output {tmp_path}/validated is missing" in lineage.why_stale(validate, cfg)
 
 
 def test_new_upstream_output_makes_the_downstream_stage_stale(tmp_path):
@@ -72,10 +72,10 @@ def test_new_upstream_output_makes_the_downstream_stage_stale(tmp_path):
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft/model.safetensors").write_bytes(b"weights")
     (tmp_path / "metrics/sft.json").write_text("{}")
-    uptodate.record_run(sft, cfg)
-    assert uptodate.why_stale(sft, cfg) == []
+    lineage.record_run(sft, cfg)
+    assert lineage.why_stale(sft, cfg) == []
     (tmp_path / "validated/train.jsonl").write_text('{"prompt": "new"}\n')  # validate ran again, new split
-    assert uptodate.why_stale(sft, cfg) == [f"dep {tmp_path}/validated changed"]
+    assert lineage.why_stale(sft, cfg) == [f"dep {tmp_path}/validated changed"]
 
 
 def test_hashes_are_dvcs_own(tmp_path):
@@ -88,7 +88,7 @@ def test_hashes_are_dvcs_own(tmp_path):
     for cmd in ([dvc, "init", "--no-scm", "-q"], [dvc, "add", "-q", "data"]):
         subprocess.run(cmd, cwd=tmp_path, check=True, capture_output=True, timeout=120)
     dvc_md5 = yaml.safe_load((tmp_path / "data.dvc").read_text())["outs"][0]["md5"]
-    with uptodate._hasher(load_config(overrides=[f"metrics_dir={tmp_path}/metrics"])) as md5:
+    with lineage._hasher(load_config(overrides=[f"metrics_dir={tmp_path}/metrics"])) as md5:
         assert md5(data) == dvc_md5
 
 
