@@ -25,8 +25,12 @@ def runner_args(description: str) -> argparse.Namespace:
     parser.add_argument("--workload-dir", required=True, help="a directory written by bench.workloads.prepare")
     parser.add_argument("--out", required=True, help="where to write the JSON result")
     parser.add_argument("--threads", type=int, required=True, help="torch intra-op threads (same for both engines)")
-    parser.add_argument("--value-model", choices=["separate", "shared"], default="separate",
-                        help="ours only: TRL's PPO always trains a separate value model")
+    parser.add_argument(
+        "--value-model",
+        choices=["separate", "shared"],
+        default="separate",
+        help="ours only: TRL's PPO always trains a separate value model",
+    )
     parser.add_argument("--lora", action="store_true", help="ours only: train a LoRA policy")
     parser.add_argument("--profile", default=None, help="write a torch.profiler table of the measured updates here")
     return parser.parse_args()
@@ -115,14 +119,20 @@ class PhaseClock:
         self._current = None
 
 
-def write_result(out: str | os.PathLike, *, engine: str, spec: dict, updates: list[dict], device: str,
-                 extra: dict | None = None) -> None:
+def write_result(
+    out: str | os.PathLike, *, engine: str, spec: dict, updates: list[dict], device: str, extra: dict | None = None
+) -> None:
     mem, mem_kind = peak_memory(device)
-    measured = updates[spec["warmup"]:]
+    measured = updates[spec["warmup"] :]
     result = {
-        "engine": engine, "workload": spec["name"], "device": device, "threads": None,
-        "updates": measured, "warmup_updates": updates[:spec["warmup"]],
-        "peak_memory_bytes": mem, "memory_kind": mem_kind,
+        "engine": engine,
+        "workload": spec["name"],
+        "device": device,
+        "threads": None,
+        "updates": measured,
+        "warmup_updates": updates[: spec["warmup"]],
+        "peak_memory_bytes": mem,
+        "memory_kind": mem_kind,
         "samples_per_update": spec["batch_size"],
         "generated_tokens_per_update": spec["batch_size"] * spec["max_new_tokens"],
         **(extra or {}),

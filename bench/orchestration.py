@@ -37,24 +37,52 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # the default params.yaml, shortened so that one path takes a few minutes on 2 CPU cores
-SHORTENED = ["ppo.steps=4", "reward_model.epochs=0.5", "evaluate.n_prompts=16", "evaluate.perplexity_rows=16",
-             "sft.perplexity_rows=16", "sft.n_samples=2", "judge.epochs=0.5"]
-TINY = ["data.demo.n_prompts=60", "sft.n_samples=2", "sft.max_new_tokens=8", "sft.perplexity_rows=8",
-        "reward_model.backbone=sft", "reward_model.epochs=1", "reward_model.batch_size=8",
-        "judge.backbone=sft", "judge.epochs=1", "judge.batch_size=8", "ppo.steps=2", "ppo.batch_size=4", "ppo.mini_batch_size=2",
-        "ppo.max_new_tokens=8", "evaluate.n_prompts=4", "evaluate.max_new_tokens=8", "evaluate.perplexity_rows=4"]
+SHORTENED = [
+    "ppo.steps=4",
+    "reward_model.epochs=0.5",
+    "evaluate.n_prompts=16",
+    "evaluate.perplexity_rows=16",
+    "sft.perplexity_rows=16",
+    "sft.n_samples=2",
+    "judge.epochs=0.5",
+]
+TINY = [
+    "data.demo.n_prompts=60",
+    "sft.n_samples=2",
+    "sft.max_new_tokens=8",
+    "sft.perplexity_rows=8",
+    "reward_model.backbone=sft",
+    "reward_model.epochs=1",
+    "reward_model.batch_size=8",
+    "judge.backbone=sft",
+    "judge.epochs=1",
+    "judge.batch_size=8",
+    "ppo.steps=2",
+    "ppo.batch_size=4",
+    "ppo.mini_batch_size=2",
+    "ppo.max_new_tokens=8",
+    "evaluate.n_prompts=4",
+    "evaluate.max_new_tokens=8",
+    "evaluate.perplexity_rows=4",
+]
 
 
 def root_overrides(root: Path, demo_data: bool = False) -> list[str]:
     """Every output (and the MLflow store) under `root`; the demo data as input with `demo_data` (tiny models)."""
     return [
         *([f"data.preferences={root}/data/raw/demo/preferences.jsonl"] if demo_data else []),
-        f"data.demo.out_dir={root}/data/raw/demo", f"judge.out_dir={root}/models/judge",
-        f"judge.checkpoint_dir={root}/checkpoints/judge", f"reward_model.checkpoint_dir={root}/checkpoints/reward_model",
-        f"validate.out_dir={root}/data/validated", f"validate.report_dir={root}/reports/validation",
-        f"sft.out_dir={root}/models/sft", f"reward_model.out_dir={root}/models/reward_model",
-        f"ppo.out_dir={root}/models/policy", f"ppo.checkpoint_dir={root}/checkpoints/ppo",
-        f"evaluate.report_dir={root}/reports/evaluate", f"metrics_dir={root}/metrics",
+        f"data.demo.out_dir={root}/data/raw/demo",
+        f"judge.out_dir={root}/models/judge",
+        f"judge.checkpoint_dir={root}/checkpoints/judge",
+        f"reward_model.checkpoint_dir={root}/checkpoints/reward_model",
+        f"validate.out_dir={root}/data/validated",
+        f"validate.report_dir={root}/reports/validation",
+        f"sft.out_dir={root}/models/sft",
+        f"reward_model.out_dir={root}/models/reward_model",
+        f"ppo.out_dir={root}/models/policy",
+        f"ppo.checkpoint_dir={root}/checkpoints/ppo",
+        f"evaluate.report_dir={root}/reports/evaluate",
+        f"metrics_dir={root}/metrics",
         f"tracking.tracking_uri=sqlite:///{root}/mlflow.db",
     ]
 
@@ -84,8 +112,13 @@ def run_direct(overrides: list[str], out: Path) -> None:
 
 
 # What the flow's stage bodies do for tracking that the direct loop does not (rlhflow.tracking functions).
-TRACKING_IN_BODIES = ("log_metrics", "log_model_dir", "version_of_model_dir", "challenge_champion",
-                      "apply_champion_decision")
+TRACKING_IN_BODIES = (
+    "log_metrics",
+    "log_model_dir",
+    "version_of_model_dir",
+    "challenge_champion",
+    "apply_champion_decision",
+)
 
 
 def run_flow(argv: list[str], out: Path) -> None:
@@ -113,6 +146,7 @@ def run_flow(argv: list[str], out: Path) -> None:
             finally:
                 spent[name] += time.perf_counter() - start
                 depth[0] -= 1
+
         return wrapper
 
     for name in TRACKING_IN_BODIES:
@@ -126,6 +160,7 @@ def run_flow(argv: list[str], out: Path) -> None:
                 return body(cfg, ctx)
             finally:
                 in_body[0] = False
+
         return run_stage(name, marked, cfg, parent_run_id)
 
     common.run_stage = run_stage_marking_the_body  # what every stage task calls
@@ -158,11 +193,18 @@ def timed(cmd: list[str], log: Path, env: dict) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--short", action="store_true",
-                      help="the default shortened (SHORTENED) instead of params.yaml as it is")
+    size.add_argument(
+        "--short", action="store_true", help="the default shortened (SHORTENED) instead of params.yaml as it is"
+    )
     size.add_argument("--tiny", action="store_true", help="tiny models instead of the default")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="further params.yaml overrides for both paths")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="further params.yaml overrides for both paths",
+    )
     parser.add_argument("--direct-only", metavar="JSON", help=argparse.SUPPRESS)  # the direct path's own process
     parser.add_argument("--flow-only", metavar="JSON", help=argparse.SUPPRESS)  # the flow path's own process
     parser.add_argument("--keep", action="store_true", help="keep the two output roots (printed)")
@@ -181,11 +223,19 @@ def main(argv: list[str] | None = None) -> None:
 
         model = write_tiny_model(tmp / "tiny-model")
         base = TINY + [f"sft.model={model}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "GX_ANALYTICS_ENABLED": "false",
-           # as the Makefile sets it: a loaded machine starts the temporary server slowly
-           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS":
-               os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "GX_ANALYTICS_ENABLED": "false",
+        # as the Makefile sets it: a loaded machine starts the temporary server slowly
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": os.environ.get(
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180"
+        ),
+    }
     walls, cpus, stage_times = {}, {}, {}
     # the flow first: any cold-cache cost of the first run is charged to the orchestrated path (conservative)
     for path in ("flow", "direct"):
@@ -199,15 +249,21 @@ def main(argv: list[str] | None = None) -> None:
         walls[path], cpus[path] = timed(cmd, tmp / f"{path}.log", env)
         if path == "flow":
             metrics_dir = root / "metrics"
-            stage_times[path] = {p.stem: json.loads(p.read_text()).get(f"time/{p.stem}_s")
-                                 for p in sorted(metrics_dir.glob("*.json"))}
+            stage_times[path] = {
+                p.stem: json.loads(p.read_text()).get(f"time/{p.stem}_s") for p in sorted(metrics_dir.glob("*.json"))
+            }
         else:
             stage_times[path] = json.loads((tmp / "direct.json").read_text())
         print(f"  {path}: {walls[path]:.1f} s wall, {cpus[path]:.1f} s CPU", flush=True)
 
     names = list(stage_times["direct"])
-    what = ("tiny models" if args.tiny else "default params, shortened: " + " ".join(SHORTENED) if args.short
-            else "default params")
+    what = (
+        "tiny models"
+        if args.tiny
+        else "default params, shortened: " + " ".join(SHORTENED)
+        if args.short
+        else "default params"
+    )
     print(f"\n== orchestration overhead ({what}{', ' + ' '.join(args.overrides) if args.overrides else ''})")
     print(f"{'stage':14s} {'flow s':>9s} {'direct s':>9s}")
     for name in names:
@@ -220,16 +276,24 @@ def main(argv: list[str] | None = None) -> None:
     flow_info = json.loads((tmp / "flow.json").read_text())
     in_bodies = flow_info["tracking_in_bodies_s"]
     attributed = outside["flow"] - outside["direct"] + sum(in_bodies.values())
-    print(f"{'outside bodies':14s} {outside['flow']:9.1f} {outside['direct']:9.1f}   (process start, imports, the "
-          "Prefect server and flow, stage runs' set-up, up-to-date checks)")
-    print("tracking inside the flow's stage bodies: "
-          + ", ".join(f"{name} {secs:.1f} s" for name, secs in in_bodies.items()))
+    print(
+        f"{'outside bodies':14s} {outside['flow']:9.1f} {outside['direct']:9.1f}   (process start, imports, the "
+        "Prefect server and flow, stage runs' set-up, up-to-date checks)"
+    )
+    print(
+        "tracking inside the flow's stage bodies: "
+        + ", ".join(f"{name} {secs:.1f} s" for name, secs in in_bodies.items())
+    )
     print(f"temporary Prefect server: {flow_info['server_cpu_s']:.1f} CPU s over the flow")
     ab = (walls["flow"] - walls["direct"]) / walls["flow"]
-    print(f"A/B: flow/direct wall-time ratio {walls['flow'] / walls['direct']:.3f}, CPU-time ratio "
-          f"{cpus['flow'] / cpus['direct']:.3f}, (flow - direct) / flow {ab:.3f}")
-    print(f"attributed: outside-bodies difference {outside['flow'] - outside['direct']:.1f} s + tracking in bodies "
-          f"{sum(in_bodies.values()):.1f} s = {attributed:.1f} s of the flow's {walls['flow']:.1f} s")
+    print(
+        f"A/B: flow/direct wall-time ratio {walls['flow'] / walls['direct']:.3f}, CPU-time ratio "
+        f"{cpus['flow'] / cpus['direct']:.3f}, (flow - direct) / flow {ab:.3f}"
+    )
+    print(
+        f"attributed: outside-bodies difference {outside['flow'] - outside['direct']:.1f} s + tracking in bodies "
+        f"{sum(in_bodies.values()):.1f} s = {attributed:.1f} s of the flow's {walls['flow']:.1f} s"
+    )
     if args.keep:
         print(f"outputs kept under {tmp}")
     else:

@@ -63,18 +63,35 @@ def gpu_peaks() -> tuple[str, float | None, float | None]:
     return name, flops, bandwidth
 
 
-def run_engine(engine: str, workload_dir: Path, out: Path, *, threads: int, trl_python: str,
-               profile: Path | None = None) -> dict:
+def run_engine(
+    engine: str, workload_dir: Path, out: Path, *, threads: int, trl_python: str, profile: Path | None = None
+) -> dict:
     """One fresh process of `engine` ("ours", "trl" or one of VARIANTS) on a prepared workload."""
     runner = "trl" if engine == "trl" else "ours"
     python = trl_python if runner == "trl" else sys.executable
-    cmd = [python, "-m", f"bench.run_{runner}", "--workload-dir", str(workload_dir), "--out", str(out),
-           "--threads", str(threads), *VARIANTS.get(engine, [])]
+    cmd = [
+        python,
+        "-m",
+        f"bench.run_{runner}",
+        "--workload-dir",
+        str(workload_dir),
+        "--out",
+        str(out),
+        "--threads",
+        str(threads),
+        *VARIANTS.get(engine, []),
+    ]
     if profile is not None:
         cmd += ["--profile", str(profile)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1",
-           "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TRL_EXPERIMENTAL_SILENCE": "1",
+        "PYTHONPATH": str(REPO),
+    }
     log = out.with_suffix(".log")
     start = time.perf_counter()
     with open(log, "w") as f:
@@ -96,8 +113,10 @@ def median_update(results: list[dict]) -> dict[str, float]:
 
 def round_speedups(runs: dict[str, list[dict]]) -> list[float]:
     """Per round: TRL's median update time / ours (> 1: ours is faster)."""
-    return [statistics.median(u["total_s"] for u in t["updates"]) / statistics.median(u["total_s"] for u in o["updates"])
-            for o, t in zip(runs["ours"], runs["trl"])]
+    return [
+        statistics.median(u["total_s"] for u in t["updates"]) / statistics.median(u["total_s"] for u in o["updates"])
+        for o, t in zip(runs["ours"], runs["trl"])
+    ]
 
 
 def roofline(spec: dict, med: dict[str, float], flops: float | None, bandwidth: float | None) -> dict[str, float]:
@@ -128,28 +147,58 @@ def report(workload: str, spec: dict, runs: dict[str, list[dict]], peaks: tuple 
     meds = {e: median_update(runs[e]) for e in ENGINES}
     mems = {e: max(r["peak_memory_bytes"] for r in runs[e]) for e in ENGINES}
     B, T = spec["batch_size"], spec["max_new_tokens"]
-    rows = [["engine", "update s", "generation s", "scoring s", "training s", "samples/s", "gen tokens/s",
-             f"peak mem MiB ({runs['ours'][0]['memory_kind']})"]]
+    rows = [
+        [
+            "engine",
+            "update s",
+            "generation s",
+            "scoring s",
+            "training s",
+            "samples/s",
+            "gen tokens/s",
+            f"peak mem MiB ({runs['ours'][0]['memory_kind']})",
+        ]
+    ]
     for e in ENGINES:
         m = meds[e]
-        rows.append([e, f"{m['total_s']:.3f}", f"{m['generation_s']:.3f}", f"{m['scoring_s']:.3f}",
-                     f"{m['training_s']:.3f}", f"{B / m['total_s']:.2f}", f"{B * T / m['total_s']:.1f}",
-                     f"{mems[e] / 2**20:.0f}"])
+        rows.append(
+            [
+                e,
+                f"{m['total_s']:.3f}",
+                f"{m['generation_s']:.3f}",
+                f"{m['scoring_s']:.3f}",
+                f"{m['training_s']:.3f}",
+                f"{B / m['total_s']:.2f}",
+                f"{B * T / m['total_s']:.1f}",
+                f"{mems[e] / 2**20:.0f}",
+            ]
+        )
     o, t = meds["ours"], meds["trl"]
-    rows.append(["ours/TRL time", f"{o['total_s'] / t['total_s']:.2f}",
-                 *[f"{o[p] / t[p]:.2f}" if t[p] > 0 else "-" for p in PHASES],
-                 f"{t['total_s'] / o['total_s']:.2f}", f"{t['total_s'] / o['total_s']:.2f}",
-                 f"{mems['ours'] / mems['trl']:.2f}"])
+    rows.append(
+        [
+            "ours/TRL time",
+            f"{o['total_s'] / t['total_s']:.2f}",
+            *[f"{o[p] / t[p]:.2f}" if t[p] > 0 else "-" for p in PHASES],
+            f"{t['total_s'] / o['total_s']:.2f}",
+            f"{t['total_s'] / o['total_s']:.2f}",
+            f"{mems['ours'] / mems['trl']:.2f}",
+        ]
+    )
     speedups = round_speedups(runs)
-    head = (f"\n== {workload}: {spec['model']} on {spec['device']} ({spec['dtype']}), batch {B}, minibatch "
-            f"{spec['mini_batch_size']}, {spec['ppo_epochs']} PPO epoch(s), {T} new tokens (EOS unreachable), "
-            f"prompt length {spec['prompt_length']}, {runs['ours'][0]['threads']} thread(s); "
-            f"{len(speedups)} rounds x {spec['updates']} measured updates (+{spec['warmup']} warm-up)")
-    lines = [head, fmt_table(rows),
-             f"speedup (TRL update time / ours) per round: {', '.join(f'{s:.2f}' for s in speedups)}; "
-             f"median {statistics.median(speedups):.2f}",
-             "(ours/TRL time: below 1 is faster; samples/s and tokens/s columns of that row: ours/TRL throughput; "
-             "memory: ours/TRL)"]
+    head = (
+        f"\n== {workload}: {spec['model']} on {spec['device']} ({spec['dtype']}), batch {B}, minibatch "
+        f"{spec['mini_batch_size']}, {spec['ppo_epochs']} PPO epoch(s), {T} new tokens (EOS unreachable), "
+        f"prompt length {spec['prompt_length']}, {runs['ours'][0]['threads']} thread(s); "
+        f"{len(speedups)} rounds x {spec['updates']} measured updates (+{spec['warmup']} warm-up)"
+    )
+    lines = [
+        head,
+        fmt_table(rows),
+        f"speedup (TRL update time / ours) per round: {', '.join(f'{s:.2f}' for s in speedups)}; "
+        f"median {statistics.median(speedups):.2f}",
+        "(ours/TRL time: below 1 is faster; samples/s and tokens/s columns of that row: ours/TRL throughput; "
+        "memory: ours/TRL)",
+    ]
     if peaks is not None:
         name, flops, bandwidth = peaks
         for e in ENGINES:
@@ -158,13 +207,30 @@ def report(workload: str, spec: dict, runs: dict[str, list[dict]], peaks: tuple 
             lines.append(f"{e} on {name}: " + ", ".join(parts))
     variants = [v for v in VARIANTS if runs.get(v)]
     if variants:
-        rows = [["ours, memory mode", "trained params", "update s", "training s", "peak mem MiB", "time vs TRL",
-                 "memory vs TRL"]]
+        rows = [
+            [
+                "ours, memory mode",
+                "trained params",
+                "update s",
+                "training s",
+                "peak mem MiB",
+                "time vs TRL",
+                "memory vs TRL",
+            ]
+        ]
         for name in ("ours", *variants):
             m, mem = median_update(runs[name]), max(r["peak_memory_bytes"] for r in runs[name])
-            rows.append([f"{name} ({MODE_LABELS[name]})", f"{runs[name][0]['trained_params'] / 1e6:.2f}M",
-                         f"{m['total_s']:.3f}", f"{m['training_s']:.3f}", f"{mem / 2**20:.0f}",
-                         f"{m['total_s'] / t['total_s']:.2f}", f"{mem / mems['trl']:.2f}"])
+            rows.append(
+                [
+                    f"{name} ({MODE_LABELS[name]})",
+                    f"{runs[name][0]['trained_params'] / 1e6:.2f}M",
+                    f"{m['total_s']:.3f}",
+                    f"{m['training_s']:.3f}",
+                    f"{mem / 2**20:.0f}",
+                    f"{m['total_s'] / t['total_s']:.2f}",
+                    f"{mem / mems['trl']:.2f}",
+                ]
+            )
         lines += ["", fmt_table(rows)]
     return "\n".join(lines), speedups
 
@@ -174,17 +240,25 @@ MODE_LABELS = {"ours": "separate critic", "ours-shared": "shared value head", "o
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default=None,
-                        help=f"comma-separated, from {', '.join(WORKLOADS)} (default: {', '.join(CPU_WORKLOADS)}, "
-                             "plus the GPU ones when CUDA is available)")
+    parser.add_argument(
+        "--workloads",
+        default=None,
+        help=f"comma-separated, from {', '.join(WORKLOADS)} (default: {', '.join(CPU_WORKLOADS)}, "
+        "plus the GPU ones when CUDA is available)",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="A B rounds per workload (default 2)")
-    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
-                        help="torch threads for both engines (default: min(2, cores))")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="torch threads for both engines (default: min(2, cores))",
+    )
     parser.add_argument("--work-dir", default=str(REPO / "bench" / ".work"), help="prepared workloads and results")
     parser.add_argument("--trl-python", default=str(REPO / "bench" / ".venv-trl" / "bin" / "python"))
     parser.add_argument("--profile", action="store_true", help="also write torch.profiler tables (last round)")
-    parser.add_argument("--no-variants", action="store_true",
-                        help=f"skip our memory modes ({', '.join(VARIANTS)}); only the A B pair")
+    parser.add_argument(
+        "--no-variants", action="store_true", help=f"skip our memory modes ({', '.join(VARIANTS)}); only the A B pair"
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -212,11 +286,20 @@ def main(argv: list[str] | None = None) -> None:
         for r in range(args.rounds):
             for engine in engines:  # A B (C D) A B (C D) ...
                 profile = wdir / f"profile-{engine}.txt" if args.profile and r == args.rounds - 1 else None
-                result = run_engine(engine, wdir, wdir / f"result-{engine}-{r}.json", threads=args.threads,
-                                    trl_python=args.trl_python, profile=profile)
+                result = run_engine(
+                    engine,
+                    wdir,
+                    wdir / f"result-{engine}-{r}.json",
+                    threads=args.threads,
+                    trl_python=args.trl_python,
+                    profile=profile,
+                )
                 runs[engine].append(result)
-                print(f"  {name} round {r + 1}/{args.rounds} {engine}: "
-                      f"{statistics.median(u['total_s'] for u in result['updates']):.3f} s/update", flush=True)
+                print(
+                    f"  {name} round {r + 1}/{args.rounds} {engine}: "
+                    f"{statistics.median(u['total_s'] for u in result['updates']):.3f} s/update",
+                    flush=True,
+                )
         text, speedups = report(name, spec, runs, gpu_peaks() if workload.device == "cuda" else None)
         print(text, flush=True)
         all_speedups[name] = speedups

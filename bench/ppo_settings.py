@@ -30,21 +30,32 @@ REPO = Path(__file__).resolve().parents[1]
 # name -> (what it is, its params overrides). LoRA trains adapters with a 5x learning rate, as LoRA usually needs.
 SETTINGS: dict[str, tuple[str, list[str]]] = {
     "shared": ("value head on the policy backbone (default), k1, fixed beta", []),
-    "separate": ("separate critic (from the reward model where it reads the policy's tokens, else SFT)",
-                 ["ppo.value_model=separate"]),
-    "lora": ("LoRA r=16 + shared value head, reference = base with adapter off, lr 1e-4",
-             ["ppo.lora.enabled=true", "ppo.learning_rate=1e-4"]),
+    "separate": (
+        "separate critic (from the reward model where it reads the policy's tokens, else SFT)",
+        ["ppo.value_model=separate"],
+    ),
+    "lora": (
+        "LoRA r=16 + shared value head, reference = base with adapter off, lr 1e-4",
+        ["ppo.lora.enabled=true", "ppo.learning_rate=1e-4"],
+    ),
     "k3": ("shared, k3 KL estimator", ["ppo.kl_estimator=k3"]),
-    "adaptive": ("shared, adaptive KL (target 3 nats, horizon 100)",
-                 ["ppo.adaptive_kl.enabled=true", "ppo.adaptive_kl.target=3", "ppo.adaptive_kl.horizon=100"]),
+    "adaptive": (
+        "shared, adaptive KL (target 3 nats, horizon 100)",
+        ["ppo.adaptive_kl.enabled=true", "ppo.adaptive_kl.target=3", "ppo.adaptive_kl.horizon=100"],
+    ),
 }
 TIMERS = ["time/generation_s", "time/forward_s", "time/scoring_s", "time/training_s"]
 
 
 def run_setting(name: str, overrides: list[str], work: Path, threads: int) -> dict:
     out = work / name
-    paths = [f"ppo.out_dir={out}/policy", f"ppo.checkpoint_dir={out}/checkpoints", f"metrics_dir={out}/metrics",
-             "tracking.log_models=false", "tracking.experiment=ppo-settings"]
+    paths = [
+        f"ppo.out_dir={out}/policy",
+        f"ppo.checkpoint_dir={out}/checkpoints",
+        f"metrics_dir={out}/metrics",
+        "tracking.log_models=false",
+        "tracking.experiment=ppo-settings",
+    ]
     cmd = [sys.executable, "-m", "tasks.ppo"] + [a for o in paths + overrides for a in ("--set", o)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     out.mkdir(parents=True, exist_ok=True)
@@ -59,11 +70,15 @@ def run_setting(name: str, overrides: list[str], work: Path, threads: int) -> di
     history = pd.read_csv(out / "metrics" / "ppo_history.csv")
     update_s = history[TIMERS].sum(axis=1)
     return {
-        "setting": name, "peak_rss_mib": usage.ru_maxrss / 1024, "stage_wall_s": wall,
+        "setting": name,
+        "peak_rss_mib": usage.ru_maxrss / 1024,
+        "stage_wall_s": wall,
         "update_s": float(update_s.median()),
         **{t.split("/")[1]: float(history[t].median()) for t in TIMERS},
-        "score_first": metrics["ppo/score_mean_first"], "score_final": metrics["ppo/score_mean_final"],
-        "kl_final": metrics["ppo/kl_final"], "kl_coef_last": float(history["ppo/kl_coef"].iloc[-1]),
+        "score_first": metrics["ppo/score_mean_first"],
+        "score_final": metrics["ppo/score_mean_final"],
+        "kl_final": metrics["ppo/kl_final"],
+        "kl_coef_last": float(history["ppo/kl_coef"].iloc[-1]),
         "updates": int(metrics["ppo/updates"]),
     }
 
@@ -89,8 +104,11 @@ def main(argv: list[str] | None = None) -> None:
         description, overrides = SETTINGS[name]
         row = run_setting(name, overrides + args.extra, work, args.threads)
         rows.append(row)
-        print(f"  {name}: {row['update_s']:.1f} s/update, peak RSS {row['peak_rss_mib']:.0f} MiB, "
-              f"score {row['score_first']:+.3f} -> {row['score_final']:+.3f}, KL {row['kl_final']:.2f}", flush=True)
+        print(
+            f"  {name}: {row['update_s']:.1f} s/update, peak RSS {row['peak_rss_mib']:.0f} MiB, "
+            f"score {row['score_first']:+.3f} -> {row['score_final']:+.3f}, KL {row['kl_final']:.2f}",
+            flush=True,
+        )
         (work / "results.json").write_text(json.dumps(rows, indent=1))
 
     base = rows[0]
@@ -98,8 +116,20 @@ def main(argv: list[str] | None = None) -> None:
     table = pd.DataFrame(rows).set_index("setting")
     table["time_ratio"] = table["update_s"] / base["update_s"]
     table["memory_ratio"] = table["peak_rss_mib"] / base["peak_rss_mib"]
-    columns = ["peak_rss_mib", "memory_ratio", "update_s", "time_ratio", "generation_s", "forward_s", "scoring_s",
-               "training_s", "score_first", "score_final", "kl_final", "kl_coef_last"]
+    columns = [
+        "peak_rss_mib",
+        "memory_ratio",
+        "update_s",
+        "time_ratio",
+        "generation_s",
+        "forward_s",
+        "scoring_s",
+        "training_s",
+        "score_first",
+        "score_final",
+        "kl_final",
+        "kl_coef_last",
+    ]
     print(table[columns].to_string(float_format=lambda v: f"{v:.3f}"))
     for name in names:
         print(f"  {name}: {SETTINGS[name][0]}")

@@ -24,7 +24,10 @@ from pathlib import Path
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from bench.common import (  # noqa: E402
-    PhaseClock, open_workload, reset_peak_memory, write_result,
+    PhaseClock,
+    open_workload,
+    reset_peak_memory,
+    write_result,
 )
 
 
@@ -58,8 +61,9 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(root / "policy")
     tokenizer.padding_side = "left"
     policy = AutoModelForCausalLM.from_pretrained(root / "policy", dtype=dtype, use_safetensors=True)
-    value = AutoModelForSequenceClassification.from_pretrained(root / "policy", num_labels=1, dtype=dtype,
-                                                               use_safetensors=True)
+    value = AutoModelForSequenceClassification.from_pretrained(
+        root / "policy", num_labels=1, dtype=dtype, use_safetensors=True
+    )
     reward = AutoModelForSequenceClassification.from_pretrained(root / "reward", dtype=dtype, use_safetensors=True)
     dataset = Dataset.from_dict({"input_ids": spec["prompt_ids"]})
     clock = PhaseClock(device)
@@ -77,23 +81,53 @@ def main() -> None:
     reset_peak_memory(device)
     with tempfile.TemporaryDirectory() as tmp:
         config = PPOConfig(
-            output_dir=tmp, report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1,
-            use_cpu=device == "cpu", bf16=spec["dtype"] == "bfloat16", fp16=False, gradient_checkpointing=False,
-            per_device_train_batch_size=spec["batch_size"], gradient_accumulation_steps=1,
-            num_mini_batches=spec["batch_size"] // spec["mini_batch_size"], num_ppo_epochs=spec["ppo_epochs"],
-            local_rollout_forward_batch_size=spec["batch_size"], total_episodes=spec["batch_size"] * n_updates,
-            response_length=spec["max_new_tokens"], temperature=spec["temperature"],
-            learning_rate=spec["learning_rate"], lr_scheduler_type="constant", adam_epsilon=1e-5, weight_decay=0.0,
-            kl_coef=spec["kl_coef"], gamma=1.0, lam=1.0, stop_token="eos", missing_eos_penalty=1.0,
-            num_sample_generations=0, seed=spec["seed"], dataloader_num_workers=0,
+            output_dir=tmp,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            logging_steps=1,
+            use_cpu=device == "cpu",
+            bf16=spec["dtype"] == "bfloat16",
+            fp16=False,
+            gradient_checkpointing=False,
+            per_device_train_batch_size=spec["batch_size"],
+            gradient_accumulation_steps=1,
+            num_mini_batches=spec["batch_size"] // spec["mini_batch_size"],
+            num_ppo_epochs=spec["ppo_epochs"],
+            local_rollout_forward_batch_size=spec["batch_size"],
+            total_episodes=spec["batch_size"] * n_updates,
+            response_length=spec["max_new_tokens"],
+            temperature=spec["temperature"],
+            learning_rate=spec["learning_rate"],
+            lr_scheduler_type="constant",
+            adam_epsilon=1e-5,
+            weight_decay=0.0,
+            kl_coef=spec["kl_coef"],
+            gamma=1.0,
+            lam=1.0,
+            stop_token="eos",
+            missing_eos_penalty=1.0,
+            num_sample_generations=0,
+            seed=spec["seed"],
+            dataloader_num_workers=0,
         )
-        trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=None,
-                             reward_model=reward, train_dataset=dataset, eval_dataset=dataset, value_model=value,
-                             callbacks=[UpdateClock()])
+        trainer = PPOTrainer(
+            args=config,
+            processing_class=tokenizer,
+            model=policy,
+            ref_model=None,
+            reward_model=reward,
+            train_dataset=dataset,
+            eval_dataset=dataset,
+            value_model=value,
+            callbacks=[UpdateClock()],
+        )
         profiler = None
         if args.profile:  # the whole run: TRL's loop cannot be entered between updates
-            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
-                                              + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else []))
+            profiler = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU]
+                + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+            )
             profiler.__enter__()
         trainer.train()
         if profiler is not None:
@@ -103,9 +137,19 @@ def main() -> None:
         raise RuntimeError(f"TRL ran {len(clock.updates)} updates, expected {n_updates}")
     for u in clock.updates:
         u["response_tokens"] = spec["batch_size"] * spec["max_new_tokens"]
-    write_result(args.out, engine="trl", spec=spec, updates=clock.updates, device=device,
-                 extra={"value_model": "separate", "lora": False, "threads": args.threads,
-                        "trained_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)})
+    write_result(
+        args.out,
+        engine="trl",
+        spec=spec,
+        updates=clock.updates,
+        device=device,
+        extra={
+            "value_model": "separate",
+            "lora": False,
+            "threads": args.threads,
+            "trained_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+        },
+    )
 
 
 if __name__ == "__main__":

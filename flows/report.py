@@ -86,8 +86,9 @@ def evaluation_section(cfg: Config) -> list[str]:
     return [_demote_headings(path.read_text()), ""] if path.exists() else []
 
 
-def report_markdown(cfg: Config, outcomes: list[StageOutcome], results: dict[str, float], run_url: str | None,
-                    error: str | None = None) -> str:
+def report_markdown(
+    cfg: Config, outcomes: list[StageOutcome], results: dict[str, float], run_url: str | None, error: str | None = None
+) -> str:
     lines = ["# RLHF pipeline run", ""]
     if run_url:
         lines += [f"MLflow run: [{run_url}]({run_url})", ""]

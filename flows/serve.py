@@ -34,11 +34,17 @@ def deployments() -> list:
 
     # flow runs import the flows by module (flows.pipeline.rlhf_pipeline), whatever the current directory
     common = dict(tags=["rlhf"], entrypoint_type=EntrypointType.MODULE_PATH)
-    served = [rlhf_pipeline.to_deployment(name="pipeline", **common,
-                                          description="The whole RLHF pipeline; up-to-date stages are skipped.")]
+    served = [
+        rlhf_pipeline.to_deployment(
+            name="pipeline", **common, description="The whole RLHF pipeline; up-to-date stages are skipped."
+        )
+    ]
     for stage, stage_flow in STAGE_FLOWS.items():
-        served.append(stage_flow.to_deployment(name=stage, **common,
-                                               description=f"The {stage} stage alone, on earlier stages' outputs."))
+        served.append(
+            stage_flow.to_deployment(
+                name=stage, **common, description=f"The {stage} stage alone, on earlier stages' outputs."
+            )
+        )
     return served
 
 
@@ -89,18 +95,37 @@ def start_servers_and_serve(host: str, prefect_port: int, mlflow_port: int) -> i
 
     uri = tracking.tracking_uri(load_config())
     prefect_url, mlflow_url = f"http://{host}:{prefect_port}", f"http://{host}:{mlflow_port}"
-    env = {**os.environ, "PREFECT_API_URL": f"{prefect_url}/api", "PREFECT_UI_URL": prefect_url,
-           "RLHF_MLFLOW_UI_URL": mlflow_url}
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": f"{prefect_url}/api",
+        "PREFECT_UI_URL": prefect_url,
+        "RLHF_MLFLOW_UI_URL": mlflow_url,
+    }
     bin_dir = Path(sys.executable).parent
-    mlflow_cmd = [str(bin_dir / "mlflow"), "server", "--host", host, "--port", str(mlflow_port), "--workers", "1",
-                  "--backend-store-uri", uri]
+    mlflow_cmd = [
+        str(bin_dir / "mlflow"),
+        "server",
+        "--host",
+        host,
+        "--port",
+        str(mlflow_port),
+        "--workers",
+        "1",
+        "--backend-store-uri",
+        uri,
+    ]
     if uri.startswith("sqlite:"):
         artifacts = tracking.sqlite_artifact_root(uri)
         mlflow_cmd += ["--default-artifact-root", artifacts.as_uri(), "--artifacts-destination", artifacts.as_uri()]
     procs: list[subprocess.Popen] = []
     try:
-        procs.append(subprocess.Popen([str(bin_dir / "prefect"), "server", "start", "--host", host,
-                                       "--port", str(prefect_port)], env=env, cwd=REPO_ROOT))
+        procs.append(
+            subprocess.Popen(
+                [str(bin_dir / "prefect"), "server", "start", "--host", host, "--port", str(prefect_port)],
+                env=env,
+                cwd=REPO_ROOT,
+            )
+        )
         procs.append(subprocess.Popen(mlflow_cmd, env=env, cwd=REPO_ROOT))
         wait_for(f"{prefect_url}/api/health", procs[0], "the Prefect server")
         wait_for(f"{mlflow_url}/health", procs[1], "the MLflow server")
@@ -117,10 +142,16 @@ def start_servers_and_serve(host: str, prefect_port: int, mlflow_port: int) -> i
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--start-servers", action="store_true",
-                        help="start a Prefect server and an MLflow server first (what `make ui` does)")
-    parser.add_argument("--host", default=os.environ.get("UI_HOST", DEFAULT_HOST),
-                        help="address both servers bind to (default: $UI_HOST, else 127.0.0.1)")
+    parser.add_argument(
+        "--start-servers",
+        action="store_true",
+        help="start a Prefect server and an MLflow server first (what `make ui` does)",
+    )
+    parser.add_argument(
+        "--host",
+        default=os.environ.get("UI_HOST", DEFAULT_HOST),
+        help="address both servers bind to (default: $UI_HOST, else 127.0.0.1)",
+    )
     parser.add_argument("--prefect-port", type=int, default=int(os.environ.get("PREFECT_PORT", 4200)))
     parser.add_argument("--mlflow-port", type=int, default=int(os.environ.get("MLFLOW_PORT", 5000)))
     args = parser.parse_args(argv)

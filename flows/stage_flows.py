@@ -9,8 +9,8 @@ from prefect import flow
 
 from flows.pipeline import PARAMS, run_pipeline, with_overrides
 from rlhflow.config import Config
-from rlhflow.tracking import flatten
 from rlhflow.stages import STAGES, Stage
+from rlhflow.tracking import flatten
 
 
 def stage_flow(stage: Stage):

@@ -12,7 +12,7 @@ stage can run makes it stale, for the flow and for `dvc repro` alike.
 from __future__ import annotations
 
 import ast
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +60,7 @@ def imported_modules(path: Path, module: str) -> set[str]:
     return found
 
 
-@lru_cache(maxsize=None)
+@cache
 def import_closure(module: str, root: Path = ROOT) -> tuple[str, ...]:
     """Repo-relative paths (sorted) of the project files that importing `module` can run, itself included."""
     seen: dict[str, Path] = {}

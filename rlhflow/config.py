@@ -46,7 +46,8 @@ class DataConfig(Section):
         DEFAULT_PREFERENCES,
         description="preference pairs: JSONL/JSON/Parquet file, optionally gzipped (prompt/chosen/rejected, HH "
         "dialogues or sharegpt conversations) or a Hugging Face dataset name; default: the shipped Anthropic "
-        "hh-rlhf harmless-base pairs (data/README.md); the demo generator's data/raw/demo/preferences.jsonl is an option",
+        "hh-rlhf harmless-base pairs (data/README.md); the demo generator's data/raw/demo/preferences.jsonl is an "
+        "option",
     )
     test_preferences: str | None = Field(
         None, description="optional held-out pairs; when unset, validate splits `preferences` by prompt"
@@ -58,28 +59,38 @@ class DataConfig(Section):
 class ValidateConfig(Section):
     test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="share of prompts held out for evaluation")
     judge_fraction: float = Field(
-        0.25, gt=0.0, lt=1.0, description="share of prompts held out to train the judge reward model, disjoint from "
-        "the proxy reward model's and PPO's (with data.test_preferences: the share of the training file)")
+        0.25,
+        gt=0.0,
+        lt=1.0,
+        description="share of prompts held out to train the judge reward model, disjoint from "
+        "the proxy reward model's and PPO's (with data.test_preferences: the share of the training file)",
+    )
     min_tokens: int = Field(1, ge=1)
     max_prompt_tokens: int = Field(512, ge=1)
     max_response_tokens: int = Field(512, ge=1)
     overlong: Literal["drop", "fail"] = Field(
-        "drop", description="rows whose prompt or response is over the token limits: drop them (counted per reason) "
-        "or fail validation")
+        "drop",
+        description="rows whose prompt or response is over the token limits: drop them (counted per reason) "
+        "or fail validation",
+    )
     blank: Literal["drop", "fail"] = Field(
-        "drop", description="rows with an empty or whitespace-only prompt or response: drop them or fail validation")
+        "drop", description="rows with an empty or whitespace-only prompt or response: drop them or fail validation"
+    )
     max_dropped_fraction: float = Field(
-        0.05, ge=0.0, le=1.0, description="validation fails when the dropped rows exceed this share of all rows")
+        0.05, ge=0.0, le=1.0, description="validation fails when the dropped rows exceed this share of all rows"
+    )
     max_rows: int = Field(2_000_000, ge=1, description="refuse inputs with more rows than this")
     examples_per_failure: int = Field(5, ge=1, description="offending rows shown per failed expectation")
     out_dir: str = "data/validated"
     report_dir: str = "reports/validation"
 
     @model_validator(mode="after")
-    def _splits_leave_training_data(self) -> "ValidateConfig":
+    def _splits_leave_training_data(self) -> ValidateConfig:
         if self.test_fraction + self.judge_fraction >= 1:
-            raise ValueError(f"validate.test_fraction ({self.test_fraction}) + validate.judge_fraction "
-                             f"({self.judge_fraction}) must leave prompts for training (sum < 1)")
+            raise ValueError(
+                f"validate.test_fraction ({self.test_fraction}) + validate.judge_fraction "
+                f"({self.judge_fraction}) must leave prompts for training (sum < 1)"
+            )
         return self
 
 
@@ -105,12 +116,18 @@ class RewardModelConfig(Section):
     )
     out_dir: str = "models/reward_model"
     pooling: Literal["model", "mean"] = Field(
-        "model", description="what the score head reads: the architecture's own choice (BERT's [CLS] pooler, a "
-        "decoder's last real token) or the masked mean of the encoder's last hidden states (BERT-like encoders)")
+        "model",
+        description="what the score head reads: the architecture's own choice (BERT's [CLS] pooler, a "
+        "decoder's last real token) or the masked mean of the encoder's last hidden states (BERT-like encoders)",
+    )
     max_length: int = Field(256, ge=8)
     epochs: float = Field(1.0, gt=0)
-    batch_size: int = Field(16, ge=1, description="pairs per optimisation step, over all processes of an "
-                            "`accelerate launch` (each of N takes batch_size / N)")
+    batch_size: int = Field(
+        16,
+        ge=1,
+        description="pairs per optimisation step, over all processes of an "
+        "`accelerate launch` (each of N takes batch_size / N)",
+    )
     gradient_accumulation_steps: int = Field(1, ge=1)
     learning_rate: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -122,11 +139,15 @@ class RewardModelConfig(Section):
     )
     checkpoint_dir: str = "checkpoints/reward_model"
     precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="training precision; auto: bf16 mixed precision on a CUDA GPU that supports it, else fp32 "
-        "(CPUs without native bf16 run bf16 matmuls tens of times slower)"
+        "auto",
+        description="training precision; auto: bf16 mixed precision on a CUDA GPU that supports it, else fp32 "
+        "(CPUs without native bf16 run bf16 matmuls tens of times slower)",
     )
-    gradient_checkpointing: bool = Field(False, description="recompute activations in backward: less memory, ~30% "
-                                         "more time (for large backbones on small GPUs)")
+    gradient_checkpointing: bool = Field(
+        False,
+        description="recompute activations in backward: less memory, ~30% "
+        "more time (for large backbones on small GPUs)",
+    )
 
 
 class JudgeConfig(RewardModelConfig):
@@ -153,14 +174,19 @@ class LoraConfig(Section):
 
 class PPOConfig(Section):
     steps: int = Field(20, ge=1, description="PPO updates (each one rollout batch)")
-    batch_size: int = Field(8, ge=1, description="prompts per rollout, over all processes of an `accelerate launch` "
-                            "(each of N takes batch_size / N)")
+    batch_size: int = Field(
+        8,
+        ge=1,
+        description="prompts per rollout, over all processes of an `accelerate launch` "
+        "(each of N takes batch_size / N)",
+    )
     mini_batch_size: int = Field(4, ge=1, description="responses per optimisation step, over all processes")
     ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
     learning_rate: float = Field(2e-5, gt=0)
     lr_schedule: Literal["constant", "linear"] = Field(
-        "constant", description="learning rate per update: constant, or linear: learning_rate * (1 - (u - 1) / steps) "
-        "for update u, decaying to 0 at the end of the run (annealed per update, as TRL does)"
+        "constant",
+        description="learning rate per update: constant, or linear: learning_rate * (1 - (u - 1) / steps) "
+        "for update u, decaying to 0 at the end of the run (annealed per update, as TRL does)",
     )
     adam_eps: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -173,10 +199,11 @@ class PPOConfig(Section):
     max_prompt_length: int = Field(192, ge=1)
     stop_strings: list[str] = Field(default_factory=list, description="extra stop strings besides EOS")
     rollout_logprobs: Literal["auto", "generation", "forward"] = Field(
-        "auto", description="where the rollout's old log-probs, entropy and shared-head values come from: the "
+        "auto",
+        description="where the rollout's old log-probs, entropy and shared-head values come from: the "
         "sampling pass's own logits and hidden states (one forward pass fewer per update) or a separate forward "
         "pass; auto: generation when the policy is float32, forward in lower precision, where KV-cache decoding "
-        "and a full forward pass differ by more than rounding"
+        "and a full forward pass differ by more than rounding",
     )
     # advantage estimation
     gamma: float = Field(1.0, ge=0, le=1)
@@ -185,12 +212,17 @@ class PPOConfig(Section):
     lam: float = Field(1.0, ge=0, le=1)
     whiten_advantages: bool = True
     reward_normalization: Literal["none", "whiten", "running", "sft"] = Field(
-        "none", description="scores -> rewards: none; whiten: (score - mean) / std over each rollout batch; running: "
+        "none",
+        description="scores -> rewards: none; whiten: (score - mean) / std over each rollout batch; running: "
         "over all scores so far; sft: with the mean and std of the SFT policy's scores on reward_norm_prompts "
-        "training prompts, sampled before the first update and fixed for the run (Huang et al., N+ details)"
+        "training prompts, sampled before the first update and fixed for the run (Huang et al., N+ details)",
     )
-    reward_norm_prompts: int = Field(64, ge=1, description="reward_normalization=sft: training prompts whose SFT "
-                                     "samples give the statistics (over all processes)")
+    reward_norm_prompts: int = Field(
+        64,
+        ge=1,
+        description="reward_normalization=sft: training prompts whose SFT "
+        "samples give the statistics (over all processes)",
+    )
     # losses
     cliprange: float = Field(0.2, gt=0)
     cliprange_value: float | None = Field(0.2, gt=0)
@@ -205,17 +237,19 @@ class PPOConfig(Section):
     )
     # reward source and models
     reward_fn: str | None = Field(
-        None, description="'module:function' scoring (prompts, responses, **reward_fn_kwargs) -> list[float], "
-        "e.g. 'rlhflow.rewards:contains_word'; default: the trained reward model"
+        None,
+        description="'module:function' scoring (prompts, responses, **reward_fn_kwargs) -> list[float], "
+        "e.g. 'rlhflow.rewards:contains_word'; default: the trained reward model",
     )
     reward_fn_kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for reward_fn")
     value_model: Literal["shared", "separate"] = Field(
         "shared", description="shared: a value head on the policy backbone; separate: a critic model of its own"
     )
     critic_init: Literal["auto", "reward_model", "sft"] = Field(
-        "auto", description="the separate critic's start: a copy of the reward model (backbone and score head) or of "
+        "auto",
+        description="the separate critic's start: a copy of the reward model (backbone and score head) or of "
         "the SFT model; auto: the reward model when it reads the policy's tokens (e.g. reward_model.backbone=sft), "
-        "else the SFT model"
+        "else the SFT model",
     )
     lora: LoraConfig = LoraConfig()
     checkpoint_every: int = Field(8, ge=0, description="updates between checkpoints (0: none)")
@@ -223,7 +257,7 @@ class PPOConfig(Section):
     checkpoint_dir: str = "checkpoints/ppo"
 
     @model_validator(mode="after")
-    def _minibatches_divide_batch(self) -> "PPOConfig":
+    def _minibatches_divide_batch(self) -> PPOConfig:
         if self.batch_size % self.mini_batch_size:
             raise ValueError(
                 f"ppo.batch_size ({self.batch_size}) must be a multiple of ppo.mini_batch_size ({self.mini_batch_size})"
@@ -235,8 +269,10 @@ class EvaluateConfig(Section):
     n_prompts: int = Field(64, ge=1, description="held-out prompts sampled from SFT and PPO policies")
     max_new_tokens: int = Field(48, ge=1)
     temperature: float | None = Field(
-        None, gt=0, description="sampling temperature of the evaluation samples and of the KL computed on them; "
-        "unset: ppo.temperature, the temperature the policy was trained at (top-k / top-p are ppo's too)"
+        None,
+        gt=0,
+        description="sampling temperature of the evaluation samples and of the KL computed on them; "
+        "unset: ppo.temperature, the temperature the policy was trained at (top-k / top-p are ppo's too)",
     )
     batch_size: int = Field(16, ge=1)
     perplexity_rows: int = Field(64, ge=1)
@@ -339,6 +375,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 
 
 def write_params(cfg: Config, path: str | os.PathLike) -> None:
-    header = ("# Every hyperparameter of the pipeline, one section per stage. Types, bounds and descriptions:\n"
-              "# rlhflow/config.py. Override one value for a run: --set section.key=value\n")
+    header = (
+        "# Every hyperparameter of the pipeline, one section per stage. Types, bounds and descriptions:\n"
+        "# rlhflow/config.py. Override one value for a run: --set section.key=value\n"
+    )
     Path(path).write_text(header + yaml.safe_dump(cfg.to_params(), sort_keys=False))

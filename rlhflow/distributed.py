@@ -86,7 +86,7 @@ def sum_gradients(params: list[torch.nn.Parameter]) -> None:
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     offset = 0
     for p, g in zip(params, grads):
-        summed = flat[offset:offset + g.numel()].view_as(g)
+        summed = flat[offset : offset + g.numel()].view_as(g)
         offset += g.numel()
         if p.grad is None:
             p.grad = summed.clone()

@@ -49,6 +49,7 @@ PARAMS_FILE = "params.yaml"  # the key dvc.lock files its params under
 
 # ---- the flow's own record, where DVC cannot stand for a run (see the module docstring) -------------------------
 
+
 @dataclass(frozen=True)
 class Fingerprint:
     """What decides whether a stage must run: path -> DVC md5 of deps and outs (None: missing), param values."""
@@ -58,16 +59,20 @@ class Fingerprint:
     outs: dict[str, str | None]
 
     def to_lock_entry(self, stage: Stage) -> dict[str, Any]:
-        return {"cmd": f"python -m {stage.module}",
-                "deps": [{"path": p, "md5": h} for p, h in self.deps.items()],
-                "params": {PARAMS_FILE: self.params},
-                "outs": [{"path": p, "md5": h} for p, h in self.outs.items()]}
+        return {
+            "cmd": f"python -m {stage.module}",
+            "deps": [{"path": p, "md5": h} for p, h in self.deps.items()],
+            "params": {PARAMS_FILE: self.params},
+            "outs": [{"path": p, "md5": h} for p, h in self.outs.items()],
+        }
 
     @classmethod
     def from_lock_entry(cls, entry: dict[str, Any]) -> Fingerprint:
-        return cls(deps={d["path"]: d.get("md5") for d in entry.get("deps", [])},
-                   params=dict(entry.get("params", {}).get(PARAMS_FILE, {})),
-                   outs={o["path"]: o.get("md5") for o in entry.get("outs", [])})
+        return cls(
+            deps={d["path"]: d.get("md5") for d in entry.get("deps", [])},
+            params=dict(entry.get("params", {}).get(PARAMS_FILE, {})),
+            outs={o["path"]: o.get("md5") for o in entry.get("outs", [])},
+        )
 
 
 def state_dir(cfg: Config) -> Path:
@@ -97,10 +102,10 @@ def stage_outputs(stage: Stage) -> list[str]:
 @contextlib.contextmanager
 def _hasher(cfg: Config) -> Iterator[Any]:
     """`md5(path)`: DVC's hash of a file or directory, None when it does not exist."""
+    from dvc.ignore import DvcIgnoreFilter
     from dvc_data.hashfile.build import build
     from dvc_data.hashfile.db import HashFileDB
     from dvc_data.hashfile.state import State
-    from dvc.ignore import DvcIgnoreFilter
     from dvc_objects.fs import LocalFileSystem
 
     fs = LocalFileSystem()
@@ -358,8 +363,9 @@ def log_run_lineage(cfg: Config, names: list[str]) -> dict[str, Any]:
 
         try:
             with dvc_repo() as repo, repo_lock(repo):  # dvc.lock as the last stage left it
-                ref = save_experiment(cfg, f"flow-{run.info.run_id[:10]}",
-                                      f"pipeline run {run.info.run_id}: {', '.join(names)}")
+                ref = save_experiment(
+                    cfg, f"flow-{run.info.run_id[:10]}", f"pipeline run {run.info.run_id}: {', '.join(names)}"
+                )
         except (OSError, subprocess.SubprocessError) as err:  # a nicety: the run is recorded and restorable anyway
             stderr = getattr(err, "stderr", b"") or b""
             print(f"could not save the run as a DVC experiment: {err} {stderr.decode(errors='replace')[-500:]}")
@@ -418,15 +424,21 @@ def run_lock(run_id: str, cfg: Config, dst: Path) -> tuple[dict[str, Any], Path 
 
     uri = tracking.tracking_uri(cfg)
     try:
-        local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=LOCK_FILE, dst_path=str(dst),
-                                                    tracking_uri=uri)
+        local = mlflow.artifacts.download_artifacts(
+            run_id=run_id, artifact_path=LOCK_FILE, dst_path=str(dst), tracking_uri=uri
+        )
     except (MlflowException, OSError) as err:
-        raise RestoreError(f"run {run_id} has no {LOCK_FILE} artifact ({err}): it is not a pipeline parent run "
-                           "logged by this version of the flow") from None
+        raise RestoreError(
+            f"run {run_id} has no {LOCK_FILE} artifact ({err}): it is not a pipeline parent run "
+            "logged by this version of the flow"
+        ) from None
     lock = load_lock(Path(local).read_text())
     try:
-        outputs = Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="outputs",
-                                                           dst_path=str(dst), tracking_uri=uri))
+        outputs = Path(
+            mlflow.artifacts.download_artifacts(
+                run_id=run_id, artifact_path="outputs", dst_path=str(dst), tracking_uri=uri
+            )
+        )
     except (MlflowException, OSError):
         outputs = None
     return lock, outputs
@@ -451,8 +463,11 @@ def restore(run_id: str, cfg: Config) -> list[Restored]:
             for name in stages:
                 sources.update(_checkout_stage(repo, name, outputs))
     with _hasher(cfg) as md5:
-        results = [Restored(name, o["path"], o.get("md5"), md5(cfg.path(o["path"])), sources.get(o["path"], ""))
-                   for name, entry in stages.items() for o in entry.get("outs", [])]
+        results = [
+            Restored(name, o["path"], o.get("md5"), md5(cfg.path(o["path"])), sources.get(o["path"], ""))
+            for name, entry in stages.items()
+            for o in entry.get("outs", [])
+        ]
     return results
 
 
@@ -468,8 +483,10 @@ def _write_lock_entry(repo: Any, name: str, entry: dict[str, Any]) -> None:
     by_path = {o.def_path: o for o in dstage.outs}
     unknown = [o["path"] for o in entry.get("outs", []) if o["path"] not in by_path]
     if unknown:
-        raise RestoreError(f"stage {name}: the run wrote {unknown}, which dvc.yaml does not list as outputs "
-                           "(an override moved them): restore with the same paths in params.yaml")
+        raise RestoreError(
+            f"stage {name}: the run wrote {unknown}, which dvc.yaml does not list as outputs "
+            "(an override moved them): restore with the same paths in params.yaml"
+        )
     StageLoader.fill_from_lock(dstage, entry)
     dstage.dump(update_pipeline=False)
 
@@ -517,8 +534,19 @@ def has_overrides(cfg: Config) -> bool:
 def _git(*args: str, env: dict[str, str] | None = None, stdin: bytes | None = None) -> str:
     import subprocess
 
-    return subprocess.run(["git", *args], cwd=REPO_ROOT, env={**os.environ, **(env or {})}, input=stdin,
-                          capture_output=True, check=True, timeout=60).stdout.decode().strip()
+    return (
+        subprocess.run(
+            ["git", *args],
+            cwd=REPO_ROOT,
+            env={**os.environ, **(env or {})},
+            input=stdin,
+            capture_output=True,
+            check=True,
+            timeout=60,
+        )
+        .stdout.decode()
+        .strip()
+    )
 
 
 def save_experiment(cfg: Config, name: str, message: str) -> str | None:
@@ -537,8 +565,12 @@ def save_experiment(cfg: Config, name: str, message: str) -> str | None:
         head = _git("rev-parse", "--verify", "HEAD")
     except (OSError, subprocess.CalledProcessError):
         return None
-    ident = {"GIT_AUTHOR_NAME": "rlhflow flow", "GIT_AUTHOR_EMAIL": "flow@rlhflow",
-             "GIT_COMMITTER_NAME": "rlhflow flow", "GIT_COMMITTER_EMAIL": "flow@rlhflow"}
+    ident = {
+        "GIT_AUTHOR_NAME": "rlhflow flow",
+        "GIT_AUTHOR_EMAIL": "flow@rlhflow",
+        "GIT_COMMITTER_NAME": "rlhflow flow",
+        "GIT_COMMITTER_EMAIL": "flow@rlhflow",
+    }
     files: dict[str, bytes] = {}
     with tempfile.TemporaryDirectory() as tmp:
         write_params(cfg, Path(tmp) / PARAMS_FILE)

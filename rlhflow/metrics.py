@@ -28,15 +28,25 @@ Messages = list[dict[str, str]]
 
 
 @torch.no_grad()
-def response_nll(model, tokenizer, prompt_messages: list[Messages], responses: list[str], *, batch_size: int = 8,
-                 max_prompt_length: int = 256, max_response_length: int = 256) -> tuple[float, int]:
+def response_nll(
+    model,
+    tokenizer,
+    prompt_messages: list[Messages],
+    responses: list[str],
+    *,
+    batch_size: int = 8,
+    max_prompt_length: int = 256,
+    max_response_length: int = 256,
+) -> tuple[float, int]:
     """Summed negative log-likelihood of `responses` (each ended by EOS) given their prompts, and the token count."""
     device = next(model.parameters()).device
     total_nll, total_tokens = 0.0, 0
     for i in range(0, len(responses), batch_size):
         query, query_mask = encode_prompts(tokenizer, prompt_messages[i : i + batch_size], max_prompt_length)
-        resp_ids = [tokenizer(r, add_special_tokens=False)["input_ids"][: max_response_length - 1] + [tokenizer.eos_token_id]
-                    for r in responses[i : i + batch_size]]
+        resp_ids = [
+            tokenizer(r, add_special_tokens=False)["input_ids"][: max_response_length - 1] + [tokenizer.eos_token_id]
+            for r in responses[i : i + batch_size]
+        ]
         resp, resp_mask = pad_sequences(resp_ids, tokenizer.pad_token_id, side="right")
         query_response = torch.cat([query, resp], dim=1).to(device)
         attention = torch.cat([query_mask, resp_mask], dim=1).to(device)
@@ -52,8 +62,15 @@ def perplexity(model, tokenizer, prompt_messages: list[Messages], responses: lis
 
 
 @torch.no_grad()
-def response_kl(policy, reference, query_response: torch.Tensor, attention_mask: torch.Tensor, context_length: int,
-                response_mask: torch.Tensor, temperature: float) -> torch.Tensor:
+def response_kl(
+    policy,
+    reference,
+    query_response: torch.Tensor,
+    attention_mask: torch.Tensor,
+    context_length: int,
+    response_mask: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
     """Summed per-token KL (k1) of policy to reference over each sampled response: tensor [B], in nats."""
     logp = sequence_logprobs(policy, query_response, attention_mask, context_length, temperature)
     ref_logp = sequence_logprobs(reference, query_response, attention_mask, context_length, temperature)
@@ -69,8 +86,14 @@ def win_rate(policy_scores: torch.Tensor, baseline_scores: torch.Tensor) -> floa
     return float(_wins(policy_scores, baseline_scores).mean())
 
 
-def win_rate_interval(policy_scores: torch.Tensor, baseline_scores: torch.Tensor, *, confidence: float = 0.95,
-                      resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+def win_rate_interval(
+    policy_scores: torch.Tensor,
+    baseline_scores: torch.Tensor,
+    *,
+    confidence: float = 0.95,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float]:
     """Percentile-bootstrap interval of the win rate: prompts are resampled with replacement (each with its pair of
     scores), and the interval holds the central `confidence` share of the resampled win rates."""
     wins = _wins(policy_scores, baseline_scores)
@@ -128,8 +151,9 @@ class ConfidenceBucket:
         return f"{round(self.low * 100)}_{round(self.high * 100)}"
 
 
-def confidence_buckets(margins: Sequence[float] | torch.Tensor,
-                       edges: Sequence[float] = CONFIDENCE_EDGES) -> list[ConfidenceBucket]:
+def confidence_buckets(
+    margins: Sequence[float] | torch.Tensor, edges: Sequence[float] = CONFIDENCE_EDGES
+) -> list[ConfidenceBucket]:
     """Bucket pairs by the reward model's confidence sigmoid(|r_chosen - r_rejected|) (raw, unnormalised scores:
     the Bradley-Terry probability) and measure, per bucket, how often the higher-scored response is the chosen
     one. A calibrated model has accuracy close to confidence in every bucket. Empty buckets are left out."""
@@ -141,8 +165,11 @@ def confidence_buckets(margins: Sequence[float] | torch.Tensor,
         last = i == len(edges) - 2
         inside = (confidence >= low) & ((confidence <= high) if last else (confidence < high))
         if inside.any():
-            buckets.append(ConfidenceBucket(low, high, int(inside.sum()), float(confidence[inside].mean()),
-                                            float(correct[inside].mean())))
+            buckets.append(
+                ConfidenceBucket(
+                    low, high, int(inside.sum()), float(confidence[inside].mean()), float(correct[inside].mean())
+                )
+            )
     return buckets
 
 

@@ -111,15 +111,24 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     # the configs of the model and of any model inside it (a critic wraps a backbone): some layers read them
     configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
     for config in configs.values():
-        for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
-                    "hidden_dropout_prob", "attention_probs_dropout_prob"):
+        for key in (
+            "attention_dropout",
+            "hidden_dropout",
+            "dropout",
+            "resid_pdrop",
+            "embd_pdrop",
+            "attn_pdrop",
+            "hidden_dropout_prob",
+            "attention_probs_dropout_prob",
+        ):
             if isinstance(getattr(config, key, None), float):
                 setattr(config, key, 0.0)
     return model
 
 
-def load_causal_lm(spec: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
-                   pad_token_id: int | None = None) -> torch.nn.Module:
+def load_causal_lm(
+    spec: str, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False, pad_token_id: int | None = None
+) -> torch.nn.Module:
     src = resolve_model(spec)
     model = AutoModelForCausalLM.from_pretrained(
         src.location, dtype=dtype, trust_remote_code=trust_remote_code, **src.weights_kwargs()

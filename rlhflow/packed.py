@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -32,17 +32,28 @@ def _available() -> bool:
 
 def _packable(module: nn.Module) -> bool:
     w = getattr(module, "weight", None)
-    return (isinstance(module, nn.Linear) and isinstance(w, torch.Tensor) and w.device.type == "cpu"
-            and w.dtype == torch.float32 and "forward" not in module.__dict__)
+    return (
+        isinstance(module, nn.Linear)
+        and isinstance(w, torch.Tensor)
+        and w.device.type == "cpu"
+        and w.dtype == torch.float32
+        and "forward" not in module.__dict__
+    )
 
 
 def _lora_packable(module: nn.Module) -> bool:
     """A peft LoRA layer around a packable Linear: plain LoRA (no DoRA-like variant, no LoRA bias), not merged."""
     base = getattr(module, "base_layer", None)
-    return (base is not None and _packable(base) and hasattr(module, "get_delta_weight")
-            and hasattr(module, "lora_A") and not getattr(module, "lora_variant", None)
-            and not any(getattr(module, "lora_bias", {}).values()) and not module.merged
-            and "forward" not in module.__dict__)
+    return (
+        base is not None
+        and _packable(base)
+        and hasattr(module, "get_delta_weight")
+        and hasattr(module, "lora_A")
+        and not getattr(module, "lora_variant", None)
+        and not any(getattr(module, "lora_bias", {}).values())
+        and not module.merged
+        and "forward" not in module.__dict__
+    )
 
 
 def _run_packed(packed: torch.Tensor, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +100,8 @@ def packed_linears(model: nn.Module, batch_size: int = 8, enabled: bool = True) 
                 if _lora_packable(module):  # the adapter as it is now, merged into one packed weight
                     with torch.no_grad():
                         weight = module.base_layer.weight + sum(
-                            module.get_delta_weight(name) for name in module.active_adapters if name in module.lora_A)
+                            module.get_delta_weight(name) for name in module.active_adapters if name in module.lora_A
+                        )
                     module.forward = functools.partial(_packed_lora_forward, module, _pack(weight, batch_size))
                     inside_lora.update(id(m) for m in module.modules())
                 elif _packable(module):
@@ -98,7 +110,7 @@ def packed_linears(model: nn.Module, batch_size: int = 8, enabled: bool = True) 
                     continue
                 patched.append(module)  # forward is an instance attribute: deleting it restores the class's
         except RuntimeError as err:  # e.g. a oneDNN build without this primitive: run plain
-            warnings.warn(f"oneDNN weight packing unavailable ({err}); generating with plain weights")
+            warnings.warn(f"oneDNN weight packing unavailable ({err}); generating with plain weights", stacklevel=2)
             for module in patched:
                 del module.forward
             patched = []

@@ -61,10 +61,14 @@ def calibration(buckets: list[ConfidenceBucket]) -> Figure:
     ax.plot([0.5, 1.0], [0.5, 1.0], linestyle="--", color="gray", label="perfectly calibrated")
     ax.plot([b.confidence for b in buckets], [b.accuracy for b in buckets], marker="o", label="reward model")
     for b in buckets:
-        ax.annotate(f"n={b.pairs}", (b.confidence, b.accuracy), textcoords="offset points", xytext=(4, -12),
-                    fontsize=8)
-    ax.set(title="Reward-model calibration (held-out pairs)", xlabel="predicted P(higher-scored is preferred)",
-           ylabel="observed accuracy", xlim=(0.48, 1.02), ylim=(-0.02, 1.02))
+        ax.annotate(f"n={b.pairs}", (b.confidence, b.accuracy), textcoords="offset points", xytext=(4, -12), fontsize=8)
+    ax.set(
+        title="Reward-model calibration (held-out pairs)",
+        xlabel="predicted P(higher-scored is preferred)",
+        ylabel="observed accuracy",
+        xlim=(0.48, 1.02),
+        ylim=(-0.02, 1.02),
+    )
     ax.legend(loc="lower right")
     return fig
 

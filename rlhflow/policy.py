@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 from torch import nn
@@ -44,8 +44,9 @@ def _prompt_text(tokenizer: PreTrainedTokenizerBase, messages: Messages | str) -
     return "\n\n".join(turns) + "\n\nAssistant:", True
 
 
-def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompt_messages: Sequence[Messages | str],
-                   max_prompt_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompt_messages: Sequence[Messages | str], max_prompt_length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokenize prompts (chat template + generation prompt when the tokenizer has one, plain text otherwise),
     keep the last `max_prompt_length` tokens of each, left-pad to the longest. Returns (input_ids, attention_mask)."""
     rows = []
@@ -112,8 +113,15 @@ def _stop_string_start(prompt_tail: str, text: str, stop_strings: Sequence[str])
     return min(starts) if starts else None
 
 
-def _cut_response(tokenizer, ids: list[int], eos_ids: set[int], stop_strings: Sequence[str], *, prompt_tail: str = "",
-                  stopped_after: int | None = None) -> tuple[int, bool, str]:
+def _cut_response(
+    tokenizer,
+    ids: list[int],
+    eos_ids: set[int],
+    stop_strings: Sequence[str],
+    *,
+    prompt_tail: str = "",
+    stopped_after: int | None = None,
+) -> tuple[int, bool, str]:
     """(number of tokens kept, ended, text) for one sampled response.
 
     prompt_tail: the end of the decoded prompt, so that a stop string which the prompt begins and the response
@@ -163,14 +171,20 @@ class _RecordStops(StoppingCriteria):
         return done
 
 
-def _prompt_tails(tokenizer, input_ids: torch.Tensor, attention_mask: torch.Tensor, stop_strings: Sequence[str],
-                  ) -> list[str]:
+def _prompt_tails(
+    tokenizer,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    stop_strings: Sequence[str],
+) -> list[str]:
     """The last characters of each decoded prompt that a stop string completed by the response could begin in."""
     width = max((len(s) for s in stop_strings), default=1) - 1
     if width == 0:
         return [""] * input_ids.shape[0]
-    return [tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=True)[-width:]
-            for row, m in zip(input_ids.cpu(), attention_mask.cpu())]
+    return [
+        tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=True)[-width:]
+        for row, m in zip(input_ids.cpu(), attention_mask.cpu())
+    ]
 
 
 @contextlib.contextmanager
@@ -188,10 +202,21 @@ def _only_generation_config(model: nn.Module, gen_config: GenerationConfig):
 
 
 @torch.no_grad()
-def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, input_ids: torch.Tensor,
-             attention_mask: torch.Tensor, *, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-             top_p: float = 1.0, stop_strings: Sequence[str] = (), generator_seed: int | None = None,
-             return_logits: bool = False, return_hidden: bool = False) -> GenerationOutput:
+def generate(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_strings: Sequence[str] = (),
+    generator_seed: int | None = None,
+    return_logits: bool = False,
+    return_hidden: bool = False,
+) -> GenerationOutput:
     """Sample one response per prompt (do_sample, KV cache) from logits / temperature, then top-k / top-p.
 
     A response ends at the first EOS (or a stop string that is a single vocabulary token) or at the token that
@@ -208,9 +233,17 @@ def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, input_ids: to
     eos_ids = stop_token_ids(tokenizer, stop_strings)
     # only what we set: the model's own generation defaults must not change the sampling distribution
     gen_config = GenerationConfig(
-        do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
-        eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True, return_dict_in_generate=True,
-        output_logits=return_logits, output_hidden_states=return_hidden,
+        do_sample=True,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_ids,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+        return_dict_in_generate=True,
+        output_logits=return_logits,
+        output_hidden_states=return_hidden,
     )
     context_length = input_ids.shape[1]
     stops = _RecordStops(StopStringCriteria(tokenizer, stop_strings), context_length) if stop_strings else None
@@ -218,12 +251,19 @@ def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, input_ids: to
     model.eval()
     cuda = [input_ids.device.index or 0] if input_ids.device.type == "cuda" else []
     # a private, seeded RNG stream leaves the global state as it was; without a seed, sample from the caller's RNG
-    with torch.random.fork_rng(devices=cuda, enabled=generator_seed is not None), \
-            packed_linears(model, batch_size=input_ids.shape[0]), _only_generation_config(model, gen_config):
+    with (
+        torch.random.fork_rng(devices=cuda, enabled=generator_seed is not None),
+        packed_linears(model, batch_size=input_ids.shape[0]),
+        _only_generation_config(model, gen_config),
+    ):
         if generator_seed is not None:
             torch.manual_seed(generator_seed)
-        gen_out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_config,
-                                 stopping_criteria=StoppingCriteriaList([stops] if stops else []))
+        gen_out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=gen_config,
+            stopping_criteria=StoppingCriteriaList([stops] if stops else []),
+        )
     model.train(was_training)
     out = gen_out.sequences
 
@@ -236,8 +276,9 @@ def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, input_ids: to
     tails = _prompt_tails(tokenizer, input_ids, attention_mask, stop_strings)
     stopped_after = (stops.stopped_after if stops is not None else None) or [None] * B
     for i, ids in enumerate(response.tolist()):
-        keep, ended[i], text = _cut_response(tokenizer, ids, eos_set, stop_strings, prompt_tail=tails[i],
-                                             stopped_after=stopped_after[i])
+        keep, ended[i], text = _cut_response(
+            tokenizer, ids, eos_set, stop_strings, prompt_tail=tails[i], stopped_after=stopped_after[i]
+        )
         response_mask[i, :keep] = 1
         texts.append(text)
     response = response.masked_fill(response_mask == 0, tokenizer.pad_token_id)
@@ -246,24 +287,51 @@ def generate(model: nn.Module, tokenizer: PreTrainedTokenizerBase, input_ids: to
     # step 0 is the prompt's pass: its last position is the state the first response token was sampled from
     hidden = torch.cat([step[-1][:, -1:] for step in gen_out.hidden_states], dim=1) if return_hidden else None
     return GenerationOutput(
-        query_response=query_response, response=response, response_mask=response_mask, ended=ended.to(out.device),
-        texts=texts, attention_mask=torch.cat([attention_mask, response_mask], dim=1), logits=logits, hidden=hidden,
+        query_response=query_response,
+        response=response,
+        response_mask=response_mask,
+        ended=ended.to(out.device),
+        texts=texts,
+        attention_mask=torch.cat([attention_mask, response_mask], dim=1),
+        logits=logits,
+        hidden=hidden,
     )
 
 
-def sample_responses(model: nn.Module, tokenizer: PreTrainedTokenizerBase, prompt_messages: Sequence[Messages | str],
-                     *, batch_size: int, max_prompt_length: int, max_new_tokens: int, temperature: float,
-                     top_k: int = 0, top_p: float = 1.0, stop_strings: Sequence[str] = (), seed: int | None = None,
-                     ) -> list[GenerationOutput]:
+def sample_responses(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_messages: Sequence[Messages | str],
+    *,
+    batch_size: int,
+    max_prompt_length: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_strings: Sequence[str] = (),
+    seed: int | None = None,
+) -> list[GenerationOutput]:
     """`generate` over all prompts in batches of `batch_size`, on the model's device. Batch i samples with seed
     `seed + i`, so two models given the same prompts and seed are compared on the same random streams."""
     device = next(model.parameters()).device
     outs = []
     for start in range(0, len(prompt_messages), batch_size):
         query, mask = encode_prompts(tokenizer, prompt_messages[start : start + batch_size], max_prompt_length)
-        outs.append(generate(model, tokenizer, query.to(device), mask.to(device), max_new_tokens=max_new_tokens,
-                             temperature=temperature, top_k=top_k, top_p=top_p, stop_strings=stop_strings,
-                             generator_seed=None if seed is None else seed + start))
+        outs.append(
+            generate(
+                model,
+                tokenizer,
+                query.to(device),
+                mask.to(device),
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                stop_strings=stop_strings,
+                generator_seed=None if seed is None else seed + start,
+            )
+        )
     return outs
 
 
@@ -275,36 +343,57 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
 
 
-def response_forward(model: nn.Module, query_response: torch.Tensor, attention_mask: torch.Tensor,
-                     context_length: int, *, output_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def response_forward(
+    model: nn.Module,
+    query_response: torch.Tensor,
+    attention_mask: torch.Tensor,
+    context_length: int,
+    *,
+    output_hidden: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward pass; returns the logits that predict each response token [B, T, V] and, when asked, the
     last hidden state at the same positions [B, T, H] (the state s_t from which token t is sampled).
     Only the last T+1 positions go through the LM head (`logits_to_keep`)."""
     T = query_response.shape[1] - context_length
-    kwargs = dict(input_ids=query_response, attention_mask=attention_mask,
-                  position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+    kwargs = dict(
+        input_ids=query_response,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
     if output_hidden:
         kwargs["output_hidden_states"] = True
     try:
         out = model(**kwargs, logits_to_keep=T + 1)
     except TypeError:  # a model without `logits_to_keep`
         out = model(**kwargs)
-    logits = out.logits[:, -(T + 1):-1]
-    hidden = out.hidden_states[-1][:, context_length - 1:-1] if output_hidden else None
+    logits = out.logits[:, -(T + 1) : -1]
+    hidden = out.hidden_states[-1][:, context_length - 1 : -1] if output_hidden else None
     return logits, hidden
 
 
-def logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, return_entropy: bool,
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def logprobs_and_entropy(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float,
+    return_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(token | s_t) under logits / temperature [B, T] and, when asked, the entropy of that distribution."""
     logits = logits.float() / temperature
     logprobs = logprobs_from_logits(logits, tokens)
     return logprobs, (entropy_from_logits(logits) if return_entropy else None)
 
 
-def sequence_logprobs(model: nn.Module, query_response: torch.Tensor, attention_mask: torch.Tensor,
-                      context_length: int, temperature: float = 1.0, *, return_entropy: bool = False,
-                      chunk_size: int | None = None):
+def sequence_logprobs(
+    model: nn.Module,
+    query_response: torch.Tensor,
+    attention_mask: torch.Tensor,
+    context_length: int,
+    temperature: float = 1.0,
+    *,
+    return_entropy: bool = False,
+    chunk_size: int | None = None,
+):
     """Log-probs [B, T] of the response tokens (query_response[:, context_length:]) under logits / temperature;
     with return_entropy also the per-token entropy [B, T]. Padding positions are 0. chunk_size bounds the
     number of rows per forward pass (memory) without changing the result."""
@@ -312,7 +401,7 @@ def sequence_logprobs(model: nn.Module, query_response: torch.Tensor, attention_
     step = chunk_size or B
     logprobs, entropies = [], []
     for start in range(0, B, step):
-        qr, am = query_response[start:start + step], attention_mask[start:start + step]
+        qr, am = query_response[start : start + step], attention_mask[start : start + step]
         logits, _ = response_forward(model, qr, am, context_length)
         lp, ent = logprobs_and_entropy(logits, qr[:, context_length:], temperature, return_entropy)
         logprobs.append(lp)
@@ -364,18 +453,20 @@ class Critic(nn.Module):
         self.head = ValueHead(hidden_size, init_std)
 
     @classmethod
-    def from_policy(cls, policy: nn.Module, init_std: float = 0.0) -> "Critic":
+    def from_policy(cls, policy: nn.Module, init_std: float = 0.0) -> Critic:
         return cls(copy.deepcopy(policy_backbone(policy)), hidden_size_of(policy), init_std)
 
     @classmethod
-    def from_reward_model(cls, reward_model: nn.Module, mean: float = 0.0, std: float = 1.0) -> "Critic":
+    def from_reward_model(cls, reward_model: nn.Module, mean: float = 0.0, std: float = 1.0) -> Critic:
         """A copy of a sequence-classification reward model (one label, a linear score head on every token's hidden
         state, as Llama-style `*ForSequenceClassification` models have) as critic: V(s_t) starts as the reward
         model's normalised score (score - mean) / std read at token t, the scale of the rewards PPO optimises."""
         score = getattr(reward_model, "score", None)
         if not isinstance(score, nn.Linear) or score.out_features != 1:
-            raise ValueError(f"{type(reward_model).__name__} has no per-token linear score head (`score`, 1 label): "
-                             "it cannot initialise a token-level critic")
+            raise ValueError(
+                f"{type(reward_model).__name__} has no per-token linear score head (`score`, 1 label): "
+                "it cannot initialise a token-level critic"
+            )
         critic = cls(copy.deepcopy(reward_model.base_model), score.in_features)
         with torch.no_grad():
             critic.head.summary.weight.copy_(score.weight / std)
@@ -384,9 +475,13 @@ class Critic(nn.Module):
         return critic
 
     def forward(self, query_response: torch.Tensor, attention_mask: torch.Tensor, context_length: int) -> torch.Tensor:
-        out = self.backbone(input_ids=query_response, attention_mask=attention_mask,
-                            position_ids=position_ids_from_mask(attention_mask), use_cache=False)
-        return self.head(out.last_hidden_state[:, context_length - 1:-1])
+        out = self.backbone(
+            input_ids=query_response,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        )
+        return self.head(out.last_hidden_state[:, context_length - 1 : -1])
 
 
 class PolicyAndValue(nn.Module):
@@ -407,13 +502,21 @@ class PolicyAndValue(nn.Module):
     def value_module(self) -> nn.Module:
         return self.value_head if self.value_model == "shared" else self.critic
 
-    def forward(self, query_response: torch.Tensor, attention_mask: torch.Tensor, context_length: int,
-                temperature: float, *, return_entropy: bool = False):
+    def forward(
+        self,
+        query_response: torch.Tensor,
+        attention_mask: torch.Tensor,
+        context_length: int,
+        temperature: float,
+        *,
+        return_entropy: bool = False,
+    ):
         """(logprobs [B,T], values [B,T], entropy [B,T] or None) for the response tokens; padding is 0."""
         tokens = query_response[:, context_length:]
         if self.value_model == "shared":
-            logits, hidden = response_forward(self.policy, query_response, attention_mask, context_length,
-                                              output_hidden=True)
+            logits, hidden = response_forward(
+                self.policy, query_response, attention_mask, context_length, output_hidden=True
+            )
             values = self.value_head(hidden)
         else:
             logits, _ = response_forward(self.policy, query_response, attention_mask, context_length)
@@ -440,5 +543,8 @@ class PolicyAndValue(nn.Module):
 def _zero_padding(mask: torch.Tensor, logprobs: torch.Tensor, values: torch.Tensor, entropy: torch.Tensor | None):
     """(logprobs, values as float32, entropy) with 0 wherever `mask` [B, T] is 0."""
     pad = ~mask.bool()
-    return (logprobs.masked_fill(pad, 0.0), values.float().masked_fill(pad, 0.0),
-            None if entropy is None else entropy.masked_fill(pad, 0.0))
+    return (
+        logprobs.masked_fill(pad, 0.0),
+        values.float().masked_fill(pad, 0.0),
+        None if entropy is None else entropy.masked_fill(pad, 0.0),
+    )

@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
@@ -61,8 +61,11 @@ class MaskedMeanPooler(torch.nn.Module):
         self.attention_mask: torch.Tensor | None = None  # set by a hook on the encoder before each forward
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        mask = (self.attention_mask if self.attention_mask is not None
-                else torch.ones(hidden_states.shape[:2], device=hidden_states.device))
+        mask = (
+            self.attention_mask
+            if self.attention_mask is not None
+            else torch.ones(hidden_states.shape[:2], device=hidden_states.device)
+        )
         mask = mask.unsqueeze(-1).to(hidden_states.dtype)
         return (hidden_states * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
 
@@ -74,8 +77,10 @@ def apply_pooling(model, pooling: str):
         return model
     encoder = getattr(model, model.base_model_prefix, None)
     if getattr(encoder, "pooler", None) is None:
-        raise ValueError(f"reward_model.pooling=mean needs an encoder with a pooler (BERT-like); "
-                         f"{type(model).__name__} has none: use pooling=model")
+        raise ValueError(
+            f"reward_model.pooling=mean needs an encoder with a pooler (BERT-like); "
+            f"{type(model).__name__} has none: use pooling=model"
+        )
     pooler = MaskedMeanPooler()
     encoder.pooler = pooler
 
@@ -92,8 +97,9 @@ def apply_pooling(model, pooling: str):
 def load_backbone(spec: str, *, trust_remote_code: bool = False, pooling: str = "model"):
     """A sequence-classification model with one output (the score) and its tokenizer."""
     src = resolve_model(spec)
-    tok = prepare_reward_tokenizer(AutoTokenizer.from_pretrained(src.location, trust_remote_code=trust_remote_code,
-                                                                 **src.kwargs()))
+    tok = prepare_reward_tokenizer(
+        AutoTokenizer.from_pretrained(src.location, trust_remote_code=trust_remote_code, **src.kwargs())
+    )
     model = AutoModelForSequenceClassification.from_pretrained(
         src.location, num_labels=1, trust_remote_code=trust_remote_code, **src.weights_kwargs()
     )
@@ -104,8 +110,17 @@ def load_backbone(spec: str, *, trust_remote_code: bool = False, pooling: str = 
 class RewardModel:
     """Scores (prompt, response) pairs; `score` returns normalised rewards as a float tensor [B]."""
 
-    def __init__(self, model, tokenizer, *, max_length: int, mean: float = 0.0, std: float = 1.0,
-                 batch_size: int = 32, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        max_length: int,
+        mean: float = 0.0,
+        std: float = 1.0,
+        batch_size: int = 32,
+        device: str | torch.device = "cpu",
+    ):
         self.model = model.to(device).eval()
         self.tokenizer = prepare_reward_tokenizer(tokenizer)
         self.max_length = max_length
@@ -120,8 +135,15 @@ class RewardModel:
         model = AutoModelForSequenceClassification.from_pretrained(model_dir, use_safetensors=True)
         model = apply_pooling(model, getattr(model.config, "reward_pooling", "model"))
         tok = AutoTokenizer.from_pretrained(model_dir)
-        return cls(disable_dropout(model), tok, max_length=norm["max_length"], mean=norm["mean"], std=norm["std"],
-                   batch_size=batch_size, device=device)
+        return cls(
+            disable_dropout(model),
+            tok,
+            max_length=norm["max_length"],
+            mean=norm["mean"],
+            std=norm["std"],
+            batch_size=batch_size,
+            device=device,
+        )
 
     @torch.no_grad()
     def raw_scores(self, prompt_messages: list[Messages], responses: list[str]) -> torch.Tensor:
@@ -149,13 +171,26 @@ def pair_dataset(rows, tok: PreTrainedTokenizerBase, max_length: int):
 
     chosen = [encode_pair(tok, r["prompt_messages"], r["chosen"], max_length) for r in rows]
     rejected = [encode_pair(tok, r["prompt_messages"], r["rejected"], max_length) for r in rows]
-    return Dataset.from_dict({"chosen_ids": chosen, "rejected_ids": rejected,
-                              "length": [max(len(c), len(r)) for c, r in zip(chosen, rejected)]})
+    return Dataset.from_dict(
+        {
+            "chosen_ids": chosen,
+            "rejected_ids": rejected,
+            "length": [max(len(c), len(r)) for c, r in zip(chosen, rejected)],
+        }
+    )
 
 
-def train_reward_model(cfg, train_rows: list[dict], *, backbone: str, out_dir: str | os.PathLike,
-                       work_dir: str | os.PathLike, seed: int = 0, log_fn: Callable[[dict, int], None] | None = None,
-                       trust_remote_code: bool = False) -> RewardModel | None:
+def train_reward_model(
+    cfg,
+    train_rows: list[dict],
+    *,
+    backbone: str,
+    out_dir: str | os.PathLike,
+    work_dir: str | os.PathLike,
+    seed: int = 0,
+    log_fn: Callable[[dict, int], None] | None = None,
+    trust_remote_code: bool = False,
+) -> RewardModel | None:
     """Train with trl's RewardTrainer on `train_rows` (dicts with prompt_messages/chosen/rejected) and save a
     plain model dir with its score normalisation to `out_dir`. `cfg` is the `reward_model` params section.
 
@@ -179,21 +214,38 @@ def train_reward_model(cfg, train_rows: list[dict], *, backbone: str, out_dir: s
                 log_fn({f"train_{k}": v for k, v in logs.items() if isinstance(v, (int, float))}, state.global_step)
 
     args = RewardConfig(
-        output_dir=str(work_dir), num_train_epochs=cfg.epochs,
+        output_dir=str(work_dir),
+        num_train_epochs=cfg.epochs,
         per_device_train_batch_size=distributed.shard_size(cfg.batch_size, "reward_model.batch_size"),
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps, learning_rate=cfg.learning_rate,
-        weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_ratio, lr_scheduler_type="linear",
-        center_rewards_coefficient=cfg.center_rewards_coefficient, max_length=None, disable_dropout=True,
-        logging_steps=5, eval_strategy="no", report_to="none", seed=seed,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        learning_rate=cfg.learning_rate,
+        weight_decay=cfg.weight_decay,
+        warmup_steps=cfg.warmup_ratio,
+        lr_scheduler_type="linear",
+        center_rewards_coefficient=cfg.center_rewards_coefficient,
+        max_length=None,
+        disable_dropout=True,
+        logging_steps=5,
+        eval_strategy="no",
+        report_to="none",
+        seed=seed,
         # batches of pairs of similar length (shuffled in groups) pad little: about 1.5x faster on real dialogues
-        train_sampling_strategy="group_by_length", remove_unused_columns=False,
-        **({"save_strategy": "steps", "save_steps": cfg.checkpoint_every, "save_total_limit": 1}
-           if cfg.checkpoint_every else {"save_strategy": "no"}),
-        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, disable_tqdm=False,
-        bf16=use_bf16(cfg.precision), gradient_checkpointing=cfg.gradient_checkpointing,
+        train_sampling_strategy="group_by_length",
+        remove_unused_columns=False,
+        **(
+            {"save_strategy": "steps", "save_steps": cfg.checkpoint_every, "save_total_limit": 1}
+            if cfg.checkpoint_every
+            else {"save_strategy": "no"}
+        ),
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
+        disable_tqdm=False,
+        bf16=use_bf16(cfg.precision),
+        gradient_checkpointing=cfg.gradient_checkpointing,
     )
-    trainer = RewardTrainer(model=model, args=args, train_dataset=train, processing_class=tok,
-                            callbacks=[_LogCallback()])
+    trainer = RewardTrainer(
+        model=model, args=args, train_dataset=train, processing_class=tok, callbacks=[_LogCallback()]
+    )
     resume = last_complete_checkpoint(work_dir) if cfg.checkpoint_every else None
     if resume is not None:
         step = int(resume.name.split("-")[-1])
@@ -202,10 +254,16 @@ def train_reward_model(cfg, train_rows: list[dict], *, backbone: str, out_dir: s
             log_fn({"resumed_from_step": float(step)}, step)
     trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
     if log_fn:  # the batch the Trainer actually used per optimisation step, over all processes
-        log_fn({"global_batch_size": float(args.per_device_train_batch_size * args.world_size
-                                              * args.gradient_accumulation_steps),
-                "processes": float(args.world_size), "train_steps": float(trainer.state.global_step)},
-               trainer.state.global_step)
+        log_fn(
+            {
+                "global_batch_size": float(
+                    args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
+                ),
+                "processes": float(args.world_size),
+                "train_steps": float(trainer.state.global_step),
+            },
+            trainer.state.global_step,
+        )
     if not distributed.is_main_process():
         return None
 
@@ -223,8 +281,9 @@ def train_reward_model(cfg, train_rows: list[dict], *, backbone: str, out_dir: s
         picked = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed))[:NORM_SAMPLE_PAIRS]
         sample = [train_rows[i] for i in sorted(picked.tolist())]
     prompts = [r["prompt_messages"] for r in sample]
-    scores = torch.cat([rm.raw_scores(prompts, [r["chosen"] for r in sample]),
-                        rm.raw_scores(prompts, [r["rejected"] for r in sample])])
+    scores = torch.cat(
+        [rm.raw_scores(prompts, [r["chosen"] for r in sample]), rm.raw_scores(prompts, [r["rejected"] for r in sample])]
+    )
     rm.mean, rm.std = float(scores.mean()), float(scores.std().clamp_min(1e-6))
     write_normalization(out, mean=rm.mean, std=rm.std, max_length=cfg.max_length)
     return rm
@@ -242,8 +301,11 @@ def use_bf16(precision: str) -> bool:
 def last_complete_checkpoint(work_dir: str | os.PathLike) -> Path | None:
     """The newest `checkpoint-<step>` dir the Trainer finished writing (trainer_state.json is written last, so a
     checkpoint cut short by a kill has none and is skipped)."""
-    done = [p for p in Path(work_dir).glob("checkpoint-*")
-            if p.name.split("-")[-1].isdigit() and (p / "trainer_state.json").is_file()]
+    done = [
+        p
+        for p in Path(work_dir).glob("checkpoint-*")
+        if p.name.split("-")[-1].isdigit() and (p / "trainer_state.json").is_file()
+    ]
     return max(done, key=lambda p: int(p.name.split("-")[-1]), default=None)
 
 
@@ -268,6 +330,11 @@ def evaluate_pairs(rm: RewardModel, rows: list[dict]) -> dict[str, float]:
     rejected = rm.score([r["prompt_messages"] for r in rows], [r["rejected"] for r in rows])
     margin = chosen - rejected
     accuracy = pairwise_accuracy(chosen, rejected)
-    return {"accuracy": accuracy, "accuracy_se": accuracy_standard_error(accuracy, len(rows)),
-            "margin_mean": float(margin.mean()),
-            "chosen_mean": float(chosen.mean()), "rejected_mean": float(rejected.mean()), "pairs": float(len(rows))}
+    return {
+        "accuracy": accuracy,
+        "accuracy_se": accuracy_standard_error(accuracy, len(rows)),
+        "margin_mean": float(margin.mean()),
+        "chosen_mean": float(chosen.mean()),
+        "rejected_mean": float(rejected.mean()),
+        "pairs": float(len(rows)),
+    }

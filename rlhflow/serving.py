@@ -1,9 +1,9 @@
 """MLflow pyfunc wrappers, so the logged models load and predict anywhere with `mlflow.pyfunc.load_model`:
 
-    policy = mlflow.pyfunc.load_model("models:/rlhf-policy@candidate")
-    policy.predict(pd.DataFrame({"prompt": ["How do I boil an egg?"]}))           # -> list of responses
-    rm = mlflow.pyfunc.load_model("models:/rlhf-reward-model@candidate")
-    rm.predict(pd.DataFrame({"prompt": [...], "response": [...]}))                 # -> list of rewards
+policy = mlflow.pyfunc.load_model("models:/rlhf-policy@candidate")
+policy.predict(pd.DataFrame({"prompt": ["How do I boil an egg?"]}))           # -> list of responses
+rm = mlflow.pyfunc.load_model("models:/rlhf-reward-model@candidate")
+rm.predict(pd.DataFrame({"prompt": [...], "response": [...]}))                 # -> list of rewards
 """
 
 from __future__ import annotations
@@ -29,10 +29,16 @@ class PolicyPyfunc(mlflow.pyfunc.PythonModel):
 
         params = params or {}
         prompts = [_messages(p) for p in model_input["prompt"]]
-        outs = sample_responses(self.model, self.tokenizer, prompts, batch_size=int(params.get("batch_size", 16)),
-                                max_prompt_length=int(params.get("max_prompt_length", 512)),
-                                max_new_tokens=int(params.get("max_new_tokens", 64)),
-                                temperature=float(params.get("temperature", 0.7)), seed=params.get("seed"))
+        outs = sample_responses(
+            self.model,
+            self.tokenizer,
+            prompts,
+            batch_size=int(params.get("batch_size", 16)),
+            max_prompt_length=int(params.get("max_prompt_length", 512)),
+            max_new_tokens=int(params.get("max_new_tokens", 64)),
+            temperature=float(params.get("temperature", 0.7)),
+            seed=params.get("seed"),
+        )
         return [t for o in outs for t in o.texts]
 
 

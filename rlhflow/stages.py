@@ -84,8 +84,15 @@ STAGES: list[Stage] = [
     Stage(
         name="sft",
         description="load the SFT model, keep a plain safetensors copy, baseline perplexity and samples",
-        params=["seed", "sft", "ppo.max_prompt_length", "ppo.temperature", "ppo.top_k", "ppo.top_p",
-                "evaluate.temperature"],
+        params=[
+            "seed",
+            "sft",
+            "ppo.max_prompt_length",
+            "ppo.temperature",
+            "ppo.top_k",
+            "ppo.top_p",
+            "evaluate.temperature",
+        ],
         deps=[VALIDATED, "rlhflow/models.py", "rlhflow/policy.py", "tasks/sft.py"],
         outs=["${sft.out_dir}"],
         metrics=[_metrics("sft")],
@@ -110,8 +117,14 @@ STAGES: list[Stage] = [
         name="ppo",
         description="PPO fine-tuning of the SFT policy against the reward model",
         params=["seed", "ppo", "reward_model.eval_batch_size"],
-        deps=[VALIDATED, "${sft.out_dir}", "${reward_model.out_dir}", "rlhflow/ppo", "rlhflow/policy.py",
-              "tasks/ppo.py"],
+        deps=[
+            VALIDATED,
+            "${sft.out_dir}",
+            "${reward_model.out_dir}",
+            "rlhflow/ppo",
+            "rlhflow/policy.py",
+            "tasks/ppo.py",
+        ],
         outs=["${ppo.out_dir}"],
         metrics=[_metrics("ppo")],
         plots=["${metrics_dir}/ppo_history.csv"],
@@ -119,12 +132,30 @@ STAGES: list[Stage] = [
     Stage(
         name="evaluate",
         description="SFT vs PPO policy on held-out prompts, judged by the proxy and the judge (reward, win rate with "
-                    "bootstrap intervals, KL, perplexity, drift), RM calibration",
-        params=["seed", "evaluate", "ppo.max_prompt_length", "ppo.stop_strings", "ppo.temperature", "ppo.top_k",
-                "ppo.top_p", "reward_model.eval_batch_size", "judge.eval_batch_size"],
-        deps=[VALIDATED, "${sft.out_dir}", "${reward_model.out_dir}", "${judge.out_dir}", "${ppo.out_dir}",
-              "${metrics_dir}/ppo_history.csv",
-              "rlhflow/metrics.py", "rlhflow/plots.py", "rlhflow/reward.py", "tasks/evaluate.py"],
+        "bootstrap intervals, KL, perplexity, drift), RM calibration",
+        params=[
+            "seed",
+            "evaluate",
+            "ppo.max_prompt_length",
+            "ppo.stop_strings",
+            "ppo.temperature",
+            "ppo.top_k",
+            "ppo.top_p",
+            "reward_model.eval_batch_size",
+            "judge.eval_batch_size",
+        ],
+        deps=[
+            VALIDATED,
+            "${sft.out_dir}",
+            "${reward_model.out_dir}",
+            "${judge.out_dir}",
+            "${ppo.out_dir}",
+            "${metrics_dir}/ppo_history.csv",
+            "rlhflow/metrics.py",
+            "rlhflow/plots.py",
+            "rlhflow/reward.py",
+            "tasks/evaluate.py",
+        ],
         outs=["${evaluate.report_dir}"],
         metrics=[_metrics("evaluate")],
         plots=["${metrics_dir}/eval_reward_quantiles.csv", "${metrics_dir}/eval_calibration.csv"],
@@ -135,17 +166,42 @@ STAGE_NAMES = [s.name for s in STAGES]
 
 # Top-level dvc.yaml plots (`dvc plots show`): several curves per figure, drawn from the stages' plot files.
 PLOTS: list[dict[str, Any]] = [
-    {"ppo_reward": {"title": "PPO: reward-model score per update", "x": "step",
-                    "y": {"${metrics_dir}/ppo_history.csv": ["ppo/score_mean", "ppo/reward_total_mean"]}}},
-    {"ppo_kl": {"title": "PPO: KL to the reference per update", "x": "step",
-                "y": {"${metrics_dir}/ppo_history.csv": ["ppo/kl"]}}},
-    {"ppo_reward_vs_kl": {"title": "PPO: reward against KL (one point per update)", "template": "scatter",
-                          "x": "ppo/kl", "y": {"${metrics_dir}/ppo_history.csv": ["ppo/score_mean"]}}},
-    {"eval_reward_distribution": {"title": "Reward of held-out samples, SFT vs PPO (sorted: quantile plot)",
-                                  "x": "quantile",
-                                  "y": {"${metrics_dir}/eval_reward_quantiles.csv": ["sft_reward", "ppo_reward"]}}},
-    {"eval_rm_calibration": {"title": "Reward-model calibration: confidence vs observed accuracy", "x": "confidence",
-                             "y": {"${metrics_dir}/eval_calibration.csv": ["accuracy", "perfect_calibration"]}}},
+    {
+        "ppo_reward": {
+            "title": "PPO: reward-model score per update",
+            "x": "step",
+            "y": {"${metrics_dir}/ppo_history.csv": ["ppo/score_mean", "ppo/reward_total_mean"]},
+        }
+    },
+    {
+        "ppo_kl": {
+            "title": "PPO: KL to the reference per update",
+            "x": "step",
+            "y": {"${metrics_dir}/ppo_history.csv": ["ppo/kl"]},
+        }
+    },
+    {
+        "ppo_reward_vs_kl": {
+            "title": "PPO: reward against KL (one point per update)",
+            "template": "scatter",
+            "x": "ppo/kl",
+            "y": {"${metrics_dir}/ppo_history.csv": ["ppo/score_mean"]},
+        }
+    },
+    {
+        "eval_reward_distribution": {
+            "title": "Reward of held-out samples, SFT vs PPO (sorted: quantile plot)",
+            "x": "quantile",
+            "y": {"${metrics_dir}/eval_reward_quantiles.csv": ["sft_reward", "ppo_reward"]},
+        }
+    },
+    {
+        "eval_rm_calibration": {
+            "title": "Reward-model calibration: confidence vs observed accuracy",
+            "x": "confidence",
+            "y": {"${metrics_dir}/eval_calibration.csv": ["accuracy", "perfect_calibration"]},
+        }
+    },
 ]
 
 
@@ -160,8 +216,13 @@ def dvc_yaml() -> str:
     """dvc.yaml, generated from STAGES."""
     stages: dict[str, Any] = {}
     for s in STAGES:
-        entry: dict[str, Any] = {"desc": s.description, "cmd": f"python -m {s.module}", "params": s.params,
-                                 "deps": s.deps, "outs": s.outs}
+        entry: dict[str, Any] = {
+            "desc": s.description,
+            "cmd": f"python -m {s.module}",
+            "params": s.params,
+            "deps": s.deps,
+            "outs": s.outs,
+        }
         if s.metrics:
             entry["metrics"] = [{m: {"cache": False}} for m in s.metrics]
         if s.plots:

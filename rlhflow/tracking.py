@@ -21,6 +21,7 @@ from typing import Any
 from rlhflow.config import REPO_ROOT, Config
 from rlhflow.fsutil import write_json_atomic
 
+
 def tracking_uri(cfg: Config) -> str:
     return cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO_ROOT / 'mlflow.db'}"
 
@@ -91,8 +92,15 @@ def _check_server(uri: str, timeout: float) -> None:
 
     shown = redact(uri)
     try:
-        response = http_request(get_default_host_creds(uri), "/api/2.0/mlflow/experiments/search", "POST",
-                                max_retries=0, backoff_factor=0, timeout=timeout, json={"max_results": 1})
+        response = http_request(
+            get_default_host_creds(uri),
+            "/api/2.0/mlflow/experiments/search",
+            "POST",
+            max_retries=0,
+            backoff_factor=0,
+            timeout=timeout,
+            json={"max_results": 1},
+        )
     except Exception as err:  # connection refused, DNS, timeout, TLS: all mean "cannot track"
         errno = re.search(r"\[Errno -?\d+\] [^\"')]+", str(err))  # the OS reason, without urllib3's wrapping
         reason = redact(errno.group(0) if errno else str(err).split(" failed with exception ")[-1])[:300]
@@ -161,8 +169,12 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def git_commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
-                              timeout=5, check=True).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5, check=True
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -177,8 +189,9 @@ def file_md5(path: str | os.PathLike) -> str:
 
 
 @contextlib.contextmanager
-def start_run(cfg: Config, *, name: str, params: dict[str, Any], tags: dict[str, str],
-              parent_run_id: str | None = None) -> Iterator[Any]:
+def start_run(
+    cfg: Config, *, name: str, params: dict[str, Any], tags: dict[str, str], parent_run_id: str | None = None
+) -> Iterator[Any]:
     """A run that is marked FAILED (and re-raises) when the body raises, FINISHED otherwise."""
     mlflow = setup(cfg)
     commit = git_commit()
@@ -186,8 +199,9 @@ def start_run(cfg: Config, *, name: str, params: dict[str, Any], tags: dict[str,
     run = mlflow.start_run(run_name=name, parent_run_id=parent_run_id, nested=parent_run_id is not None, tags=tags)
     try:
         if params:
-            mlflow.log_params({k: "null" if v is None else redact(v) if isinstance(v, str) else v
-                               for k, v in flatten(params).items()})
+            mlflow.log_params(
+                {k: "null" if v is None else redact(v) if isinstance(v, str) else v for k, v in flatten(params).items()}
+            )
         yield run
     except BaseException as err:
         mlflow.set_tag("error", redact(f"{type(err).__name__}: {err}")[:5000])
@@ -254,8 +268,15 @@ CONTENT_TAG = "content_md5"
 MODEL_PIP_REQUIREMENTS = ["torch", "transformers", "safetensors", "accelerate", "pandas"]
 
 
-def log_model_dir(cfg: Config, model_dir: str | os.PathLike, *, name: str, kind: str,
-                  registered_name: str | None = None, alias: str = "candidate") -> str | None:
+def log_model_dir(
+    cfg: Config,
+    model_dir: str | os.PathLike,
+    *,
+    name: str,
+    kind: str,
+    registered_name: str | None = None,
+    alias: str = "candidate",
+) -> str | None:
     """Log a saved model dir as an MLflow pyfunc model (`kind`: "policy" or "reward") when
     `tracking.log_models` is on; register it (when `tracking.register_models` is on) and point `alias` at the
     new version. Call this only once the stage has succeeded: a failed run registers nothing."""
@@ -270,16 +291,20 @@ def log_model_dir(cfg: Config, model_dir: str | os.PathLike, *, name: str, kind:
 
     python_model = {"policy": PolicyPyfunc, "reward": RewardPyfunc}[kind]()
     info = mlflow.pyfunc.log_model(
-        name=name, python_model=python_model, artifacts={"model_dir": str(model_dir)},
-        pip_requirements=MODEL_PIP_REQUIREMENTS, registered_model_name=registered_name,
+        name=name,
+        python_model=python_model,
+        artifacts={"model_dir": str(model_dir)},
+        pip_requirements=MODEL_PIP_REQUIREMENTS,
+        registered_model_name=registered_name,
         code_paths=[str(REPO_ROOT / "rlhflow")],  # the wrappers' own code travels with the model
     )
     if registered_name and info.registered_model_version is not None:
         client = mlflow.MlflowClient()
         client.set_registered_model_alias(registered_name, alias, str(info.registered_model_version))
         # lets a later stage (evaluate, even under `dvc repro` in another process) find the version of a model dir
-        client.set_model_version_tag(registered_name, str(info.registered_model_version), CONTENT_TAG,
-                                     dir_md5(model_dir))
+        client.set_model_version_tag(
+            registered_name, str(info.registered_model_version), CONTENT_TAG, dir_md5(model_dir)
+        )
         mlflow.set_tag(f"registered/{registered_name}", str(info.registered_model_version))
         return str(info.registered_model_version)
     return None
@@ -314,12 +339,15 @@ class ChampionDecision:
         if self.previous == self.candidate:
             return f"v{self.candidate} is already the champion"
         verdict = "beats" if self.promoted else "does not beat"
-        return (f"v{self.candidate} {verdict} champion v{self.previous} on {self.metric}: "
-                f"{self.candidate_value:.4f} vs {self.champion_value:.4f}")
+        return (
+            f"v{self.candidate} {verdict} champion v{self.previous} on {self.metric}: "
+            f"{self.candidate_value:.4f} vs {self.champion_value:.4f}"
+        )
 
 
-def decide_champion(model: str, candidate: str, metric: str, candidate_value: float, previous: str | None,
-                    champion_value: float | None) -> ChampionDecision:
+def decide_champion(
+    model: str, candidate: str, metric: str, candidate_value: float, previous: str | None, champion_value: float | None
+) -> ChampionDecision:
     """Promote when there is no champion, or when the candidate is strictly better (a NaN never wins)."""
     if previous is None:
         promoted = not math.isnan(candidate_value)
@@ -341,8 +369,11 @@ def version_by_alias(client, name: str, alias: str):
 
 def version_of_model_dir(client, name: str, model_dir: str | os.PathLike):
     """The registered version logged from a model dir with these exact contents (newest first), or None."""
-    found = client.search_model_versions(f"name = '{name}' and tags.{CONTENT_TAG} = '{dir_md5(model_dir)}'",
-                                         order_by=["version_number DESC"], max_results=1)
+    found = client.search_model_versions(
+        f"name = '{name}' and tags.{CONTENT_TAG} = '{dir_md5(model_dir)}'",
+        order_by=["version_number DESC"],
+        max_results=1,
+    )
     return found[0] if found else None
 
 
@@ -356,8 +387,9 @@ def registered_model_dir(client, name: str, version: str, dst: str | os.PathLike
     return local / flavor["artifacts"]["model_dir"]["path"]
 
 
-def challenge_champion(client, name: str, candidate: str, metric: str, candidate_value: float,
-                       champion_value: Callable[[Any], float]) -> ChampionDecision:
+def challenge_champion(
+    client, name: str, candidate: str, metric: str, candidate_value: float, champion_value: Callable[[Any], float]
+) -> ChampionDecision:
     """Decide whether `candidate` replaces the current champion; `champion_value(version)` measures the
     champion in this run's evaluation (called only when there is another champion). Nothing is changed yet."""
     current = version_by_alias(client, name, CHAMPION)
@@ -368,11 +400,15 @@ def challenge_champion(client, name: str, candidate: str, metric: str, candidate
 
 def apply_champion_decision(client, decision: ChampionDecision, run_id: str | None = None) -> None:
     """Record the decision basis as tags on the candidate version and move `champion` when it won."""
-    tags = {"metric": decision.metric, "candidate_value": f"{decision.candidate_value:.6g}",
-            "compared_with": f"v{decision.previous}" if decision.previous else "none",
-            "champion_value": "" if decision.champion_value is None else f"{decision.champion_value:.6g}",
-            "decision": "promoted" if decision.promoted else "kept", "reason": decision.reason,
-            **({"evaluation_run": run_id} if run_id else {})}
+    tags = {
+        "metric": decision.metric,
+        "candidate_value": f"{decision.candidate_value:.6g}",
+        "compared_with": f"v{decision.previous}" if decision.previous else "none",
+        "champion_value": "" if decision.champion_value is None else f"{decision.champion_value:.6g}",
+        "decision": "promoted" if decision.promoted else "kept",
+        "reason": decision.reason,
+        **({"evaluation_run": run_id} if run_id else {}),
+    }
     for key, value in tags.items():
         client.set_model_version_tag(decision.model, decision.candidate, f"champion.{key}", value)
     if decision.promoted:

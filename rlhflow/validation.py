@@ -42,7 +42,7 @@ SNIPPET_CHARS = 60
 class DataValidationError(ValueError):
     """The preference data failed validation; `.result` holds the full `ValidationResult`."""
 
-    def __init__(self, result: "ValidationResult"):
+    def __init__(self, result: ValidationResult):
         self.result = result
         super().__init__(result.failure_message())
 
@@ -85,8 +85,12 @@ def _rows_line(count: int, problem: str, examples: list[dict]) -> str:
     """`3 rows with a blank prompt (...) — train row 5: prompt=""; ...`"""
     shown = "; ".join(f"{e['split']} row {e['source_row']}: {e['snippet']}" for e in examples)
     more = count - len(examples)
-    return (f"{count} row{'s' if count != 1 else ''}" + (f" with {problem}" if problem else "") + f" — {shown}"
-            + (f"; ... and {more} more" if more > 0 else ""))
+    return (
+        f"{count} row{'s' if count != 1 else ''}"
+        + (f" with {problem}" if problem else "")
+        + f" — {shown}"
+        + (f"; ... and {more} more" if more > 0 else "")
+    )
 
 
 @dataclass
@@ -150,8 +154,11 @@ class ValidationResult:
         return {
             "success": self.success,
             "summary": self.summary(),
-            "dropped": {"rows": self.dropped_rows, "per_reason": self.dropped_per_reason,
-                        "rows_per_split": {s: len(rows) for s, rows in self.dropped.items()}},
+            "dropped": {
+                "rows": self.dropped_rows,
+                "per_reason": self.dropped_per_reason,
+                "rows_per_split": {s: len(rows) for s, rows in self.dropped.items()},
+            },
             "statistics": self.statistics,
             "expectations": [asdict(e) | {"name": e.name} for e in self.expectations],
         }
@@ -162,12 +169,13 @@ class ValidationResult:
 
 def _prompt_hash(prompt: Any, seed: int) -> float:
     """A number in [0, 1) that depends only on the prompt text and the seed (stable across runs)."""
-    digest = hashlib.sha256(f"{seed}\x00{prompt}".encode("utf-8")).digest()
+    digest = hashlib.sha256(f"{seed}\x00{prompt}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def assign_splits(df: pd.DataFrame, *, test_fraction: float, judge_fraction: float, seed: int,
-                  test: pd.DataFrame | None = None) -> dict[str, pd.DataFrame]:
+def assign_splits(
+    df: pd.DataFrame, *, test_fraction: float, judge_fraction: float, seed: int, test: pd.DataFrame | None = None
+) -> dict[str, pd.DataFrame]:
     """train / judge / test splits by prompt. The judge's share is split off the training prompts by a second,
     independent hash, so the judge reward model never sees a prompt the proxy reward model or PPO trains on.
     With `test` given (a held-out file), `df` is split into train and judge only, and `judge_fraction` is the
@@ -224,39 +232,80 @@ def _checks(df: pd.DataFrame, cfg: ValidateConfig) -> list[_Check]:
     for column in present:
         show = (column,) if column == "prompt" else ("prompt", column)
         checks += [
-            _Check(gxe.ExpectColumnValuesToNotBeNull(column=column), column, f"{column} is never null",
-                   ("prompt",) if column != "prompt" else (), problem=f"no {column} (null)"),
-            _Check(gxe.ExpectColumnValuesToBeOfType(column=column, type_="str"), column, f"{column} values are strings",
-                   (column,), problem=f"a {column} that is not a string"),
-            _Check(gxe.ExpectColumnValuesToNotMatchRegex(column=column, regex=r"^\s*$"), column,
-                   f"{column} is not empty or whitespace", show,
-                   problem=f"a blank {column} (empty or whitespace only)", drop_policy="blank"),
+            _Check(
+                gxe.ExpectColumnValuesToNotBeNull(column=column),
+                column,
+                f"{column} is never null",
+                ("prompt",) if column != "prompt" else (),
+                problem=f"no {column} (null)",
+            ),
+            _Check(
+                gxe.ExpectColumnValuesToBeOfType(column=column, type_="str"),
+                column,
+                f"{column} values are strings",
+                (column,),
+                problem=f"a {column} that is not a string",
+            ),
+            _Check(
+                gxe.ExpectColumnValuesToNotMatchRegex(column=column, regex=r"^\s*$"),
+                column,
+                f"{column} is not empty or whitespace",
+                show,
+                problem=f"a blank {column} (empty or whitespace only)",
+                drop_policy="blank",
+            ),
         ]
     bounds = {"prompt": (None, cfg.max_prompt_tokens)}
     bounds |= {c: (cfg.min_tokens, cfg.max_response_tokens) for c in ("chosen", "rejected")}
     for column in present:
         low, high = bounds[column]
         words = f"at most {high}" if low is None else f"between {low} and {high}"
-        problem = (f"an over-long {column} (more than {high} tokens)" if low is None
-                   else f"a {column} shorter than {low} or longer than {high} tokens")
-        checks.append(_Check(
-            gxe.ExpectColumnValuesToBeBetween(column=f"{column}_tokens", min_value=low, max_value=high),
-            f"{column}_tokens", f"{column} is {words} tokens long", (f"{column}_tokens", column),
-            problem=problem, drop_policy="overlong", drop_above=high))
+        problem = (
+            f"an over-long {column} (more than {high} tokens)"
+            if low is None
+            else f"a {column} shorter than {low} or longer than {high} tokens"
+        )
+        checks.append(
+            _Check(
+                gxe.ExpectColumnValuesToBeBetween(column=f"{column}_tokens", min_value=low, max_value=high),
+                f"{column}_tokens",
+                f"{column} is {words} tokens long",
+                (f"{column}_tokens", column),
+                problem=problem,
+                drop_policy="overlong",
+                drop_above=high,
+            )
+        )
     if "chosen" in present and "rejected" in present:
-        checks.append(_Check(
-            gxe.ExpectSelectColumnValuesToBeUniqueWithinRecord(column_list=["chosen", "rejected"]),
-            "chosen, rejected", "chosen differs from rejected", ("chosen",),
-            problem="chosen identical to rejected"))
+        checks.append(
+            _Check(
+                gxe.ExpectSelectColumnValuesToBeUniqueWithinRecord(column_list=["chosen", "rejected"]),
+                "chosen, rejected",
+                "chosen differs from rejected",
+                ("chosen",),
+                problem="chosen identical to rejected",
+            )
+        )
     if len(present) == len(TEXT_COLUMNS):
-        checks.append(_Check(
-            gxe.ExpectCompoundColumnsToBeUnique(column_list=list(TEXT_COLUMNS)), "prompt, chosen, rejected",
-            "no duplicate (prompt, chosen, rejected) pairs", ("prompt", "chosen"),
-            problem="a duplicate (prompt, chosen, rejected) pair"))
+        checks.append(
+            _Check(
+                gxe.ExpectCompoundColumnsToBeUnique(column_list=list(TEXT_COLUMNS)),
+                "prompt, chosen, rejected",
+                "no duplicate (prompt, chosen, rejected) pairs",
+                ("prompt", "chosen"),
+                problem="a duplicate (prompt, chosen, rejected) pair",
+            )
+        )
     if "prompt_in_other_split" in df.columns:
-        checks.append(_Check(
-            gxe.ExpectColumnValuesToBeInSet(column="prompt_in_other_split", value_set=[False]), "prompt_in_other_split",
-            "no prompt is shared between splits", ("prompt",), problem="a prompt that is also in another split"))
+        checks.append(
+            _Check(
+                gxe.ExpectColumnValuesToBeInSet(column="prompt_in_other_split", value_set=[False]),
+                "prompt_in_other_split",
+                "no prompt is shared between splits",
+                ("prompt",),
+                problem="a prompt that is also in another split",
+            )
+        )
     return checks
 
 
@@ -346,13 +395,21 @@ def _droppable(check: _Check, df: pd.DataFrame, indexes: list[int], cfg: Validat
     return [i for i in indexes if values[i] > check.drop_above]
 
 
-def _merge(outcomes: dict[str, ExpectationOutcome], split: str, df: pd.DataFrame, check: _Check, result,
-           cfg: ValidateConfig, dropped: set[int]) -> None:
+def _merge(
+    outcomes: dict[str, ExpectationOutcome],
+    split: str,
+    df: pd.DataFrame,
+    check: _Check,
+    result,
+    cfg: ValidateConfig,
+    dropped: set[int],
+) -> None:
     """Fold one split's result of one check into its outcome; rows it may drop go to `dropped`, not failures."""
     max_examples = cfg.examples_per_failure
     name = f"{check.expectation.expectation_type}({check.column})"
-    outcome = outcomes.setdefault(name, ExpectationOutcome(check.expectation.expectation_type, check.column,
-                                                           check.description, check.problem))
+    outcome = outcomes.setdefault(
+        name, ExpectationOutcome(check.expectation.expectation_type, check.column, check.description, check.problem)
+    )
     res = result.result or {}
     errors = _error_messages(result.exception_info)
     outcome.errors += [f"{split}: {e}" for e in errors]
@@ -362,8 +419,9 @@ def _merge(outcomes: dict[str, ExpectationOutcome], split: str, df: pd.DataFrame
         outcome.drop_reason = f"{check.drop_policy}_{check.column.removesuffix('_tokens')}"
         outcome.dropped_count += len(drop)
         dropped.update(drop)
-        outcome.dropped_examples += [_example(df, i, split, check)
-                                     for i in drop[: max(0, max_examples - len(outcome.dropped_examples))]]
+        outcome.dropped_examples += [
+            _example(df, i, split, check) for i in drop[: max(0, max_examples - len(outcome.dropped_examples))]
+        ]
         kept = set(drop)
         indexes = [i for i in indexes if i not in kept]
     passed = bool(result.success) or (bool(drop) and not indexes)
@@ -391,8 +449,9 @@ def _statistics(df: pd.DataFrame) -> dict[str, float]:
     return stats
 
 
-def validate_preferences(splits: dict[str, pd.DataFrame], *, cfg: ValidateConfig, tokenizer,
-                         report_dir: Path) -> ValidationResult:
+def validate_preferences(
+    splits: dict[str, pd.DataFrame], *, cfg: ValidateConfig, tokenizer, report_dir: Path
+) -> ValidationResult:
     """Run the suite on every split (e.g. train, judge, test), write the JSON and HTML reports, raise
     DataValidationError on failure. Rows dropped under the blank/over-long policies are in `result.dropped`;
     `result.kept(split, df)` gives what to write."""
@@ -420,8 +479,10 @@ def validate_preferences(splits: dict[str, pd.DataFrame], *, cfg: ValidateConfig
     result = ValidationResult(
         success=all(e.success for e in expectations),
         expectations=expectations,
-        statistics={split: _statistics(df.drop(index=sorted(dropped[split]))) | {"rows_dropped": float(len(dropped[split]))}
-                    for split, df in frames.items()},
+        statistics={
+            split: _statistics(df.drop(index=sorted(dropped[split]))) | {"rows_dropped": float(len(dropped[split]))}
+            for split, df in frames.items()
+        },
         dropped={split: sorted(rows) for split, rows in dropped.items() if rows},
         total_rows=total,
     )
@@ -435,12 +496,16 @@ def validate_preferences(splits: dict[str, pd.DataFrame], *, cfg: ValidateConfig
     return result
 
 
-def _dropped_share_outcome(expectations: list[ExpectationOutcome], n_dropped: int, total: int,
-                           cfg: ValidateConfig) -> ExpectationOutcome:
+def _dropped_share_outcome(
+    expectations: list[ExpectationOutcome], n_dropped: int, total: int, cfg: ValidateConfig
+) -> ExpectationOutcome:
     """The dropped rows as one more expectation: at most `max_dropped_fraction` of all rows."""
     share = n_dropped / total
-    outcome = ExpectationOutcome("max_dropped_fraction", "rows",
-                                 f"at most {cfg.max_dropped_fraction:.1%} of the rows dropped as blank or over-long")
+    outcome = ExpectationOutcome(
+        "max_dropped_fraction",
+        "rows",
+        f"at most {cfg.max_dropped_fraction:.1%} of the rows dropped as blank or over-long",
+    )
     outcome.observed["all"] = f"{n_dropped} of {total} rows ({share:.1%})"
     outcome.success = share <= cfg.max_dropped_fraction
     if not outcome.success:
@@ -448,9 +513,10 @@ def _dropped_share_outcome(expectations: list[ExpectationOutcome], n_dropped: in
         examples = [x for e in expectations for x in e.dropped_examples][: cfg.examples_per_failure]
         outcome.message = (
             f"{n_dropped} of {total} rows ({share:.1%}) would be dropped, more than validate.max_dropped_fraction="
-            f"{cfg.max_dropped_fraction} ({reasons}) — " + "; ".join(
-                f"{x['split']} row {x['source_row']}: {x['snippet']}" for x in examples)
-            + ". Fix the data, raise the token limits, or set validate.overlong/validate.blank=fail to list every row")
+            f"{cfg.max_dropped_fraction} ({reasons}) — "
+            + "; ".join(f"{x['split']} row {x['source_row']}: {x['snippet']}" for x in examples)
+            + ". Fix the data, raise the token limits, or set validate.overlong/validate.blank=fail to list every row"
+        )
     return outcome
 
 
@@ -463,8 +529,10 @@ def render_html(result: ValidationResult) -> str:
     status = "passed" if result.success else "FAILED"
     stat_keys = sorted({k for stats in result.statistics.values() for k in stats})
     stats_rows = "".join(
-        f"<tr><td>{esc(k)}</td>" + "".join(f"<td>{result.statistics[s].get(k, '')}</td>" for s in result.statistics)
-        + "</tr>" for k in stat_keys
+        f"<tr><td>{esc(k)}</td>"
+        + "".join(f"<td>{result.statistics[s].get(k, '')}</td>" for s in result.statistics)
+        + "</tr>"
+        for k in stat_keys
     )
     reasons = result.dropped_per_reason
     dropped_reasons = (" (" + esc(", ".join(f"{r}: {n}" for r, n in sorted(reasons.items()))) + ")") if reasons else ""
@@ -472,7 +540,9 @@ def render_html(result: ValidationResult) -> str:
     for e in result.expectations:
         counts = ", ".join(f"{s}: {n}" for s, n in e.unexpected_per_split.items()) or "0"
         details = [f"{esc(x['split'])} row {x['source_row']}: {esc(x['snippet'])}" for x in e.examples]
-        details += [f"dropped: {esc(x['split'])} row {x['source_row']}: {esc(x['snippet'])}" for x in e.dropped_examples]
+        details += [
+            f"dropped: {esc(x['split'])} row {x['source_row']}: {esc(x['snippet'])}" for x in e.dropped_examples
+        ]
         details += [esc(e.message)] if e.message else []
         if e.dropped_count:
             counts += f"; dropped ({esc(e.drop_reason)}): {e.dropped_count}"
@@ -495,9 +565,9 @@ tr.ok td:first-child {{ color: #080; }} tr.bad {{ background: #fdd; }}
 (Great Expectations suite; rows are numbered as in the input file).</p>
 <p>Dropped rows: {result.dropped_rows} of {result.total_rows}{dropped_reasons}.</p>
 <h2>Statistics</h2>
-<table><tr><th></th>{''.join(f'<th>{esc(s)}</th>' for s in result.statistics)}</tr>{stats_rows}</table>
+<table><tr><th></th>{"".join(f"<th>{esc(s)}</th>" for s in result.statistics)}</tr>{stats_rows}</table>
 <h2>Expectations</h2>
 <table><tr><th></th><th>expectation</th><th>column</th><th>meaning</th><th>unexpected rows</th><th>examples</th></tr>
-{''.join(exp_rows)}</table>
+{"".join(exp_rows)}</table>
 </body></html>
 """

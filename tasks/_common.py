@@ -11,8 +11,8 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 # Quiet, offline defaults for the libraries the stages use (users can override them in the environment).
 os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
@@ -85,8 +85,14 @@ def stage_task(name: str, body: StageBody):
 def parse_args(argv: list[str] | None, description: str) -> tuple[Config, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--params", default=None, help="params file (default: the repo's params.yaml)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one params.yaml value for this run, e.g. --set ppo.kl_coef=0.1 (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one params.yaml value for this run, e.g. --set ppo.kl_coef=0.1 (repeatable)",
+    )
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.params, args.overrides)

@@ -33,10 +33,19 @@ def sample(model, tokenizer, prompt_messages, cfg: Config):
     from rlhflow.policy import sample_responses
 
     e = cfg.evaluate
-    return sample_responses(model, tokenizer, prompt_messages, batch_size=e.batch_size,
-                            max_prompt_length=cfg.ppo.max_prompt_length, max_new_tokens=e.max_new_tokens,
-                            temperature=cfg.eval_temperature, top_k=cfg.ppo.top_k, top_p=cfg.ppo.top_p,
-                            stop_strings=cfg.ppo.stop_strings, seed=cfg.seed)
+    return sample_responses(
+        model,
+        tokenizer,
+        prompt_messages,
+        batch_size=e.batch_size,
+        max_prompt_length=cfg.ppo.max_prompt_length,
+        max_new_tokens=e.max_new_tokens,
+        temperature=cfg.eval_temperature,
+        top_k=cfg.ppo.top_k,
+        top_p=cfg.ppo.top_p,
+        stop_strings=cfg.ppo.stop_strings,
+        seed=cfg.seed,
+    )
 
 
 def texts_of(outputs) -> list[str]:
@@ -53,8 +62,12 @@ def text_metrics(texts: list[str], suffix: str = "") -> dict[str, float]:
     """Drift and reward-hacking signals of a set of responses (suffix "_sft" for the SFT model's)."""
     from rlhflow.metrics import distinct_n, mean_length, repetition_rate
 
-    return {f"eval/response_length{suffix}": mean_length(texts), f"eval/distinct_1{suffix}": distinct_n(texts, 1),
-            f"eval/distinct_2{suffix}": distinct_n(texts, 2), f"eval/repetition_rate{suffix}": repetition_rate(texts)}
+    return {
+        f"eval/response_length{suffix}": mean_length(texts),
+        f"eval/distinct_1{suffix}": distinct_n(texts, 1),
+        f"eval/distinct_2{suffix}": distinct_n(texts, 2),
+        f"eval/repetition_rate{suffix}": repetition_rate(texts),
+    }
 
 
 @dataclass
@@ -78,8 +91,12 @@ def evaluate_reward_model(rm, rows: list[dict]) -> PairEvaluation:
         scores.setdefault((row["prompt"], row["chosen"]), c)
         scores.setdefault((row["prompt"], row["rejected"]), r)
     tau, ranked_prompts = ranking_agreement(rows, scores)
-    metrics = {"rm/accuracy": pairwise_accuracy(chosen, rejected), "rm/ece": expected_calibration_error(buckets),
-               "rm/kendall_tau": tau, "rm/ranked_prompts": float(ranked_prompts)}
+    metrics = {
+        "rm/accuracy": pairwise_accuracy(chosen, rejected),
+        "rm/ece": expected_calibration_error(buckets),
+        "rm/kendall_tau": tau,
+        "rm/ranked_prompts": float(ranked_prompts),
+    }
     metrics.update({f"rm/accuracy_conf_{b.label}": b.accuracy for b in buckets})
     return PairEvaluation(metrics, buckets)
 
@@ -102,7 +119,9 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     tokenizer = load_tokenizer(sft_dir)
     sft = load_causal_lm(sft_dir, pad_token_id=tokenizer.pad_token_id).to(device).eval()
     policy = load_causal_lm(policy_dir, pad_token_id=tokenizer.pad_token_id).to(device).eval()
-    rm = RewardModel.load(cfg.path(cfg.reward_model.out_dir), batch_size=cfg.reward_model.eval_batch_size, device=device)
+    rm = RewardModel.load(
+        cfg.path(cfg.reward_model.out_dir), batch_size=cfg.reward_model.eval_batch_size, device=device
+    )
     judge = RewardModel.load(cfg.path(cfg.judge.out_dir), batch_size=cfg.judge.eval_batch_size, device=device)
 
     test = read_jsonl(cfg.path(cfg.validate_.out_dir) / "test.jsonl")
@@ -115,8 +134,14 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     sft_judged, policy_judged = judge.score(prompts, sft_texts), judge.score(prompts, policy_texts)
     win_ci = win_rate_interval(policy_scores, sft_scores, seed=cfg.seed)
     judge_win_ci = win_rate_interval(policy_judged, sft_judged, seed=cfg.seed)
-    kl = torch.cat([response_kl(policy, sft, o.query_response, o.attention_mask, o.context_length,
-                                o.response_mask, cfg.eval_temperature).cpu() for o in policy_out])  # as sampled
+    kl = torch.cat(
+        [
+            response_kl(
+                policy, sft, o.query_response, o.attention_mask, o.context_length, o.response_mask, cfg.eval_temperature
+            ).cpu()
+            for o in policy_out
+        ]
+    )  # as sampled
 
     ref_rows = test.drop_duplicates("prompt").head(e.perplexity_rows)
     ppl_args = (list(ref_rows["prompt_messages"]), list(ref_rows["chosen"]))
@@ -126,16 +151,21 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
         "eval/reward_mean": float(policy_scores.mean()),
         "eval/reward_mean_sft": float(sft_scores.mean()),
         "eval/win_rate_vs_sft": win_rate(policy_scores, sft_scores),
-        "eval/win_rate_ci_low": win_ci[0], "eval/win_rate_ci_high": win_ci[1],
+        "eval/win_rate_ci_low": win_ci[0],
+        "eval/win_rate_ci_high": win_ci[1],
         "eval/judge_reward_mean": float(policy_judged.mean()),
         "eval/judge_reward_mean_sft": float(sft_judged.mean()),
         "eval/judge_win_rate_vs_sft": win_rate(policy_judged, sft_judged),
-        "eval/judge_win_rate_ci_low": judge_win_ci[0], "eval/judge_win_rate_ci_high": judge_win_ci[1],
+        "eval/judge_win_rate_ci_low": judge_win_ci[0],
+        "eval/judge_win_rate_ci_high": judge_win_ci[1],
         "eval/kl": float(kl.mean()),
         "eval/perplexity": perplexity(policy, tokenizer, *ppl_args, batch_size=e.batch_size),
         "eval/perplexity_sft": perplexity(sft, tokenizer, *ppl_args, batch_size=e.batch_size),
-        "eval/eos_fraction": eos_fraction(policy_out), "eval/eos_fraction_sft": eos_fraction(sft_out),
-        **text_metrics(policy_texts), **text_metrics(sft_texts, "_sft"), **pairs.metrics,
+        "eval/eos_fraction": eos_fraction(policy_out),
+        "eval/eos_fraction_sft": eos_fraction(sft_out),
+        **text_metrics(policy_texts),
+        **text_metrics(sft_texts, "_sft"),
+        **pairs.metrics,
     }
     # reward hacking shows as a proxy win rate above the judge's
     metrics["eval/proxy_judge_gap"] = metrics["eval/win_rate_vs_sft"] - metrics["eval/judge_win_rate_vs_sft"]
@@ -143,10 +173,16 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     metrics = {k: v for k, v in metrics.items() if not math.isnan(v)}
     ctx.log_metrics(metrics, on_parent=True)
 
-    samples = {"prompt": list(prompts_df["prompt"]), "sft_response": sft_texts, "ppo_response": policy_texts,
-               "sft_reward": [float(x) for x in sft_scores], "ppo_reward": [float(x) for x in policy_scores],
-               "sft_judge": [float(x) for x in sft_judged], "ppo_judge": [float(x) for x in policy_judged],
-               "kl": [float(x) for x in kl]}
+    samples = {
+        "prompt": list(prompts_df["prompt"]),
+        "sft_response": sft_texts,
+        "ppo_response": policy_texts,
+        "sft_reward": [float(x) for x in sft_scores],
+        "ppo_reward": [float(x) for x in policy_scores],
+        "sft_judge": [float(x) for x in sft_judged],
+        "ppo_judge": [float(x) for x in policy_judged],
+        "kl": [float(x) for x in kl],
+    }
     mlflow.log_table(samples, artifact_file="samples.json")
 
     def champion_policy_win_rate(version) -> float:
@@ -166,32 +202,42 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     decisions = []
     if cfg.tracking.log_models and cfg.tracking.register_models:
         client = mlflow.MlflowClient()
-        challenges = [(REWARD_MODEL_NAME, cfg.reward_model.out_dir, "rm/accuracy", champion_rm_accuracy),
-                      (POLICY_NAME, cfg.ppo.out_dir, "eval/judge_win_rate_vs_sft", champion_policy_win_rate)]
+        challenges = [
+            (REWARD_MODEL_NAME, cfg.reward_model.out_dir, "rm/accuracy", champion_rm_accuracy),
+            (POLICY_NAME, cfg.ppo.out_dir, "eval/judge_win_rate_vs_sft", champion_policy_win_rate),
+        ]
         for name, out_dir, metric, champion_value in challenges:
             version = tracking.version_of_model_dir(client, name, cfg.path(out_dir))
             if version is not None:
-                decisions.append(tracking.challenge_champion(client, name, str(version.version), metric,
-                                                             metrics[metric], champion_value))
+                decisions.append(
+                    tracking.challenge_champion(
+                        client, name, str(version.version), metric, metrics[metric], champion_value
+                    )
+                )
 
     history_csv = cfg.path(cfg.metrics_dir) / "ppo_history.csv"
     history = pd.read_csv(history_csv) if history_csv.exists() else None
     metrics_dir = cfg.path(cfg.metrics_dir)
-    write_text_atomic(metrics_dir / REWARD_QUANTILES_CSV,
-                      reward_quantiles(samples["sft_reward"], samples["ppo_reward"]).to_csv(index=False))
+    write_text_atomic(
+        metrics_dir / REWARD_QUANTILES_CSV,
+        reward_quantiles(samples["sft_reward"], samples["ppo_reward"]).to_csv(index=False),
+    )
     write_text_atomic(metrics_dir / CALIBRATION_CSV, calibration_table(pairs.buckets).to_csv(index=False))
     with atomic_dir(cfg.path(e.report_dir)) as tmp:
         write_json_atomic(tmp / "samples.json", samples)
-        figures = {"reward_distributions": plots.reward_distributions(samples["sft_reward"], samples["ppo_reward"]),
-                   "rm_calibration": plots.calibration(pairs.buckets)}
+        figures = {
+            "reward_distributions": plots.reward_distributions(samples["sft_reward"], samples["ppo_reward"]),
+            "rm_calibration": plots.calibration(pairs.buckets),
+        }
         if history is not None and len(history):
             figures.update(ppo_curves=plots.ppo_curves(history), reward_vs_kl=plots.reward_vs_kl(history))
         (tmp / "plots").mkdir()
         for fig_name, fig in figures.items():
             fig.savefig(tmp / "plots" / f"{fig_name}.png", dpi=110)
             plots.close(fig)
-        write_text_atomic(tmp / "report.md", report_markdown(metrics, samples, pairs.buckets, decisions,
-                                                             sorted(figures)))
+        write_text_atomic(
+            tmp / "report.md", report_markdown(metrics, samples, pairs.buckets, decisions, sorted(figures))
+        )
     mlflow.log_artifacts(str(cfg.path(e.report_dir)), artifact_path="evaluation")
 
     # Last, once everything else succeeded: a failed evaluation moves no alias.
@@ -207,64 +253,107 @@ def reward_quantiles(sft_rewards: list[float], ppo_rewards: list[float]) -> Any:
     import pandas as pd
 
     n = len(sft_rewards)
-    return pd.DataFrame({"quantile": [(i + 0.5) / n for i in range(n)], "sft_reward": sorted(sft_rewards),
-                         "ppo_reward": sorted(ppo_rewards)})
+    return pd.DataFrame(
+        {
+            "quantile": [(i + 0.5) / n for i in range(n)],
+            "sft_reward": sorted(sft_rewards),
+            "ppo_reward": sorted(ppo_rewards),
+        }
+    )
 
 
 def calibration_table(buckets) -> Any:
     import pandas as pd
 
-    return pd.DataFrame({"confidence": [b.confidence for b in buckets], "accuracy": [b.accuracy for b in buckets],
-                         "perfect_calibration": [b.confidence for b in buckets],
-                         "pairs": [b.pairs for b in buckets]})
+    return pd.DataFrame(
+        {
+            "confidence": [b.confidence for b in buckets],
+            "accuracy": [b.accuracy for b in buckets],
+            "perfect_calibration": [b.confidence for b in buckets],
+            "pairs": [b.pairs for b in buckets],
+        }
+    )
 
 
-def report_markdown(metrics: dict[str, float], samples: dict[str, list], buckets=(), decisions=(),
-                    figures: list[str] = (), n_examples: int = 5) -> str:
+def report_markdown(
+    metrics: dict[str, float],
+    samples: dict[str, list],
+    buckets=(),
+    decisions=(),
+    figures: list[str] = (),
+    n_examples: int = 5,
+) -> str:
     def fmt(key: str) -> str:
         return f"{metrics[key]:.4f}" if key in metrics else "n/a"
 
     lines = ["# Evaluation: PPO policy vs SFT model", ""]
     if "eval/judge_win_rate_vs_sft" in metrics:
-        lines += ["## Win rate against the SFT model", "", "| judged by | win rate | 95% bootstrap interval |",
-                  "|---|---|---|",
-                  f"| proxy reward model (optimised by PPO) | {fmt('eval/win_rate_vs_sft')} | "
-                  f"{fmt('eval/win_rate_ci_low')} - {fmt('eval/win_rate_ci_high')} |",
-                  f"| judge reward model (never optimised) | {fmt('eval/judge_win_rate_vs_sft')} | "
-                  f"{fmt('eval/judge_win_rate_ci_low')} - {fmt('eval/judge_win_rate_ci_high')} |", "",
-                  f"Proxy minus judge: {fmt('eval/proxy_judge_gap')} (a large positive gap is a sign of reward "
-                  "hacking: the policy pleases the model it was trained against more than an independent one).", ""]
+        lines += [
+            "## Win rate against the SFT model",
+            "",
+            "| judged by | win rate | 95% bootstrap interval |",
+            "|---|---|---|",
+            f"| proxy reward model (optimised by PPO) | {fmt('eval/win_rate_vs_sft')} | "
+            f"{fmt('eval/win_rate_ci_low')} - {fmt('eval/win_rate_ci_high')} |",
+            f"| judge reward model (never optimised) | {fmt('eval/judge_win_rate_vs_sft')} | "
+            f"{fmt('eval/judge_win_rate_ci_low')} - {fmt('eval/judge_win_rate_ci_high')} |",
+            "",
+            f"Proxy minus judge: {fmt('eval/proxy_judge_gap')} (a large positive gap is a sign of reward "
+            "hacking: the policy pleases the model it was trained against more than an independent one).",
+            "",
+        ]
     if decisions:
         lines += ["## Model registry", "", "| model | candidate | champion | decision | why |", "|---|---|---|---|---|"]
-        lines += [f"| {d.model} | v{d.candidate} | v{d.champion} | {'promoted' if d.promoted else 'kept'} | {d.reason} |"
-                  for d in decisions]
+        lines += [
+            f"| {d.model} | v{d.candidate} | v{d.champion} | {'promoted' if d.promoted else 'kept'} | {d.reason} |"
+            for d in decisions
+        ]
         lines += [""]
     lines += ["## Metrics", "", "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {v:.4f} |" for k, v in sorted(metrics.items())]
-    lines += ["", "## Reward hacking and drift", "", "| | SFT | PPO |", "|---|---|---|",
-              f"| reward, proxy (optimised by PPO) | {fmt('eval/reward_mean_sft')} | {fmt('eval/reward_mean')} |",
-              f"| reward, judge (never optimised) | {fmt('eval/judge_reward_mean_sft')} | {fmt('eval/judge_reward_mean')} |"]
-    for key, label in [("response_length", "response length, words"), ("eos_fraction", "responses ended by EOS"),
-                       ("distinct_1", "distinct-1"),
-                       ("distinct_2", "distinct-2"), ("repetition_rate", "repetition rate (seq-rep-4)"),
-                       ("perplexity", "perplexity of reference answers")]:
+    lines += [
+        "",
+        "## Reward hacking and drift",
+        "",
+        "| | SFT | PPO |",
+        "|---|---|---|",
+        f"| reward, proxy (optimised by PPO) | {fmt('eval/reward_mean_sft')} | {fmt('eval/reward_mean')} |",
+        f"| reward, judge (never optimised) | {fmt('eval/judge_reward_mean_sft')} | {fmt('eval/judge_reward_mean')} |",
+    ]
+    for key, label in [
+        ("response_length", "response length, words"),
+        ("eos_fraction", "responses ended by EOS"),
+        ("distinct_1", "distinct-1"),
+        ("distinct_2", "distinct-2"),
+        ("repetition_rate", "repetition rate (seq-rep-4)"),
+        ("perplexity", "perplexity of reference answers"),
+    ]:
         lines.append(f"| {label} | {fmt(f'eval/{key}_sft')} | {fmt(f'eval/{key}')} |")
     lines += [f"| KL to SFT, nats per response | 0 | {fmt('eval/kl')} |", ""]
     if buckets:
-        lines += ["## Reward model on held-out pairs", "",
-                  f"Accuracy {fmt('rm/accuracy')}, expected calibration error {fmt('rm/ece')}; Kendall's tau against "
-                  f"the human ranking {fmt('rm/kendall_tau')} over {int(metrics.get('rm/ranked_prompts', 0))} prompts "
-                  "that rank more than two responses.", "",
-                  "| confidence bucket | pairs | mean confidence | accuracy |", "|---|---|---|---|"]
+        lines += [
+            "## Reward model on held-out pairs",
+            "",
+            f"Accuracy {fmt('rm/accuracy')}, expected calibration error {fmt('rm/ece')}; Kendall's tau against "
+            f"the human ranking {fmt('rm/kendall_tau')} over {int(metrics.get('rm/ranked_prompts', 0))} prompts "
+            "that rank more than two responses.",
+            "",
+            "| confidence bucket | pairs | mean confidence | accuracy |",
+            "|---|---|---|---|",
+        ]
         lines += [f"| {b.low:.1f}-{b.high:.1f} | {b.pairs} | {b.confidence:.3f} | {b.accuracy:.3f} |" for b in buckets]
         lines += [""]
     if figures:
         lines += ["## Plots", ""] + [f"![{f}](plots/{f}.png)" for f in figures] + [""]
     lines += ["## Samples", ""]
     for i in range(min(n_examples, len(samples["prompt"]))):
-        lines += [f"**Prompt:** {samples['prompt'][i]}", "",
-                  f"- SFT (reward {samples['sft_reward'][i]:+.2f}): {samples['sft_response'][i]}",
-                  f"- PPO (reward {samples['ppo_reward'][i]:+.2f}): {samples['ppo_response'][i]}", ""]
+        lines += [
+            f"**Prompt:** {samples['prompt'][i]}",
+            "",
+            f"- SFT (reward {samples['sft_reward'][i]:+.2f}): {samples['sft_response'][i]}",
+            f"- PPO (reward {samples['ppo_reward'][i]:+.2f}): {samples['ppo_response'][i]}",
+            "",
+        ]
     return "\n".join(lines)
 
 

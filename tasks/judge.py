@@ -15,10 +15,10 @@ REGISTERED_NAME = "rlhf-judge"
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     # another seed than the proxy's: a different score-head initialisation and data order as well as other data
-    metrics = train_pairwise_model(cfg, ctx, cfg.judge, split="judge", prefix="judge",
-                                   registered_name=REGISTERED_NAME, seed=cfg.seed + 1)
-    ctx.log_metrics({k: v for k, v in metrics.items() if k in ("judge/accuracy", "judge/accuracy_se")},
-                    on_parent=True)
+    metrics = train_pairwise_model(
+        cfg, ctx, cfg.judge, split="judge", prefix="judge", registered_name=REGISTERED_NAME, seed=cfg.seed + 1
+    )
+    ctx.log_metrics({k: v for k, v in metrics.items() if k in ("judge/accuracy", "judge/accuracy_se")}, on_parent=True)
     return metrics
 
 

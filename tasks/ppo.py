@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 from rlhflow.config import Config
 from tasks._common import StageContext, cli, stage_task
@@ -36,8 +36,9 @@ def load_reward_source(cfg: Config, device):
         return lambda prompts, responses: torch.as_tensor(list(fn(prompts, responses)), dtype=torch.float32), None
     from rlhflow.reward import RewardModel
 
-    rm = RewardModel.load(cfg.path(cfg.reward_model.out_dir), batch_size=cfg.reward_model.eval_batch_size,
-                          device=device)
+    rm = RewardModel.load(
+        cfg.path(cfg.reward_model.out_dir), batch_size=cfg.reward_model.eval_batch_size, device=device
+    )
     return rm.score, rm
 
 
@@ -72,8 +73,11 @@ def inputs_fingerprint(cfg: Config) -> str:
 
     from rlhflow.fsutil import file_stamps
 
-    files = [cfg.path(cfg.sft.out_dir) / "model.safetensors", cfg.path(cfg.reward_model.out_dir) / "model.safetensors",
-             cfg.path(cfg.validate_.out_dir) / "train.jsonl"]
+    files = [
+        cfg.path(cfg.sft.out_dir) / "model.safetensors",
+        cfg.path(cfg.reward_model.out_dir) / "model.safetensors",
+        cfg.path(cfg.validate_.out_dir) / "train.jsonl",
+    ]
     settings = cfg.ppo.model_dump(exclude={"steps", "checkpoint_every", "checkpoint_dir", "out_dir"})
     return json.dumps({"ppo": settings, "seed": cfg.seed, "inputs": file_stamps(files)}, sort_keys=True)
 
@@ -115,10 +119,18 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     checkpoint_dir = prepare_checkpoint_dir(cfg) if ctx.main_process else cfg.path(cfg.ppo.checkpoint_dir)
     distributed.barrier()  # with several processes: rank 0 has kept or cleared the checkpoints before any reads them
     score_fn, reward_model = load_reward_source(cfg, device)
-    trainer = PPOTrainer(cfg.ppo, policy=policy, tokenizer=tokenizer,
-                         score_fn=score_fn, prompts=prompts, device=device, seed=cfg.seed,
-                         checkpoint_dir=checkpoint_dir, critic=make_critic(cfg, reward_model, tokenizer),
-                         log_fn=lambda stats, step: ctx.log_metrics(stats, step=step))
+    trainer = PPOTrainer(
+        cfg.ppo,
+        policy=policy,
+        tokenizer=tokenizer,
+        score_fn=score_fn,
+        prompts=prompts,
+        device=device,
+        seed=cfg.seed,
+        checkpoint_dir=checkpoint_dir,
+        critic=make_critic(cfg, reward_model, tokenizer),
+        log_fn=lambda stats, step: ctx.log_metrics(stats, step=step),
+    )
     if trainer.load_checkpoint():  # an interrupted run of the same inputs left a checkpoint
         print(f"ppo: resuming from the checkpoint of update {trainer.step} in {checkpoint_dir}", flush=True)
         ctx.log_metrics({"ppo/resumed_from_update": float(trainer.step)})
@@ -133,9 +145,12 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     with atomic_dir(out_dir) as tmp:
         trainer.save(tmp)
     shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
-    last = history[-max(1, len(history) // 4):]  # the final quarter of updates, smoothed
-    metrics = {f"{k}_final": sum(h[k] for h in last) / len(last)
-               for k in ("ppo/score_mean", "ppo/kl", "ppo/entropy", "ppo/response_length") if k in history[-1]}
+    last = history[-max(1, len(history) // 4) :]  # the final quarter of updates, smoothed
+    metrics = {
+        f"{k}_final": sum(h[k] for h in last) / len(last)
+        for k in ("ppo/score_mean", "ppo/kl", "ppo/entropy", "ppo/response_length")
+        if k in history[-1]
+    }
     metrics["ppo/score_mean_first"] = history[0].get("ppo/score_mean", float("nan"))
     metrics["ppo/updates"] = float(len(history))
     ctx.log_metrics(metrics)

@@ -30,12 +30,28 @@ def checkpoint_fingerprint(cfg: Config, rm_cfg: RewardModelConfig, train_file: P
     if Path(backbone).is_dir():
         files += sorted(Path(backbone).glob("*.safetensors"))
     settings = rm_cfg.model_dump(exclude={"out_dir", "checkpoint_dir", "checkpoint_every", "eval_batch_size"})
-    return json.dumps({"reward_model": settings, "backbone": backbone, "seed": seed, "inputs": file_stamps(files),
-                       "processes": distributed.world_size()}, sort_keys=True)
+    return json.dumps(
+        {
+            "reward_model": settings,
+            "backbone": backbone,
+            "seed": seed,
+            "inputs": file_stamps(files),
+            "processes": distributed.world_size(),
+        },
+        sort_keys=True,
+    )
 
 
-def train_pairwise_model(cfg: Config, ctx: StageContext, rm_cfg: RewardModelConfig, *, split: str, prefix: str,
-                         registered_name: str, seed: int) -> dict[str, float]:
+def train_pairwise_model(
+    cfg: Config,
+    ctx: StageContext,
+    rm_cfg: RewardModelConfig,
+    *,
+    split: str,
+    prefix: str,
+    registered_name: str,
+    seed: int,
+) -> dict[str, float]:
     """Train a reward model (the proxy or the judge) on one validated split, score the test split, log and register
     it. Metrics are named `<prefix>/accuracy`, `<prefix>/accuracy_se`, `<prefix>/margin`, ..."""
     import shutil
@@ -66,29 +82,41 @@ def train_pairwise_model(cfg: Config, ctx: StageContext, rm_cfg: RewardModelConf
         prepare_checkpoint_dir(checkpoint_dir, checkpoint_fingerprint(cfg, rm_cfg, train_file, seed))
     distributed.barrier()
     with output as tmp:
-        rm = train_reward_model(rm_cfg, train_rows, backbone=backbone_spec(cfg, rm_cfg), out_dir=tmp,
-                                work_dir=checkpoint_dir, seed=seed,
-                                log_fn=lambda m, step: ctx.log_metrics({f"{prefix}/{k}": v for k, v in m.items()},
-                                                                       step=step),
-                                trust_remote_code=cfg.sft.trust_remote_code)
+        rm = train_reward_model(
+            rm_cfg,
+            train_rows,
+            backbone=backbone_spec(cfg, rm_cfg),
+            out_dir=tmp,
+            work_dir=checkpoint_dir,
+            seed=seed,
+            log_fn=lambda m, step: ctx.log_metrics({f"{prefix}/{k}": v for k, v in m.items()}, step=step),
+            trust_remote_code=cfg.sft.trust_remote_code,
+        )
         if rm is None:  # not the main process: its part of the training is done
             return {}
         held_out = evaluate_pairs(rm, test_rows)
-        metrics = {f"{prefix}/accuracy": held_out["accuracy"], f"{prefix}/accuracy_se": held_out["accuracy_se"],
-                   f"{prefix}/margin": held_out["margin_mean"], f"{prefix}/eval_pairs": held_out["pairs"],
-                   f"{prefix}/train_pairs": float(len(train_rows)), f"{prefix}/score_mean": rm.mean,
-                   f"{prefix}/score_std": rm.std}
+        metrics = {
+            f"{prefix}/accuracy": held_out["accuracy"],
+            f"{prefix}/accuracy_se": held_out["accuracy_se"],
+            f"{prefix}/margin": held_out["margin_mean"],
+            f"{prefix}/eval_pairs": held_out["pairs"],
+            f"{prefix}/train_pairs": float(len(train_rows)),
+            f"{prefix}/score_mean": rm.mean,
+            f"{prefix}/score_std": rm.std,
+        }
     shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
     ctx.log_metrics(metrics)
     mlflow.log_dict({"normalization": {"mean": rm.mean, "std": rm.std}}, "reward_normalization.json")
-    tracking.log_model_dir(cfg, out_dir, name=NAME if prefix == "rm" else prefix, kind="reward",
-                           registered_name=registered_name)
+    tracking.log_model_dir(
+        cfg, out_dir, name=NAME if prefix == "rm" else prefix, kind="reward", registered_name=registered_name
+    )
     return metrics
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
-    return train_pairwise_model(cfg, ctx, cfg.reward_model, split="train", prefix="rm",
-                                registered_name=REGISTERED_NAME, seed=cfg.seed)
+    return train_pairwise_model(
+        cfg, ctx, cfg.reward_model, split="train", prefix="rm", registered_name=REGISTERED_NAME, seed=cfg.seed
+    )
 
 
 task = stage_task(NAME, run)

@@ -33,15 +33,25 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     model.to(device).eval()
     test = read_jsonl(cfg.path(cfg.validate_.out_dir) / "test.jsonl")
     held_out = test.drop_duplicates("prompt").head(s.perplexity_rows)
-    ppl = perplexity(model, tokenizer, list(held_out["prompt_messages"]), list(held_out["chosen"]), batch_size=s.batch_size)
+    ppl = perplexity(
+        model, tokenizer, list(held_out["prompt_messages"]), list(held_out["chosen"]), batch_size=s.batch_size
+    )
     metrics = {"sft/perplexity": ppl, "sft/parameters": float(sum(p.numel() for p in model.parameters()))}
 
     if s.n_samples:
         rows = held_out.head(s.n_samples)
-        outs = sample_responses(model, tokenizer, list(rows["prompt_messages"]), batch_size=s.batch_size,
-                                max_prompt_length=cfg.ppo.max_prompt_length, max_new_tokens=s.max_new_tokens,
-                                temperature=cfg.eval_temperature, top_k=cfg.ppo.top_k, top_p=cfg.ppo.top_p,
-                                seed=cfg.seed)
+        outs = sample_responses(
+            model,
+            tokenizer,
+            list(rows["prompt_messages"]),
+            batch_size=s.batch_size,
+            max_prompt_length=cfg.ppo.max_prompt_length,
+            max_new_tokens=s.max_new_tokens,
+            temperature=cfg.eval_temperature,
+            top_k=cfg.ppo.top_k,
+            top_p=cfg.ppo.top_p,
+            seed=cfg.seed,
+        )
         responses = [t for o in outs for t in o.texts]
         mlflow.log_table({"prompt": list(rows["prompt"]), "response": responses}, artifact_file="sft_samples.json")
     ctx.log_metrics(metrics)

@@ -2,9 +2,9 @@
 splits (by prompt: the judge's reward model trains on prompts that neither the proxy reward model nor PPO sees).
 
 Blank and over-long rows are dropped and counted per reason (validate.blank / validate.overlong), up to
-validate.max_dropped_fraction of the rows. On any other failed expectation the stage raises with a message naming each expectation and a few offending
-rows; the previous validated splits and report stay as they were, and the failed report is written next
-to them (`<report_dir>.failed/`) and logged on the failed MLflow run.
+validate.max_dropped_fraction of the rows. On any other failed expectation the stage raises with a message naming
+each expectation and a few offending rows; the previous validated splits and report stay as they were, and the
+failed report is written next to them (`<report_dir>.failed/`) and logged on the failed MLflow run.
 """
 
 from __future__ import annotations
@@ -36,10 +36,12 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     data = load_preferences(_source(cfg, cfg.data.preferences), hf_split=cfg.data.hf_split, max_rows=v.max_rows)
     test = None
     if cfg.data.test_preferences:
-        test = load_preferences(_source(cfg, cfg.data.test_preferences), hf_split=cfg.data.hf_split,
-                                max_rows=v.max_rows)
-    splits = assign_splits(data, test_fraction=v.test_fraction, judge_fraction=v.judge_fraction, seed=cfg.seed,
-                           test=test)
+        test = load_preferences(
+            _source(cfg, cfg.data.test_preferences), hf_split=cfg.data.hf_split, max_rows=v.max_rows
+        )
+    splits = assign_splits(
+        data, test_fraction=v.test_fraction, judge_fraction=v.judge_fraction, seed=cfg.seed, test=test
+    )
     tokenizer = load_tokenizer(cfg.sft.model, trust_remote_code=cfg.sft.trust_remote_code)
 
     out_dir, report_dir = cfg.path(cfg.validate_.out_dir), cfg.path(cfg.validate_.report_dir)

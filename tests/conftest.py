@@ -99,22 +99,31 @@ def make_dvc_repo(repo: Path, model_dir: Path, timeout: float = 900) -> Callable
     from rlhflow.config import load_config, write_params
 
     repo.mkdir(parents=True, exist_ok=True)
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     for rel in files:
         if (REPO / rel).is_file():
             (repo / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / rel, repo / rel)
-    write_params(load_config(repo / "params.yaml", tiny_pipeline_overrides(".", model_dir, tracking=False)),
-                 repo / "params.yaml")
+    write_params(
+        load_config(repo / "params.yaml", tiny_pipeline_overrides(".", model_dir, tracking=False)), repo / "params.yaml"
+    )
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(repo)}
     env.pop("MLFLOW_TRACKING_URI", None)  # mlflow.set_tracking_uri in earlier tests exports it
 
     def run(*cmd: str) -> subprocess.CompletedProcess:
         return subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
 
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
-                ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"]):
+    for cmd in (
+        ["git", "init", "-q"],
+        ["git", "add", "-A"],
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"],
+    ):
         assert run(*cmd).returncode == 0, cmd
     return run
 
@@ -126,8 +135,13 @@ def stage_command(module: str, overrides: list[str]) -> list[str]:
 
 def stage_env() -> dict[str, str]:
     # one thread: identical float reductions in every process, so runs compare exactly
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-            "HF_HUB_OFFLINE": "1"}
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
 
 
 def kill_stage_once(cmd: list[str], marker: Path, timeout: float) -> None:

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, tiny_pipeline_overrides
 
 N_ROWS = 40
@@ -23,9 +22,11 @@ GOOD_OUTPUTS = ("data/validated", "reports/validation", "models/sft", "metrics")
 
 
 def row(i: int, **changes) -> dict:
-    base = {"prompt": f"How do I look after plant number {i}?",
-            "chosen": f"Water plant {i} once a week and give it some light.",
-            "rejected": "Plants are boring."}
+    base = {
+        "prompt": f"How do I look after plant number {i}?",
+        "chosen": f"Water plant {i} once a week and give it some light.",
+        "rejected": "Plants are boring.",
+    }
     return {**base, **changes}
 
 
@@ -43,7 +44,10 @@ def missing_column(d):
 def nulls(d):
     rows = [row(i, chosen=None) if i in (2, 6) else row(i) for i in range(N_ROWS)]  # lines 3 and 7
     return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}"], [
-        r"expect_column_values_to_not_be_null\(chosen\): 2 rows", r"(train|judge|test) row 3:", r"(train|judge|test) row 7:"]
+        r"expect_column_values_to_not_be_null\(chosen\): 2 rows",
+        r"(train|judge|test) row 3:",
+        r"(train|judge|test) row 7:",
+    ]
 
 
 def empty_strings(d):  # with validate.blank=fail: listed, not dropped
@@ -52,19 +56,26 @@ def empty_strings(d):  # with validate.blank=fail: listed, not dropped
         r"expect_column_values_to_not_match_regex\(rejected\): 1 row with a blank rejected \(empty or whitespace "
         r"only\) — (train|judge|test) row 5:",
         r"expect_column_values_to_not_match_regex\(prompt\): 1 row with a blank prompt \(empty or whitespace only\) "
-        r"— (train|judge|test) row 9:"]
+        r"— (train|judge|test) row 9:",
+    ]
 
 
 def chosen_equal_to_rejected(d):
     rows = [row(i, rejected=row(i)["chosen"]) if i in (1, 3) else row(i) for i in range(N_ROWS)]
     return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}"], [
-        r"unique_within_record\(chosen, rejected\): 2 rows", r"(train|judge|test) row 2:", r"(train|judge|test) row 4:"]
+        r"unique_within_record\(chosen, rejected\): 2 rows",
+        r"(train|judge|test) row 2:",
+        r"(train|judge|test) row 4:",
+    ]
 
 
 def duplicate_pairs(d):
     rows = [row(i) for i in range(N_ROWS)] + [row(10)]  # line 41 repeats line 11
     return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}"], [
-        r"compound_columns_to_be_unique\(prompt, chosen, rejected\): 2 rows", r"row 11:", r"row 41:"]
+        r"compound_columns_to_be_unique\(prompt, chosen, rejected\): 2 rows",
+        r"row 11:",
+        r"row 41:",
+    ]
 
 
 def invalid_json_line(d):
@@ -85,14 +96,18 @@ def over_long_texts(d):  # with validate.overlong=fail: listed, not dropped
     rows = [row(i, chosen="water the plant " * 300) if i == 7 else row(i) for i in range(N_ROWS)]
     return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}", "validate.overlong=fail"], [
         r"expect_column_values_to_be_between\(chosen_tokens\): 1 row with a chosen shorter than 1 or longer than "
-        r"512 tokens — (train|judge|test) row 8: chosen_tokens="]
+        r"512 tokens — (train|judge|test) row 8: chosen_tokens="
+    ]
 
 
 def too_many_over_long_texts(d):  # dropped by default, but 4 of 40 rows is more than max_dropped_fraction
     rows = [row(i, prompt="water the plant " * 300) if i in (2, 11, 20, 33) else row(i) for i in range(N_ROWS)]
     return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}"], [
         r"max_dropped_fraction\(rows\): 4 of 40 rows \(10\.0%\) would be dropped, more than "
-        r"validate\.max_dropped_fraction=0\.05 \(overlong_prompt: 4\)", r"row 3: prompt_tokens=", r"row 34:"]
+        r"validate\.max_dropped_fraction=0\.05 \(overlong_prompt: 4\)",
+        r"row 3: prompt_tokens=",
+        r"row 34:",
+    ]
 
 
 def prompt_leaking_into_test(d):
@@ -101,14 +116,19 @@ def prompt_leaking_into_test(d):
     test_rows[1] = row(4, chosen="A different answer about plant 4.")  # test line 2 reuses train line 5's prompt
     test = write_rows(d / "test.jsonl", test_rows)
     return [f"data.preferences={train}", f"data.test_preferences={test}"], [
-        r"in_set\(prompt_in_other_split\): 2 rows", r"(train|judge) row 5:", r"test row 2:"]
+        r"in_set\(prompt_in_other_split\): 2 rows",
+        r"(train|judge) row 5:",
+        r"test row 2:",
+    ]
 
 
 def wrong_types(d):
     rows = [row(i, chosen=42) if i == 3 else row(i, rejected=True) if i == 5 else row(i) for i in range(N_ROWS)]
     return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}"], [
-        r"values of the wrong type", r"column chosen: got int, expected .* \(row 4\)",
-        r"column rejected: got bool, expected .* \(row 6\)"]
+        r"values of the wrong type",
+        r"column chosen: got int, expected .* \(row 4\)",
+        r"column rejected: got bool, expected .* \(row 6\)",
+    ]
 
 
 def empty_file(d):
@@ -122,7 +142,8 @@ def huge_file_over_max_rows(d):
     with open(d / "p.jsonl", "w") as f:
         f.write(line * 199_999 + "{broken\n")
     return [f"data.preferences={d / 'p.jsonl'}", "validate.max_rows=1000"], [
-        r"more than max_rows=1000 rows \(stopped reading at line 1001\)"]
+        r"more than max_rows=1000 rows \(stopped reading at line 1001\)"
+    ]
 
 
 def not_a_preference_file(d):
@@ -135,14 +156,29 @@ def missing_file(d):
 
 
 def broken_json_list(d):
-    text = "[\n" + ",\n".join(json.dumps(row(i)) for i in range(4)) + ",\n{\"prompt\": oops}\n]\n"
+    text = "[\n" + ",\n".join(json.dumps(row(i)) for i in range(4)) + ',\n{"prompt": oops}\n]\n'
     (d / "p.json").write_text(text)
     return [f"data.preferences={d / 'p.json'}"], [r"invalid JSON on line 6"]
 
 
-CASES = [missing_column, nulls, empty_strings, chosen_equal_to_rejected, duplicate_pairs, invalid_json_line,
-         wrong_encoding, over_long_texts, too_many_over_long_texts, prompt_leaking_into_test, wrong_types, empty_file, huge_file_over_max_rows,
-         not_a_preference_file, missing_file, broken_json_list]
+CASES = [
+    missing_column,
+    nulls,
+    empty_strings,
+    chosen_equal_to_rejected,
+    duplicate_pairs,
+    invalid_json_line,
+    wrong_encoding,
+    over_long_texts,
+    too_many_over_long_texts,
+    prompt_leaking_into_test,
+    wrong_types,
+    empty_file,
+    huge_file_over_max_rows,
+    not_a_preference_file,
+    missing_file,
+    broken_json_list,
+]
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -170,8 +206,10 @@ def good_run(prefect_server, tmp_path_factory, tiny_model_dir):
     from flows.pipeline import rlhf_pipeline
 
     root = tmp_path_factory.mktemp("project")
-    rlhf_pipeline(overrides=tiny_pipeline_overrides(root, tiny_model_dir) + ["tracking.log_models=false"],
-                  stages=["demo_data", "validate", "sft"])
+    rlhf_pipeline(
+        overrides=tiny_pipeline_overrides(root, tiny_model_dir) + ["tracking.log_models=false"],
+        stages=["demo_data", "validate", "sft"],
+    )
     before = tree_digest(root)
     assert any(k.startswith("models/sft/") for k in before) and "data/validated/train.jsonl" in before
     return root, before
@@ -232,8 +270,9 @@ def test_bad_parameters_fail_the_cli_before_any_work(module, tmp_path, tiny_mode
     overrides = tiny_pipeline_overrides(tmp_path, tiny_model_dir) + [override for override, _ in BAD_PARAMS]
     args = [a for o in overrides for a in ("--set", o)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     for _, pattern in BAD_PARAMS:
         assert re.search(pattern, done.stderr), done.stderr

@@ -36,8 +36,23 @@ def test_tiny_workload_and_our_runner(work_dir):
     assert len(spec["prompts"]) == len(spec["prompt_ids"]) == spec["batch_size"]
 
     out = work_dir / "ours.json"
-    subprocess.run([sys.executable, "-m", "bench.run_ours", "--workload-dir", str(work_dir / "tiny"), "--out",
-                    str(out), "--threads", "1"], cwd=REPO, env=ENV, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.run_ours",
+            "--workload-dir",
+            str(work_dir / "tiny"),
+            "--out",
+            str(out),
+            "--threads",
+            "1",
+        ],
+        cwd=REPO,
+        env=ENV,
+        check=True,
+        capture_output=True,
+    )
     result = json.loads(out.read_text())
     assert len(result["updates"]) == spec["updates"] and len(result["warmup_updates"]) == spec["warmup"]
     for update in result["updates"]:
@@ -50,8 +65,15 @@ def test_tiny_workload_and_our_runner(work_dir):
 
 def test_roofline_fractions():
     """Decode: T steps each reading the weights plus every cached key/value; training: 6 x params per token."""
-    shape = {"layers": 2, "kv_heads": 1, "head_dim": 4, "dtype_bytes": 2, "weight_bytes": 1000,
-             "policy_matmul_params": 100, "critic_matmul_params": 50}
+    shape = {
+        "layers": 2,
+        "kv_heads": 1,
+        "head_dim": 4,
+        "dtype_bytes": 2,
+        "weight_bytes": 1000,
+        "policy_matmul_params": 100,
+        "critic_matmul_params": 50,
+    }
     spec = {"shape": shape, "batch_size": 2, "max_new_tokens": 3, "prompt_length": 5, "ppo_epochs": 2}
     kv_bytes = 2 * 2 * 1 * 4 * 2  # K and V, 2 layers, 1 head of 4, bf16
     decode_bytes = 3 * 1000 + 2 * kv_bytes * (5 + 6 + 7)
@@ -63,9 +85,26 @@ def test_roofline_fractions():
 @pytest.mark.skipif(not TRL_PYTHON.exists(), reason="no peer venv: `make bench` builds bench/.venv-trl")
 def test_driver_against_trl(work_dir):
     """One A/B round on the tiny workload: both engines in the table, ratios, and the speedup as the last line."""
-    proc = subprocess.run([sys.executable, "-m", "bench.ppo_bench", "--workloads", "tiny", "--rounds", "1",
-                           "--threads", "1", "--work-dir", str(work_dir)], cwd=REPO, env=ENV, check=True,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.ppo_bench",
+            "--workloads",
+            "tiny",
+            "--rounds",
+            "1",
+            "--threads",
+            "1",
+            "--work-dir",
+            str(work_dir),
+        ],
+        cwd=REPO,
+        env=ENV,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     lines = proc.stdout.strip().splitlines()
     assert re.fullmatch(r"ppo_speedup_vs_trl=\d+\.\d\d", lines[-1]), lines[-1]
     table = proc.stdout
@@ -83,8 +122,14 @@ def test_orchestration_overhead_on_tiny_models():
     line is the attributed overhead over the flow's wall time."""
     from rlhflow.stages import STAGE_NAMES
 
-    proc = subprocess.run([sys.executable, "-m", "bench.orchestration", "--tiny"], cwd=REPO, env=ENV, check=True,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.orchestration", "--tiny"],
+        cwd=REPO,
+        env=ENV,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     out = proc.stdout
     for name in STAGE_NAMES:
         assert re.search(rf"^{name}\s+\d+\.\d\s+\d+\.\d$", out, re.M), f"{name} missing or nan:\n{out}"

@@ -10,8 +10,14 @@ def test_params_yaml_matches_the_config_model():
 
 
 def test_overrides_are_typed():
-    cfg = load_config(overrides=["ppo.kl_coef=0.1", "ppo.adaptive_kl.enabled=true", 'ppo.stop_strings=["\\n\\n"]',
-                                 "data.preferences=/abs/path.jsonl"])
+    cfg = load_config(
+        overrides=[
+            "ppo.kl_coef=0.1",
+            "ppo.adaptive_kl.enabled=true",
+            'ppo.stop_strings=["\\n\\n"]',
+            "data.preferences=/abs/path.jsonl",
+        ]
+    )
     assert cfg.ppo.kl_coef == 0.1 and isinstance(cfg.ppo.kl_coef, float)
     assert cfg.ppo.adaptive_kl.enabled is True
     assert cfg.ppo.stop_strings == ["\n\n"]

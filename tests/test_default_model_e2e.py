@@ -42,8 +42,15 @@ def test_one_ppo_update_on_the_default_model(default_model, tmp_path):
 
     tok, _, out = default_model
     policy = load_causal_lm(str(out), pad_token_id=tok.pad_token_id)
-    cfg = PPOConfig(steps=1, batch_size=2, mini_batch_size=1, max_new_tokens=8, checkpoint_every=0,
-                    checkpoint_dir=str(tmp_path / "ckpt"), out_dir=str(tmp_path / "policy"))
+    cfg = PPOConfig(
+        steps=1,
+        batch_size=2,
+        mini_batch_size=1,
+        max_new_tokens=8,
+        checkpoint_every=0,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        out_dir=str(tmp_path / "policy"),
+    )
     score = lambda prompts, responses: torch.tensor([float("!" in r) for r in responses])  # noqa: E731
     prompts = [[{"role": "user", "content": "Say hello."}], [{"role": "user", "content": "Name a colour."}]]
     trainer = PPOTrainer(cfg, policy=policy, tokenizer=tok, score_fn=score, prompts=prompts, seed=0)

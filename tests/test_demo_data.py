@@ -23,8 +23,9 @@ def test_default_size_has_distinct_prompts_and_clear_pairs():
     assert all(p["chosen"] != p["rejected"] for p in pairs)
     assert len({(p["prompt"], p["chosen"], p["rejected"]) for p in pairs}) == len(pairs)
     assert max(len(p["chosen"].split()) for p in pairs) <= 70  # the policy only writes ~48 tokens
-    assert all(set(p) == {"prompt", "chosen", "rejected"} and all(isinstance(v, str) for v in p.values())
-               for p in pairs)
+    assert all(
+        set(p) == {"prompt", "chosen", "rejected"} and all(isinstance(v, str) for v in p.values()) for p in pairs
+    )
     # Rejected answers fall short in different ways, so some are longer than the chosen one.
     assert any(len(p["rejected"]) > len(p["chosen"]) for p in pairs)
     assert any(len(p["rejected"]) < len(p["chosen"]) / 3 for p in pairs)
@@ -49,7 +50,9 @@ def test_written_demo_reads_back_and_passes_validation(tmp_path):
     assert len(df) == 960 and df["source_row"].tolist() == list(range(1, 961))
     validate_cfg = ValidateConfig()
     train, test = split_by_prompt(df, validate_cfg.test_fraction, seed=0)
-    result = validate_preferences({"train": train, "test": test}, cfg=validate_cfg, tokenizer=tiny_tokenizer(), report_dir=tmp_path / "r")
+    result = validate_preferences(
+        {"train": train, "test": test}, cfg=validate_cfg, tokenizer=tiny_tokenizer(), report_dir=tmp_path / "r"
+    )
     assert result.success
     assert result.summary()["validate/test_rows"] > 100
 

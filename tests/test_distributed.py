@@ -25,18 +25,30 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from safetensors.torch import load_file
-
 from conftest import REPO
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow  # two `accelerate launch` processes start up: about a minute on 2 cores
 
 CPU_2PROC = REPO / "configs" / "accelerate" / "cpu_2proc.yaml"
 PROMPTS = ["hello world", "explain water", "thanks", "say yes", "fox dog", "steps one two", "help me", "boils"]
 # The statistics that are means over the global batch (time/* is the main process's own; lr is a setting).
-PPO_GLOBAL_STATS = ["ppo/score_mean", "ppo/score_std", "ppo/reward_total_mean", "ppo/kl", "ppo/entropy",
-                    "ppo/returns_mean", "ppo/advantages_mean", "ppo/response_length", "ppo/eos_fraction",
-                    "ppo/policy_loss", "ppo/value_loss", "ppo/clipfrac", "ppo/approxkl", "ppo/responses"]
+PPO_GLOBAL_STATS = [
+    "ppo/score_mean",
+    "ppo/score_std",
+    "ppo/reward_total_mean",
+    "ppo/kl",
+    "ppo/entropy",
+    "ppo/returns_mean",
+    "ppo/advantages_mean",
+    "ppo/response_length",
+    "ppo/eos_fraction",
+    "ppo/policy_loss",
+    "ppo/value_loss",
+    "ppo/clipfrac",
+    "ppo/approxkl",
+    "ppo/responses",
+]
 
 
 def write_validated_splits(out_dir: Path) -> None:
@@ -44,8 +56,12 @@ def write_validated_splits(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     def row(prompt: str, i: int) -> dict:
-        return {"prompt": prompt, "prompt_messages": [{"role": "user", "content": prompt}],
-                "chosen": f"Thank you! Here are {i + 2} clear steps about {prompt}.", "rejected": "no" * (i % 3 + 1)}
+        return {
+            "prompt": prompt,
+            "prompt_messages": [{"role": "user", "content": prompt}],
+            "chosen": f"Thank you! Here are {i + 2} clear steps about {prompt}.",
+            "rejected": "no" * (i % 3 + 1),
+        }
 
     train = [row(p, i) for i, p in enumerate(PROMPTS * 2)]
     test = [row(f"{p} please", i) for i, p in enumerate(PROMPTS[:4])]
@@ -56,16 +72,32 @@ def write_validated_splits(out_dir: Path) -> None:
 def overrides(root: Path, model_dir: Path, run: str) -> list[str]:
     """Both stages on tiny models; `run` names this run's own outputs, metrics and MLflow store."""
     return [
-        f"validate.out_dir={root}/validated", f"sft.out_dir={model_dir}", f"metrics_dir={root}/{run}/metrics",
-        f"tracking.tracking_uri=sqlite:///{root}/{run}/mlflow.db", "tracking.log_models=false",
-        f"reward_model.backbone={model_dir}", f"reward_model.out_dir={root}/{run}/reward_model",
-        "reward_model.epochs=2", "reward_model.batch_size=8", "reward_model.learning_rate=1e-3",
-        "reward_model.max_length=64", "reward_model.checkpoint_every=2",
+        f"validate.out_dir={root}/validated",
+        f"sft.out_dir={model_dir}",
+        f"metrics_dir={root}/{run}/metrics",
+        f"tracking.tracking_uri=sqlite:///{root}/{run}/mlflow.db",
+        "tracking.log_models=false",
+        f"reward_model.backbone={model_dir}",
+        f"reward_model.out_dir={root}/{run}/reward_model",
+        "reward_model.epochs=2",
+        "reward_model.batch_size=8",
+        "reward_model.learning_rate=1e-3",
+        "reward_model.max_length=64",
+        "reward_model.checkpoint_every=2",
         f"reward_model.checkpoint_dir={root}/{run}/rm_checkpoints",
-        f"ppo.out_dir={root}/{run}/policy", f"ppo.checkpoint_dir={root}/{run}/checkpoints",
-        "ppo.reward_fn=rlhflow.testing:prompt_length_reward", "ppo.top_k=1", "ppo.steps=2", "ppo.batch_size=4",
-        "ppo.mini_batch_size=4", "ppo.ppo_epochs=2", "ppo.learning_rate=1e-3", "ppo.max_new_tokens=8",
-        "ppo.reward_normalization=whiten", "ppo.kl_coef=0.05", "ppo.checkpoint_every=1",
+        f"ppo.out_dir={root}/{run}/policy",
+        f"ppo.checkpoint_dir={root}/{run}/checkpoints",
+        "ppo.reward_fn=rlhflow.testing:prompt_length_reward",
+        "ppo.top_k=1",
+        "ppo.steps=2",
+        "ppo.batch_size=4",
+        "ppo.mini_batch_size=4",
+        "ppo.ppo_epochs=2",
+        "ppo.learning_rate=1e-3",
+        "ppo.max_new_tokens=8",
+        "ppo.reward_normalization=whiten",
+        "ppo.kl_coef=0.05",
+        "ppo.checkpoint_every=1",
     ]
 
 
@@ -81,8 +113,17 @@ def launch_two_processes(stages: list[str], args: list[str], log: Path) -> float
     returns the wall time."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(CPU_2PROC),
-           "--main_process_port", str(free_port()), "-m", "tests.run_stages", ",".join(stages)]
+    cmd = [
+        str(Path(sys.executable).parent / "accelerate"),
+        "launch",
+        "--config_file",
+        str(CPU_2PROC),
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "tests.run_stages",
+        ",".join(stages),
+    ]
     cmd += [a for o in args for a in ("--set", o)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
@@ -142,8 +183,9 @@ def test_reward_model_two_processes_equal_one_process_with_the_same_global_batch
     # the global batch the Trainer used: 2 processes x 4 pairs, as 1 process x 8 pairs; so the same steps
     assert two["rm/global_batch_size"] == one["rm/global_batch_size"] == 8.0
     assert two["rm/train_steps"] == one["rm/train_steps"] == 4.0  # 16 pairs / 8 x 2 epochs
-    assert_same_weights(root / "one" / "reward_model", root / "two" / "reward_model", "model.safetensors", 2e-2,
-                        start=tiny_model_dir)
+    assert_same_weights(
+        root / "one" / "reward_model", root / "two" / "reward_model", "model.safetensors", 2e-2, start=tiny_model_dir
+    )
     metrics_two = json.loads((root / "two" / "metrics" / "reward_model.json").read_text())
     assert metrics_two["rm/accuracy"] == pytest.approx(single["rm/accuracy"])
     assert metrics_two["rm/score_mean"] == pytest.approx(single["rm/score_mean"], abs=1e-4)
@@ -163,8 +205,9 @@ def test_ppo_two_processes_equal_one_process_with_the_same_global_batch(root, ti
     assert history_one["ppo/policy_loss"].abs().max() > 1e-4  # the updates are not trivially zero
 
     # the same update: policy and value head moved by the same amounts from the SFT weights
-    assert_same_weights(root / "one" / "policy", root / "two" / "policy", "model.safetensors", 1e-3,
-                        start=tiny_model_dir)
+    assert_same_weights(
+        root / "one" / "policy", root / "two" / "policy", "model.safetensors", 1e-3, start=tiny_model_dir
+    )
     assert_same_weights(root / "one" / "policy", root / "two" / "policy", "value_head.safetensors", 1e-3)
 
     _, runs_two = stage_runs(root, "two", "ppo")

@@ -37,8 +37,9 @@ def definition_span(path: Path, name: str) -> tuple[int, int] | None:
     node: ast.AST = ast.parse(path.read_text(), filename=str(path))
     for part in name.split("."):
         body = getattr(node, "body", [])
-        found = [n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                 and n.name == part]
+        found = [
+            n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == part
+        ]
         if not found:
             return None
         node = found[0]
@@ -54,8 +55,17 @@ def test_ppo_page_has_code_refs():
     refs = code_refs(PPO_PAGE.read_text())
     names = {m["name"] for m in refs}
     # the method's equations, each with a code location
-    for name in ("policy_loss", "value_loss", "gae", "kl_per_token", "per_token_rewards", "masked_whiten",
-                 "AdaptiveKLController.update", "entropy_from_logits", "RunningMoments.update"):
+    for name in (
+        "policy_loss",
+        "value_loss",
+        "gae",
+        "kl_per_token",
+        "per_token_rewards",
+        "masked_whiten",
+        "AdaptiveKLController.update",
+        "entropy_from_logits",
+        "RunningMoments.update",
+    ):
         assert name in names, f"docs/ppo.md has no code reference to {name}"
 
 
@@ -82,8 +92,10 @@ def test_ppo_page_code_refs_match_the_code():
     if update and new_text != text:
         PPO_PAGE.write_text(new_text)
         return
-    assert not stale, ("docs/ppo.md has stale line ranges (run `UPDATE_DOCS_REFS=1 pytest tests/test_docs.py` to "
-                       "rewrite them):\n  " + "\n  ".join(stale))
+    assert not stale, (
+        "docs/ppo.md has stale line ranges (run `UPDATE_DOCS_REFS=1 pytest tests/test_docs.py` to "
+        "rewrite them):\n  " + "\n  ".join(stale)
+    )
 
 
 def test_readme_is_short():
@@ -112,9 +124,21 @@ def test_mkdocs_build_strict(tmp_path):
     if importlib.util.find_spec("mkdocs") is None:
         pytest.skip("mkdocs is not installed (pip install mkdocs==1.6.1, as in requirements.txt)")
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(REPO / "mkdocs.yml"),
-         "--site-dir", str(tmp_path / "site")],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(REPO / "mkdocs.yml"),
+            "--site-dir",
+            str(tmp_path / "site"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
     assert (tmp_path / "site" / "index.html").is_file()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import make_dvc_repo
+
 from rlhflow import tracking
 from rlhflow.stages import STAGES
 
@@ -33,8 +33,9 @@ def test_champion_moves_only_when_the_candidate_beats_it(tmp_path):
         (model_dir / "weights.bin").write_text(version)
         client.create_model_version(name, source=model_dir.as_uri())
         client.set_registered_model_alias(name, "candidate", version)
-        decision = tracking.challenge_champion(client, name, version, "eval/win_rate_vs_sft", score[version],
-                                               lambda champion: score[str(champion.version)])
+        decision = tracking.challenge_champion(
+            client, name, version, "eval/win_rate_vs_sft", score[version], lambda champion: score[str(champion.version)]
+        )
         tracking.apply_champion_decision(client, decision, run_id="run-" + version)
         decisions.append(decision)
         assert str(tracking.version_by_alias(client, name, "candidate").version) == version
@@ -53,8 +54,14 @@ def test_champion_moves_only_when_the_candidate_beats_it(tmp_path):
     assert client.get_model_version(name, "3").tags["champion.decision"] == "promoted"
 
     # the champion challenged by itself (evaluate re-run, model unchanged): nothing measured, nothing moves
-    again = tracking.challenge_champion(client, name, "3", "eval/win_rate_vs_sft", 0.1,
-                                        lambda champion: pytest.fail("must not re-measure the champion itself"))
+    again = tracking.challenge_champion(
+        client,
+        name,
+        "3",
+        "eval/win_rate_vs_sft",
+        0.1,
+        lambda champion: pytest.fail("must not re-measure the champion itself"),
+    )
     assert not again.promoted and again.champion == "3"
 
 
@@ -76,8 +83,14 @@ def test_evaluation_samples_as_ppo_samples(monkeypatch, evaluate_temperature, ex
 
     calls = []
     monkeypatch.setattr(rlhflow.policy, "sample_responses", lambda *args, **kwargs: calls.append(kwargs))
-    cfg = load_config(overrides=["ppo.temperature=0.9", "ppo.top_k=7", "ppo.top_p=0.8",
-                                 f"evaluate.temperature={'null' if evaluate_temperature is None else evaluate_temperature}"])
+    cfg = load_config(
+        overrides=[
+            "ppo.temperature=0.9",
+            "ppo.top_k=7",
+            "ppo.top_p=0.8",
+            f"evaluate.temperature={'null' if evaluate_temperature is None else evaluate_temperature}",
+        ]
+    )
     sample(None, None, [], cfg)
     assert calls[0]["temperature"] == expected and calls[0]["top_k"] == 7 and calls[0]["top_p"] == 0.8
 
@@ -94,8 +107,10 @@ def dvc_repo(tmp_path_factory, tiny_model_dir):
     first = run("dvc", "repro")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     # what a DVC user does to keep a baseline: commit dvc.lock and the metrics (git-ignored in this project's repo)
-    for cmd in (["git", "add", "-f", "dvc.lock", "metrics"],
-                ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline"]):
+    for cmd in (
+        ["git", "add", "-f", "dvc.lock", "metrics"],
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline"],
+    ):
         done = run(*cmd)
         assert done.returncode == 0, done.stdout + done.stderr
     return repo, run, first
@@ -127,8 +142,9 @@ def _mlflow_client(repo: Path):
 
 def _latest_stage_run(client, stage: str):
     exp = client.get_experiment_by_name("rlhf")
-    return client.search_runs([exp.experiment_id], f"tags.stage = '{stage}'", order_by=["attributes.start_time DESC"],
-                              max_results=1)[0]
+    return client.search_runs(
+        [exp.experiment_id], f"tags.stage = '{stage}'", order_by=["attributes.start_time DESC"], max_results=1
+    )[0]
 
 
 def test_dvc_metrics_equal_the_mlflow_metrics(dvc_repo):
@@ -141,8 +157,15 @@ def test_dvc_metrics_equal_the_mlflow_metrics(dvc_repo):
         for key, value in on_disk.items():
             assert logged[key] == pytest.approx(value, rel=1e-6), f"{stage}: {key}"
     evaluate = json.loads((repo / "metrics/evaluate.json").read_text())
-    for key in ["eval/distinct_1", "eval/distinct_2_sft", "eval/repetition_rate", "eval/response_length_sft",
-                "rm/ece", "rm/accuracy", "eval/win_rate_vs_sft"]:
+    for key in [
+        "eval/distinct_1",
+        "eval/distinct_2_sft",
+        "eval/repetition_rate",
+        "eval/response_length_sft",
+        "rm/ece",
+        "rm/accuracy",
+        "eval/win_rate_vs_sft",
+    ]:
         assert key in evaluate
     assert any(key.startswith("rm/accuracy_conf_") for key in evaluate)
 
@@ -159,8 +182,9 @@ def test_first_run_becomes_champion_and_the_report_says_so(dvc_repo):
         assert champion.tags["champion.decision"] == "promoted"
     run = _latest_stage_run(client, "evaluate")
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "evaluation/plots")}
-    assert artifacts == {f"evaluation/plots/{p}.png" for p in
-                         ["ppo_curves", "reward_vs_kl", "reward_distributions", "rm_calibration"]}
+    assert artifacts == {
+        f"evaluation/plots/{p}.png" for p in ["ppo_curves", "reward_vs_kl", "reward_distributions", "rm_calibration"]
+    }
     table = json.loads(Path(client.download_artifacts(run.info.run_id, "samples.json", str(repo.parent))).read_text())
     assert {"prompt", "sft_response", "ppo_response", "sft_reward", "ppo_reward"} <= set(table["columns"])
 
@@ -170,9 +194,13 @@ def test_dvc_plots_show_renders_the_ppo_and_evaluation_plots(dvc_repo):
     shown = run("dvc", "plots", "show", "-o", "plots_html")
     assert shown.returncode == 0, shown.stderr[-3000:]
     html = (repo / "plots_html/index.html").read_text()
-    for title in ["PPO: reward-model score per update", "PPO: KL to the reference per update",
-                  "PPO: reward against KL", "Reward of held-out samples, SFT vs PPO",
-                  "Reward-model calibration: confidence vs observed accuracy"]:
+    for title in [
+        "PPO: reward-model score per update",
+        "PPO: KL to the reference per update",
+        "PPO: reward against KL",
+        "Reward of held-out samples, SFT vs PPO",
+        "Reward-model calibration: confidence vs observed accuracy",
+    ]:
         assert title in html, title
     assert "ppo_reward" in html and "perfect_calibration" in html
 
@@ -191,7 +219,7 @@ def test_dvc_exp_run_with_another_kl_coef_is_compared_and_challenges_the_champio
     found = {}  # kl_coef -> eval metrics, over the baseline and its experiments
     for row in rows:
         for entry in [row] + [e for exp_ in row.get("experiments") or [] for e in exp_.get("revs") or []]:
-            data = (entry.get("data") or {})
+            data = entry.get("data") or {}
             params = data.get("params", {}).get("params.yaml", {}).get("data", {})
             metrics = data.get("metrics", {}).get("metrics/evaluate.json", {}).get("data", {})
             if params and metrics:
@@ -207,7 +235,8 @@ def test_dvc_exp_run_with_another_kl_coef_is_compared_and_challenges_the_champio
     champion_value = float(candidate.tags["champion.champion_value"])
     promoted = float(candidate.tags["champion.candidate_value"]) > champion_value
     assert str(client.get_model_version_by_alias("rlhf-policy", "champion").version) == (
-        str(candidate.version) if promoted else champion_before)
+        str(candidate.version) if promoted else champion_before
+    )
     report = (repo / "reports/evaluate/report.md").read_text()
     assert f"champion v{champion_before} on eval/win_rate_vs_sft" in report
     assert "is already the champion" in report  # the reward model

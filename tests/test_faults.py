@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, kill_stage_once, stage_command, stage_env, tiny_pipeline_overrides
 
 
@@ -29,8 +28,11 @@ def digest(path: Path) -> dict[str, str] | None:
     """md5 of each file under a dir by relative path (None when the dir does not exist)."""
     if not path.exists():
         return None
-    return {str(p.relative_to(path)): hashlib.md5(p.read_bytes()).hexdigest() for p in sorted(path.rglob("*"))
-            if p.is_file()}
+    return {
+        str(p.relative_to(path)): hashlib.md5(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
 
 
 # ---- the tracking server is down ------------------------------------------------------------------------
@@ -44,8 +46,7 @@ def prefect_server():
         yield
 
 
-def test_unreachable_tracking_server_fails_the_flow_in_seconds(prefect_server, tmp_path, tiny_model_dir,
-                                                                monkeypatch):
+def test_unreachable_tracking_server_fails_the_flow_in_seconds(prefect_server, tmp_path, tiny_model_dir, monkeypatch):
     from flows.pipeline import rlhf_pipeline
     from rlhflow.tracking import TrackingUnavailableError
 
@@ -65,8 +66,14 @@ def test_unreachable_tracking_server_fails_the_flow_in_seconds(prefect_server, t
 def test_unreachable_tracking_server_fails_a_stage_cli_before_it_starts(tmp_path, tiny_model_dir):
     uri = f"http://127.0.0.1:{closed_port()}"
     overrides = tiny_pipeline_overrides(tmp_path, tiny_model_dir, tracking=False) + [f"tracking.tracking_uri={uri}"]
-    done = subprocess.run(stage_command("tasks.demo_data", overrides), cwd=REPO, env=stage_env(),
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        stage_command("tasks.demo_data", overrides),
+        cwd=REPO,
+        env=stage_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"demo_data failed: MLflow tracking server {uri} is unreachable" in done.stderr
     assert "Traceback" not in done.stderr
@@ -90,8 +97,14 @@ def test_unwritable_sqlite_store_fails_the_preflight(tmp_path):
 
 def preference_file(path: Path, n: int, variant: str) -> Path:
     text = " ".join(["Water it once a week, keep it in bright indirect light and feed it in spring."] * 6)
-    rows = [{"prompt": f"[{variant}] How do I look after plant number {i}?", "chosen": f"{text} ({i})",
-             "rejected": "Plants are boring."} for i in range(n)]
+    rows = [
+        {
+            "prompt": f"[{variant}] How do I look after plant number {i}?",
+            "chosen": f"{text} ({i})",
+            "rejected": "Plants are boring.",
+        }
+        for i in range(n)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -104,24 +117,41 @@ def test_validate_killed_while_writing_leaves_old_or_no_output_and_the_rerun_cle
     out, report = tmp_path / "data/validated", tmp_path / "reports/validation"
 
     def overrides(data: Path, out_dir: Path = out, report_dir: Path = report) -> list[str]:
-        return [f"data.preferences={data}", f"validate.out_dir={out_dir}", f"validate.report_dir={report_dir}",
-                f"sft.model={tiny_model_dir}", f"metrics_dir={tmp_path / 'metrics'}", "tracking.log_models=false",
-                f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"]
+        return [
+            f"data.preferences={data}",
+            f"validate.out_dir={out_dir}",
+            f"validate.report_dir={report_dir}",
+            f"sft.model={tiny_model_dir}",
+            f"metrics_dir={tmp_path / 'metrics'}",
+            "tracking.log_models=false",
+            f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+        ]
 
-    old_data, new_data = preference_file(tmp_path / "a.jsonl", 200, "a"), preference_file(tmp_path / "b.jsonl", 4000, "b")
+    old_data, new_data = (
+        preference_file(tmp_path / "a.jsonl", 200, "a"),
+        preference_file(tmp_path / "b.jsonl", 4000, "b"),
+    )
     run_stage("validate", validate.run, load_config(None, overrides(old_data)))  # the previous good output
     old = digest(out)
     # what a complete run on the new data writes (elsewhere)
-    run_stage("validate", validate.run, load_config(None, overrides(new_data, tmp_path / "ref/validated",
-                                                                    tmp_path / "ref/validation")))
+    run_stage(
+        "validate",
+        validate.run,
+        load_config(None, overrides(new_data, tmp_path / "ref/validated", tmp_path / "ref/validation")),
+    )
     new = digest(tmp_path / "ref/validated")
     assert old and new and old != new
 
     rng = random.Random(int(time.time()))
     seen = []
     for attempt in range(2):
-        proc = subprocess.Popen(stage_command("tasks.validate", overrides(new_data)), cwd=REPO, env=stage_env(),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            stage_command("tasks.validate", overrides(new_data)),
+            cwd=REPO,
+            env=stage_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 240
         # the stage starts writing its outputs when its temporary output dir appears next to data/validated
         while not list(out.parent.glob(".validated.tmp-*")) and proc.poll() is None and time.monotonic() < deadline:
@@ -135,7 +165,9 @@ def test_validate_killed_while_writing_leaves_old_or_no_output_and_the_rerun_cle
         assert state in (old, new), f"killed {delay:.3f}s into the write: a partial output {state}"
         seen.append("old" if state == old else "new")
         assert report.exists()  # the report dir too: old or new, never missing or partial
-    leftovers = [p.name for p in out.parent.glob(".validated.*")] + [p.name for p in report.parent.glob(".validation.*")]
+    leftovers = [p.name for p in out.parent.glob(".validated.*")] + [
+        p.name for p in report.parent.glob(".validation.*")
+    ]
 
     run_stage("validate", validate.run, load_config(None, overrides(new_data)))  # the rerun succeeds
     assert digest(out) == new
@@ -154,28 +186,51 @@ def test_killed_reward_model_training_resumes_from_its_last_checkpoint(tmp_path,
 
     from rlhflow.data.formats import write_jsonl
 
-    rows = [{"prompt": f"question {i}", "prompt_messages": [{"role": "user", "content": f"question {i}"}],
-             "chosen": "Thank you for asking! Here are three clear steps.", "rejected": "no", "source_row": i + 1}
-            for i in range(RM_ROWS)]
+    rows = [
+        {
+            "prompt": f"question {i}",
+            "prompt_messages": [{"role": "user", "content": f"question {i}"}],
+            "chosen": "Thank you for asking! Here are three clear steps.",
+            "rejected": "no",
+            "source_row": i + 1,
+        }
+        for i in range(RM_ROWS)
+    ]
     write_jsonl(pd.DataFrame(rows), tmp_path / "validated/train.jsonl")
     write_jsonl(pd.DataFrame(rows[:8]), tmp_path / "validated/test.jsonl")
-    overrides = [f"validate.out_dir={tmp_path / 'validated'}", f"reward_model.backbone={tiny_model_dir}",
-                 f"reward_model.out_dir={tmp_path / 'reward_model'}", f"reward_model.checkpoint_dir={tmp_path / 'ckpt'}",
-                 f"reward_model.batch_size={RM_BATCH}", f"reward_model.checkpoint_every={RM_CHECKPOINT_EVERY}",
-                 "reward_model.max_length=32", "reward_model.epochs=1",
-                 f"metrics_dir={tmp_path / 'metrics'}", "tracking.log_models=false",
-                 f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"]
+    overrides = [
+        f"validate.out_dir={tmp_path / 'validated'}",
+        f"reward_model.backbone={tiny_model_dir}",
+        f"reward_model.out_dir={tmp_path / 'reward_model'}",
+        f"reward_model.checkpoint_dir={tmp_path / 'ckpt'}",
+        f"reward_model.batch_size={RM_BATCH}",
+        f"reward_model.checkpoint_every={RM_CHECKPOINT_EVERY}",
+        "reward_model.max_length=32",
+        "reward_model.epochs=1",
+        f"metrics_dir={tmp_path / 'metrics'}",
+        "tracking.log_models=false",
+        f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+    ]
     total_steps = RM_ROWS // RM_BATCH
 
-    kill_stage_once(stage_command("tasks.reward_model", overrides),
-                    tmp_path / "ckpt" / f"checkpoint-{2 * RM_CHECKPOINT_EVERY}" / "trainer_state.json", timeout=300)
+    kill_stage_once(
+        stage_command("tasks.reward_model", overrides),
+        tmp_path / "ckpt" / f"checkpoint-{2 * RM_CHECKPOINT_EVERY}" / "trainer_state.json",
+        timeout=300,
+    )
     assert not (tmp_path / "reward_model").exists()
     complete = [p for p in (tmp_path / "ckpt").glob("checkpoint-*") if (p / "trainer_state.json").exists()]
     killed_at = max(int(p.name.split("-")[1]) for p in complete)
     assert 2 * RM_CHECKPOINT_EVERY <= killed_at < total_steps
 
-    rerun = subprocess.run(stage_command("tasks.reward_model", overrides), cwd=REPO, env=stage_env(),
-                           capture_output=True, text=True, timeout=600)
+    rerun = subprocess.run(
+        stage_command("tasks.reward_model", overrides),
+        cwd=REPO,
+        env=stage_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert f"reward model: resuming training from checkpoint-{killed_at} (step {killed_at})" in rerun.stdout
     assert (tmp_path / "reward_model/model.safetensors").exists()

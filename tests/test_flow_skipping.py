@@ -11,17 +11,24 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import make_dvc_repo, tiny_pipeline_overrides
+
 from rlhflow import lineage
 from rlhflow.config import load_config
 from rlhflow.stages import get_stage
 
 
 def _config(root: Path, *extra: str):
-    return load_config(overrides=[f"metrics_dir={root}/metrics", f"data.preferences={root}/prefs.jsonl",
-                                  f"validate.out_dir={root}/validated", f"validate.report_dir={root}/report",
-                                  f"sft.out_dir={root}/sft", *extra])
+    return load_config(
+        overrides=[
+            f"metrics_dir={root}/metrics",
+            f"data.preferences={root}/prefs.jsonl",
+            f"validate.out_dir={root}/validated",
+            f"validate.report_dir={root}/report",
+            f"sft.out_dir={root}/sft",
+            *extra,
+        ]
+    )
 
 
 def _write_validate_outputs(root: Path) -> None:
@@ -132,8 +139,9 @@ def test_second_flow_run_skips_and_a_changed_param_reruns_that_stage(prefect_ser
     assert _stage_runs(tmp_path / "mlflow.db") == [*stages, "validate", *stages]
 
     # force runs everything
-    rlhf_pipeline(overrides=[*overrides, "validate.test_fraction=0.5", "data.demo.n_prompts=40"], stages=stages,
-                  force=True)
+    rlhf_pipeline(
+        overrides=[*overrides, "validate.test_fraction=0.5", "data.demo.n_prompts=40"], stages=stages, force=True
+    )
     assert _stage_runs(tmp_path / "mlflow.db") == [*stages, "validate", *stages, *stages]
     assert json.loads((tmp_path / "metrics/validate.json").read_text())["validate/test_rows"] > 0
 

@@ -49,11 +49,13 @@ def test_gzipped_jsonl_and_parquet(tmp_path):
 
 
 def test_trl_conversational_json_list(tmp_path):
-    records = [{
-        "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
-        "chosen": [{"role": "assistant", "content": "Blue."}],
-        "rejected": [{"role": "assistant", "content": "I won't."}],
-    }]
+    records = [
+        {
+            "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
+            "chosen": [{"role": "assistant", "content": "Blue."}],
+            "rejected": [{"role": "assistant", "content": "I won't."}],
+        }
+    ]
     path = tmp_path / "conv.json"
     path.write_text(json.dumps(records, indent=2))
     df = load_preferences(path)
@@ -63,17 +65,22 @@ def test_trl_conversational_json_list(tmp_path):
 
 
 def test_anthropic_hh_dialogues(tmp_path):
-    single = {"chosen": "\n\nHuman: How do I boil an egg?\n\nAssistant: Simmer it for 8 minutes.",
-              "rejected": "\n\nHuman: How do I boil an egg?\n\nAssistant:  Figure it out. "}
-    multi = {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Tell me a joke.\n\nAssistant: Why did the chicken...",
-             "rejected": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Tell me a joke.\n\nAssistant: No."}
+    single = {
+        "chosen": "\n\nHuman: How do I boil an egg?\n\nAssistant: Simmer it for 8 minutes.",
+        "rejected": "\n\nHuman: How do I boil an egg?\n\nAssistant:  Figure it out. ",
+    }
+    multi = {
+        "chosen": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Tell me a joke.\n\nAssistant: Why did the chicken...",
+        "rejected": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Tell me a joke.\n\nAssistant: No.",
+    }
     path = write_lines(tmp_path / "hh.jsonl", [json.dumps(single), json.dumps(multi)])
     df = load_preferences(path)
     assert df.loc[0, "prompt"] == "How do I boil an egg?"
     assert df.loc[0, "prompt_messages"] == [{"role": "user", "content": "How do I boil an egg?"}]
     assert (df.loc[0, "chosen"], df.loc[0, "rejected"]) == ("Simmer it for 8 minutes.", "Figure it out.")
     assert df.loc[1, "prompt_messages"] == [
-        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
         {"role": "user", "content": "Tell me a joke."},
     ]
     assert df.loc[1, "prompt"] == "Human: Hi\n\nAssistant: Hello!\n\nHuman: Tell me a joke.\n\nAssistant:"
@@ -81,17 +88,23 @@ def test_anthropic_hh_dialogues(tmp_path):
 
 
 def test_sharegpt_conversations(tmp_path):
-    records = [{
-        "conversations": [{"from": "human", "value": "Translate 'cat' to French."}],
-        "chosen": {"from": "gpt", "value": "Chat."},
-        "rejected": {"from": "gpt", "value": "Dog."},
-    }, {
-        "system": "You are a tutor.",
-        "conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4."},
-                          {"from": "human", "value": "And 3+3?"}],
-        "chosen": {"from": "gpt", "value": "6."},
-        "rejected": {"from": "gpt", "value": "7."},
-    }]
+    records = [
+        {
+            "conversations": [{"from": "human", "value": "Translate 'cat' to French."}],
+            "chosen": {"from": "gpt", "value": "Chat."},
+            "rejected": {"from": "gpt", "value": "Dog."},
+        },
+        {
+            "system": "You are a tutor.",
+            "conversations": [
+                {"from": "human", "value": "2+2?"},
+                {"from": "gpt", "value": "4."},
+                {"from": "human", "value": "And 3+3?"},
+            ],
+            "chosen": {"from": "gpt", "value": "6."},
+            "rejected": {"from": "gpt", "value": "7."},
+        },
+    ]
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(records))
     df = load_preferences(path)
@@ -109,8 +122,9 @@ def test_dataset_saved_to_disk_and_directory_of_files(tmp_path, monkeypatch):
     datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "single"))
     assert load_preferences(str(tmp_path / "single"))["prompt"].tolist() == ["Q0", "Q1", "Q2"]
 
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(records),
-                          "test": datasets.Dataset.from_list(records[:1])}).save_to_disk(str(tmp_path / "dd"))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(records), "test": datasets.Dataset.from_list(records[:1])}
+    ).save_to_disk(str(tmp_path / "dd"))
     assert len(load_preferences(str(tmp_path / "dd"), hf_split="test")) == 1
     with pytest.raises(DataFormatError, match="no split 'validation'; splits found: train, test"):
         load_preferences(str(tmp_path / "dd"), hf_split="validation")
@@ -136,9 +150,16 @@ def test_a_name_that_is_not_a_path_goes_to_the_hub_loader(monkeypatch):
 
 
 def test_content_problems_are_kept_for_the_validation_suite(tmp_path):
-    path = write_lines(tmp_path / "p.jsonl", [
-        row(chosen=None), row(chosen=""), row(chosen="same", rejected="same"), row(), row(),
-    ])
+    path = write_lines(
+        tmp_path / "p.jsonl",
+        [
+            row(chosen=None),
+            row(chosen=""),
+            row(chosen="same", rejected="same"),
+            row(),
+            row(),
+        ],
+    )
     df = load_preferences(path)
     assert len(df) == 5 and pd.isna(df.loc[0, "chosen"]) and df.loc[1, "chosen"] == ""
 
@@ -185,7 +206,7 @@ def test_wrong_encoding_names_line_and_byte(tmp_path):
         load_preferences(path)
     first_line_bytes = len(row()) + 1
     offset = first_line_bytes + row(prompt="Café?").encode("latin-1").index(b"\xe9")
-    assert "line 2: not UTF-8 (byte 0xe9 at byte offset %d)" % offset in str(err.value)
+    assert f"line 2: not UTF-8 (byte 0xe9 at byte offset {offset})" in str(err.value)
 
     as_list = tmp_path / "latin1.json"
     as_list.write_bytes(("[\n" + row() + ",\n" + row(prompt="Café?") + "\n]").encode("latin-1"))
@@ -217,9 +238,17 @@ def test_missing_column_is_an_unrecognised_schema(tmp_path):
 
 
 def test_wrong_types_name_column_and_rows(tmp_path):
-    path = write_lines(tmp_path / "p.jsonl", [
-        row(), row(chosen=3), row(), row(chosen={"text": "x"}), row(rejected=True), row(prompt=[1, 2]),
-    ])
+    path = write_lines(
+        tmp_path / "p.jsonl",
+        [
+            row(),
+            row(chosen=3),
+            row(),
+            row(chosen={"text": "x"}),
+            row(rejected=True),
+            row(prompt=[1, 2]),
+        ],
+    )
     with pytest.raises(DataFormatError) as err:
         load_preferences(path)
     message = str(err.value)
@@ -229,10 +258,13 @@ def test_wrong_types_name_column_and_rows(tmp_path):
 
 
 def test_hh_rows_without_a_shared_prompt_are_named(tmp_path):
-    path = write_lines(tmp_path / "hh.jsonl", [
-        json.dumps({"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": "\n\nHuman: a\n\nAssistant: c"}),
-        json.dumps({"chosen": "just an answer", "rejected": "another answer"}),
-    ])
+    path = write_lines(
+        tmp_path / "hh.jsonl",
+        [
+            json.dumps({"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": "\n\nHuman: a\n\nAssistant: c"}),
+            json.dumps({"chosen": "just an answer", "rejected": "another answer"}),
+        ],
+    )
     with pytest.raises(DataFormatError, match=r"do not share a prompt .* \(row 2\)"):
         load_preferences(path)
 

@@ -11,8 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-
 from conftest import make_dvc_repo
+
 from rlhflow import lineage, tracking
 from rlhflow.config import load_config
 from rlhflow.stages import STAGES
@@ -62,7 +62,8 @@ def _workspace_md5s(repo: Path, lock: dict) -> dict[str, str]:
                 listing = _dir_listing(repo, out["md5"])
                 files = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
                 same = files == sorted(e["relpath"] for e in listing) and all(
-                    tracking.file_md5(path / e["relpath"]) == e["md5"] for e in listing)
+                    tracking.file_md5(path / e["relpath"]) == e["md5"] for e in listing
+                )
                 found[os.path.normpath(out["path"])] = out["md5"] if same else "differs"
             else:
                 found[os.path.normpath(out["path"])] = tracking.file_md5(path)
@@ -197,8 +198,7 @@ def test_flow_run_is_dvcs_record_and_its_parent_run_restores(tmp_path, tiny_mode
     head = ok("git", "rev-parse", "HEAD").strip()
     for parent in (first, second):
         assert parent.data.tags["mlflow.source.git.commit"] == head == parent.data.tags["git_commit"]
-        children = client.search_runs([parent.info.experiment_id],
-                                      f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+        children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
         assert children and all(c.data.tags["mlflow.source.git.commit"] == head for c in children)
     exp = client.get_experiment(first.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development" and exp.tags["mlflow.note.content"]
@@ -210,9 +210,16 @@ def test_flow_run_is_dvcs_record_and_its_parent_run_restores(tmp_path, tiny_mode
     assert dvc_exp["params"]["params.yaml"]["data"]["ppo"]["reward_fn"] == "lockprobe:reward"
     ppo_metrics = next(v["data"] for k, v in dvc_exp["metrics"].items() if os.path.normpath(k) == "metrics/ppo.json")
     assert ppo_metrics == ppo_metrics2
-    logged = lineage.load_lock(Path(mlflow.artifacts.download_artifacts(
-        run_id=first.info.run_id, artifact_path="dvc.lock", dst_path=str(tmp_path / "a"),
-        tracking_uri=f"sqlite:///{repo}/mlflow.db")).read_text())
+    logged = lineage.load_lock(
+        Path(
+            mlflow.artifacts.download_artifacts(
+                run_id=first.info.run_id,
+                artifact_path="dvc.lock",
+                dst_path=str(tmp_path / "a"),
+                tracking_uri=f"sqlite:///{repo}/mlflow.db",
+            )
+        ).read_text()
+    )
     assert logged["stages"] == lock1["stages"]
     validate = client.search_runs([exp.experiment_id], "tags.stage = 'validate'")[0]
     digests = {i.dataset.name: i.dataset.digest for i in validate.inputs.dataset_inputs}

@@ -72,11 +72,23 @@ def test_kendall_tau_by_hand_and_against_scipy():
 
 
 def test_ranking_agreement_uses_only_prompts_with_a_total_ranking_of_three_or_more():
-    rows = [{"prompt": "p", "chosen": "a", "rejected": "b"}, {"prompt": "p", "chosen": "b", "rejected": "c"},
-            {"prompt": "q", "chosen": "x", "rejected": "y"}, {"prompt": "q", "chosen": "x", "rejected": "z"},
-            {"prompt": "r", "chosen": "u", "rejected": "v"}]
-    scores = {("p", "a"): 3.0, ("p", "b"): 1.0, ("p", "c"): 2.0,
-              ("q", "x"): 1.0, ("q", "y"): 0.0, ("q", "z"): 0.0, ("r", "u"): 1.0, ("r", "v"): 0.0}
+    rows = [
+        {"prompt": "p", "chosen": "a", "rejected": "b"},
+        {"prompt": "p", "chosen": "b", "rejected": "c"},
+        {"prompt": "q", "chosen": "x", "rejected": "y"},
+        {"prompt": "q", "chosen": "x", "rejected": "z"},
+        {"prompt": "r", "chosen": "u", "rejected": "v"},
+    ]
+    scores = {
+        ("p", "a"): 3.0,
+        ("p", "b"): 1.0,
+        ("p", "c"): 2.0,
+        ("q", "x"): 1.0,
+        ("q", "y"): 0.0,
+        ("q", "z"): 0.0,
+        ("r", "u"): 1.0,
+        ("r", "v"): 0.0,
+    }
     # p: human a > b > c, scores a > c > b: concordant (a,b) (a,c), discordant (b,c) -> 1/3; q unordered; r only two
     tau, prompts = ranking_agreement(rows, scores)
     assert prompts == 1 and tau == pytest.approx(1 / 3)
@@ -95,4 +107,5 @@ def test_win_rate_interval_on_known_cases():
     low, high = win_rate_interval(policy, torch.full((400,), 0.5), resamples=4000)
     assert low == pytest.approx(0.451, abs=0.01) and high == pytest.approx(0.549, abs=0.01)
     assert win_rate_interval(policy, torch.full((400,), 0.5), seed=3) == win_rate_interval(
-        policy, torch.full((400,), 0.5), seed=3)  # seeded: the same interval every run
+        policy, torch.full((400,), 0.5), seed=3
+    )  # seeded: the same interval every run

@@ -18,15 +18,22 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, free_port, tiny_pipeline_overrides
+
 from rlhflow.stages import STAGE_NAMES
 
 pytestmark = pytest.mark.slow  # a whole tiny pipeline run, then an MLflow server and Chromium: about 2 min on 2 cores
 
 ARTIFACTS = REPO / "test-artifacts"
-EVAL_METRICS = ["rm/accuracy", "eval/reward_mean", "eval/reward_mean_sft", "eval/win_rate_vs_sft", "eval/kl",
-                "eval/perplexity", "eval/perplexity_sft"]
+EVAL_METRICS = [
+    "rm/accuracy",
+    "eval/reward_mean",
+    "eval/reward_mean_sft",
+    "eval/win_rate_vs_sft",
+    "eval/kl",
+    "eval/perplexity",
+    "eval/perplexity_sft",
+]
 TIMEOUT_MS = 60_000  # the SPA's first load on a busy 2-core machine takes ~10 s
 
 
@@ -54,11 +61,29 @@ def mlflow_ui(finished_run):
     env = {**os.environ}
     env.pop("MLFLOW_TRACKING_URI", None)  # mlflow.set_tracking_uri in the pipeline exports it
     log = (finished_run / "mlflow-server.log").open("w")
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", uri,
-                             "--default-artifact-root", artifacts, "--artifacts-destination", artifacts,
-                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                            cwd=finished_run, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # its own process group: uvicorn and the job runner with it
+    proc = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "mlflow"),
+            "server",
+            "--backend-store-uri",
+            uri,
+            "--default-artifact-root",
+            artifacts,
+            "--artifacts-destination",
+            artifacts,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        cwd=finished_run,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # its own process group: uvicorn and the job runner with it
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -90,8 +115,10 @@ def chromium() -> str:
     """Debian's chromium, checked before the pipeline runs. Missing, it fails the test: CI must check the UI."""
     path = shutil.which("chromium")
     if path is None:
-        pytest.fail("Debian's chromium is not installed: `make browser` (as root) installs it "
-                    "(apt-get install -y --no-install-recommends chromium)")
+        pytest.fail(
+            "Debian's chromium is not installed: `make browser` (as root) installs it "
+            "(apt-get install -y --no-install-recommends chromium)"
+        )
     return path
 
 
@@ -102,8 +129,9 @@ def page(chromium):
 
     expect.set_options(timeout=TIMEOUT_MS)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, headless=True,
-                                    args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"])
+        browser = p.chromium.launch(
+            executable_path=chromium, headless=True, args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"]
+        )
         try:
             pg = browser.new_page(viewport={"width": 1600, "height": 1000})
             pg.set_default_timeout(TIMEOUT_MS)
@@ -119,8 +147,9 @@ def _close_assistant(pg) -> None:
         close.click()
 
 
-def test_mlflow_ui_shows_the_parent_run_its_stage_runs_and_the_eval_metrics(chromium, finished_run, mlflow_ui, page,
-                                                                             capsys):
+def test_mlflow_ui_shows_the_parent_run_its_stage_runs_and_the_eval_metrics(
+    chromium, finished_run, mlflow_ui, page, capsys
+):
     import mlflow
     from playwright.sync_api import expect
 
@@ -155,8 +184,9 @@ def test_mlflow_ui_shows_the_parent_run_its_stage_runs_and_the_eval_metrics(chro
         for stage in STAGE_NAMES:
             link = page.get_by_role("link", name=stage, exact=True)
             expect(link).to_be_visible()
-            expect(link).to_have_attribute("href",
-                                           f"#/experiments/{exp.experiment_id}/runs/{children[stage].info.run_id}")
+            expect(link).to_have_attribute(
+                "href", f"#/experiments/{exp.experiment_id}/runs/{children[stage].info.run_id}"
+            )
         screenshot("runs")
 
         # the parent run's page: finished, its child runs, the evaluation metrics and their values
@@ -168,8 +198,9 @@ def test_mlflow_ui_shows_the_parent_run_its_stage_runs_and_the_eval_metrics(chro
         for stage in STAGE_NAMES:  # "Child runs" in "About this run"
             link = page.get_by_role("link", name=stage, exact=True)
             expect(link).to_be_visible()
-            expect(link).to_have_attribute("href",
-                                           f"#/experiments/{exp.experiment_id}/runs/{children[stage].info.run_id}")
+            expect(link).to_have_attribute(
+                "href", f"#/experiments/{exp.experiment_id}/runs/{children[stage].info.run_id}"
+            )
         rows = {}
         for key in EVAL_METRICS:
             row = page.get_by_role("row").filter(has=page.get_by_role("link", name=key, exact=True))

@@ -9,13 +9,20 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import tiny_pipeline_overrides
+
 from rlhflow.stages import STAGES
 from rlhflow.tracking import file_md5
 
-EVAL_METRICS = ["eval/reward_mean", "eval/reward_mean_sft", "eval/win_rate_vs_sft", "eval/kl", "eval/perplexity",
-                "eval/perplexity_sft", "rm/accuracy"]
+EVAL_METRICS = [
+    "eval/reward_mean",
+    "eval/reward_mean_sft",
+    "eval/win_rate_vs_sft",
+    "eval/kl",
+    "eval/perplexity",
+    "eval/perplexity_sft",
+    "rm/accuracy",
+]
 
 
 @pytest.fixture(scope="module")

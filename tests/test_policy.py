@@ -29,8 +29,10 @@ def model(tok):
 
 MESSAGES = [
     [{"role": "user", "content": "hello"}],
-    [{"role": "system", "content": "You are a helpful assistant."},
-     {"role": "user", "content": "Please explain how photosynthesis works in simple terms."}],
+    [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Please explain how photosynthesis works in simple terms."},
+    ],
 ]
 
 
@@ -48,8 +50,9 @@ def test_encode_prompts_left_pads_with_generation_prompt(tok):
 def test_encode_prompts_truncates_from_the_left(tok):
     ids, mask = encode_prompts(tok, MESSAGES, max_prompt_length=6)
     assert ids.shape[1] == 6 and mask.all()
-    full = tok(tok.apply_chat_template(MESSAGES[1], add_generation_prompt=True, tokenize=False),
-               add_special_tokens=False)["input_ids"]
+    full = tok(
+        tok.apply_chat_template(MESSAGES[1], add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )["input_ids"]
     assert ids[1].tolist() == full[-6:]
 
 
@@ -69,8 +72,8 @@ def _left_padded_batch(tok):
     qr = torch.full((2, P + T), tok.pad_token_id)
     am = torch.zeros((2, P + T), dtype=torch.long)
     for i, (p, r) in enumerate(zip(prompts, responses)):
-        qr[i, P - len(p):P], am[i, P - len(p):P] = torch.tensor(p), 1
-        qr[i, P:P + len(r)], am[i, P:P + len(r)] = torch.tensor(r), 1
+        qr[i, P - len(p) : P], am[i, P - len(p) : P] = torch.tensor(p), 1
+        qr[i, P : P + len(r)], am[i, P : P + len(r)] = torch.tensor(r), 1
     return prompts, responses, qr, am, P
 
 
@@ -81,9 +84,9 @@ def test_logprobs_of_left_padded_batch_equal_each_sequence_alone(tok, model):
         alone = torch.tensor([p + r])
         lp = sequence_logprobs(model, alone, torch.ones_like(alone), len(p), temperature=0.7)
         assert torch.allclose(batch_lp[i, : len(r)], lp[0], atol=1e-5)
-        assert (batch_lp[i, len(r):] == 0).all()  # padding is 0
+        assert (batch_lp[i, len(r) :] == 0).all()  # padding is 0
         # and by hand: log_softmax(logits / T) at the positions that predict each response token
-        logits = model(alone).logits[0, len(p) - 1:-1] / 0.7
+        logits = model(alone).logits[0, len(p) - 1 : -1] / 0.7
         manual = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
         assert torch.allclose(lp[0], manual, atol=1e-5)
         assert torch.allclose(batch_ent[i, : len(r)], entropy_from_logits(logits), atol=1e-5)
@@ -103,7 +106,7 @@ def test_policy_and_value_shared_and_separate(tok, model):
         lp, values, ent = pv(qr, am, P, 0.7, return_entropy=True)
         assert torch.allclose(lp, expected, atol=1e-5)
         assert values.shape == lp.shape and (values == 0).all()  # zero-initialised head
-        assert ent.shape == lp.shape and (ent[0, len(responses[0]):] == 0).all()
+        assert ent.shape == lp.shape and (ent[0, len(responses[0]) :] == 0).all()
     critic = Critic.from_policy(model)
     assert all(p.data_ptr() != q.data_ptr() for p, q in zip(critic.backbone.parameters(), model.parameters()))
 
@@ -198,8 +201,18 @@ def test_rollout_statistics_from_generation_equal_a_forward_pass(tok, model, mod
     ids, mask = encode_prompts(tok, MESSAGES * 4, 64)
     pv = PolicyAndValue(copy.deepcopy(model), mode)
     torch.nn.init.normal_(pv.value_module().head.summary.weight if mode == "separate" else pv.value_head.summary.weight)
-    gen = generate(pv.policy, tok, ids, mask, max_new_tokens=12, temperature=0.7, stop_strings=["e"],
-                   generator_seed=3, return_logits=True, return_hidden=mode == "shared")
+    gen = generate(
+        pv.policy,
+        tok,
+        ids,
+        mask,
+        max_new_tokens=12,
+        temperature=0.7,
+        stop_strings=["e"],
+        generator_seed=3,
+        return_logits=True,
+        return_hidden=mode == "shared",
+    )
     assert gen.response_mask.sum(1).unique().numel() > 1  # responses of different lengths
     qr, am, P = gen.query_response, gen.attention_mask, gen.context_length
     with torch.no_grad():
@@ -233,7 +246,12 @@ def test_cut_response_rules(tok):
     assert _cut_response(tok, ids[:2] + [eos] + ids[2:], {eos}, []) == (3, True, tok.decode(ids[:2]))
     # stop string: kept up to the token completing it, text cut before it
     keep, ended, text = _cut_response(tok, ids, {eos}, ["yes"])
-    assert ended and text == "hello world " and "yes" in tok.decode(ids[:keep]) and "yes" not in tok.decode(ids[:keep - 1])
+    assert (
+        ended
+        and text == "hello world "
+        and "yes" in tok.decode(ids[:keep])
+        and "yes" not in tok.decode(ids[: keep - 1])
+    )
     # EOS before the stop string wins
     assert _cut_response(tok, ids[:1] + [eos] + ids[1:], {eos}, ["yes"])[:2] == (2, True)
 
@@ -255,7 +273,10 @@ def test_stop_string_across_the_prompt_boundary_ends_the_response_without_keepin
     there and pads it); row 1 completes it with its second token. Neither keeps padding as response tokens."""
     newline = tok("\n", add_special_tokens=False)["input_ids"]
     assert newline == [201]
-    rows = [tok("hello x\n", add_special_tokens=False)["input_ids"], tok("hello x", add_special_tokens=False)["input_ids"]]
+    rows = [
+        tok("hello x\n", add_special_tokens=False)["input_ids"],
+        tok("hello x", add_special_tokens=False)["input_ids"],
+    ]
     ids, mask = pad_sequences(rows, tok.pad_token_id, side="left")
     forced = _forced_token_model(tok, model, newline[0])
     out = generate(forced, tok, ids, mask, max_new_tokens=6, stop_strings=["\n\n"], generator_seed=0)
@@ -292,9 +313,20 @@ def test_the_models_generation_config_does_not_change_sampling(tok, model, lora)
     a plain forward pass. Also through a peft model (PPO with LoRA), whose generate passes on the base model's
     generation_config."""
     configured = _with_generation_defaults(
-        model, min_p=0.5, repetition_penalty=2.0, no_repeat_ngram_size=1, typical_p=0.2, epsilon_cutoff=0.01,
-        suppress_tokens=list(range(100, 300)), bad_words_ids=[[74], [261]], min_new_tokens=12, top_k=3,
-        begin_suppress_tokens=[201], forced_bos_token_id=5, renormalize_logits=True)
+        model,
+        min_p=0.5,
+        repetition_penalty=2.0,
+        no_repeat_ngram_size=1,
+        typical_p=0.2,
+        epsilon_cutoff=0.01,
+        suppress_tokens=list(range(100, 300)),
+        bad_words_ids=[[74], [261]],
+        min_new_tokens=12,
+        top_k=3,
+        begin_suppress_tokens=[201],
+        forced_bos_token_id=5,
+        renormalize_logits=True,
+    )
     plain = copy.deepcopy(model)
     plain.generation_config = GenerationConfig()
     if lora:  # a fresh adapter (B = 0) leaves the outputs as they are
@@ -310,14 +342,16 @@ def test_the_models_generation_config_does_not_change_sampling(tok, model, lora)
     qr, am, P = got.query_response, got.attention_mask, got.context_length
     with torch.no_grad():
         forward_logprobs = sequence_logprobs(configured, qr, am, P, 0.7)
-    assert torch.allclose(pv.from_generation(got, 0.7, torch.zeros_like(forward_logprobs))[0], forward_logprobs,
-                          atol=1e-5)
+    assert torch.allclose(
+        pv.from_generation(got, 0.7, torch.zeros_like(forward_logprobs))[0], forward_logprobs, atol=1e-5
+    )
 
 
 def test_suppressed_tokens_and_an_early_eos_can_be_sampled(tok, model):
     ids, mask = encode_prompts(tok, MESSAGES, 64)
-    newline = _with_generation_defaults(_forced_token_model(tok, model, 201), suppress_tokens=[201],
-                                        begin_suppress_tokens=[201], bad_words_ids=[[201]])
+    newline = _with_generation_defaults(
+        _forced_token_model(tok, model, 201), suppress_tokens=[201], begin_suppress_tokens=[201], bad_words_ids=[[201]]
+    )
     out = generate(newline, tok, ids, mask, max_new_tokens=3, generator_seed=0)
     assert out.response.tolist() == [[201] * 3] * 2
     eos = _with_generation_defaults(_forced_token_model(tok, model, tok.eos_token_id), min_new_tokens=3, min_length=50)

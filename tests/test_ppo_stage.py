@@ -10,7 +10,6 @@ from pathlib import Path
 import mlflow
 import pandas as pd
 import pytest
-
 from conftest import REPO, kill_stage_once, stage_command, stage_env
 
 STEPS, CHECKPOINT_EVERY = 24, 4
@@ -46,8 +45,16 @@ def stage_inputs(tmp_path, tiny_model_dir):
     from rlhflow.data.formats import write_jsonl
 
     prompts = ["hello world", "explain water", "thanks", "say yes", "fox dog", "steps one two", "help me", "boils"]
-    rows = [{"prompt": p, "prompt_messages": [{"role": "user", "content": p}], "chosen": "yes", "rejected": "no",
-             "source_row": i} for i, p in enumerate(prompts)]
+    rows = [
+        {
+            "prompt": p,
+            "prompt_messages": [{"role": "user", "content": p}],
+            "chosen": "yes",
+            "rejected": "no",
+            "source_row": i,
+        }
+        for i, p in enumerate(prompts)
+    ]
     write_jsonl(pd.DataFrame(rows), tmp_path / "validated" / "train.jsonl")
     return tmp_path
 
@@ -62,19 +69,34 @@ def test_killed_ppo_stage_resumes_and_ends_like_an_uninterrupted_run(tmp_path, s
         (root / "validated").mkdir(parents=True)
         (root / "validated" / "train.jsonl").write_bytes((stage_inputs / "validated" / "train.jsonl").read_bytes())
 
-    subprocess.run(ppo_command(ppo_overrides(full_root, tiny_model_dir)), cwd=REPO, env=stage_env(), check=True,
-                   capture_output=True, text=True)
+    subprocess.run(
+        ppo_command(ppo_overrides(full_root, tiny_model_dir)),
+        cwd=REPO,
+        env=stage_env(),
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     uninterrupted = pd.read_csv(full_root / "metrics" / "ppo_history.csv")
 
     # SIGKILL (no clean-up can run) once the second checkpoint is on disk
-    kill_stage_once(ppo_command(ppo_overrides(killed_root, tiny_model_dir)),
-                    killed_root / "ckpt" / f"step-{2 * CHECKPOINT_EVERY:06d}", timeout=120)
+    kill_stage_once(
+        ppo_command(ppo_overrides(killed_root, tiny_model_dir)),
+        killed_root / "ckpt" / f"step-{2 * CHECKPOINT_EVERY:06d}",
+        timeout=120,
+    )
     assert not (killed_root / "policy").exists()  # no final model from a killed run
     killed_at = max(int(p.name.split("-")[1]) for p in (killed_root / "ckpt").glob("step-*"))
     assert CHECKPOINT_EVERY * 2 <= killed_at < STEPS
 
-    rerun = subprocess.run(ppo_command(ppo_overrides(killed_root, tiny_model_dir)), cwd=REPO, env=stage_env(),
-                           check=True, capture_output=True, text=True)
+    rerun = subprocess.run(
+        ppo_command(ppo_overrides(killed_root, tiny_model_dir)),
+        cwd=REPO,
+        env=stage_env(),
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     assert f"resuming from the checkpoint of update {killed_at}" in rerun.stdout
     resumed = pd.read_csv(killed_root / "metrics" / "ppo_history.csv")
     assert not (killed_root / "ckpt").exists()  # finished: nothing left to resume
@@ -87,31 +109,43 @@ def test_killed_ppo_stage_resumes_and_ends_like_an_uninterrupted_run(tmp_path, s
 
     # the resumed run's MLflow curves are complete and say where it resumed
     client = mlflow.MlflowClient(f"sqlite:///{killed_root}/mlflow.db")
-    finished = [r for r in client.search_runs([client.get_experiment_by_name("rlhf").experiment_id])
-                if r.info.status == "FINISHED"]
+    finished = [
+        r
+        for r in client.search_runs([client.get_experiment_by_name("rlhf").experiment_id])
+        if r.info.status == "FINISHED"
+    ]
     assert len(finished) == 1
     assert finished[0].data.metrics["ppo/resumed_from_update"] == killed_at
     assert len(client.get_metric_history(finished[0].info.run_id, "ppo/score_mean")) == STEPS
 
 
-def test_non_finite_reward_fails_the_stage_and_keeps_the_last_good_checkpoint(tmp_path, stage_inputs,
-                                                                               tiny_model_dir, monkeypatch):
+def test_non_finite_reward_fails_the_stage_and_keeps_the_last_good_checkpoint(
+    tmp_path, stage_inputs, tiny_model_dir, monkeypatch
+):
     module = tmp_path / "nan_after_three.py"
-    module.write_text(textwrap.dedent("""
+    module.write_text(
+        textwrap.dedent("""
         calls = []
 
         def reward(prompts, responses):
             calls.append(1)
             return [float("nan") if len(calls) == 4 else 0.5] * len(responses)
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     from rlhflow.config import load_config
     from rlhflow.ppo import NonFiniteError
     from tasks import ppo
     from tasks._common import run_stage
 
-    cfg = load_config(None, ppo_overrides(tmp_path, tiny_model_dir, **{
-        "ppo.reward_fn": "nan_after_three:reward", "ppo.checkpoint_every": 2, "ppo.steps": 6}))
+    cfg = load_config(
+        None,
+        ppo_overrides(
+            tmp_path,
+            tiny_model_dir,
+            **{"ppo.reward_fn": "nan_after_three:reward", "ppo.checkpoint_every": 2, "ppo.steps": 6},
+        ),
+    )
     with pytest.raises(NonFiniteError, match="score in PPO update 4"):
         run_stage("ppo", ppo.run, cfg)
 

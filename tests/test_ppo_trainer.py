@@ -14,14 +14,31 @@ from rlhflow.testing import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-PROMPTS = [[{"role": "user", "content": c}] for c in (
-    "hello world", "explain water", "thanks", "say yes", "fox dog", "steps one two", "help me", "boils")]
+PROMPTS = [
+    [{"role": "user", "content": c}]
+    for c in ("hello world", "explain water", "thanks", "say yes", "fox dog", "steps one two", "help me", "boils")
+]
 
 STAT_KEYS = {
-    "ppo/score_mean", "ppo/score_std", "ppo/reward_total_mean", "ppo/kl", "ppo/kl_coef", "ppo/entropy",
-    "ppo/clipfrac", "ppo/approxkl", "ppo/policy_loss", "ppo/value_loss", "ppo/value_clipfrac", "ppo/returns_mean",
-    "ppo/advantages_mean", "ppo/response_length", "ppo/eos_fraction", "ppo/lr", "time/generation_s",
-    "time/scoring_s", "time/training_s",
+    "ppo/score_mean",
+    "ppo/score_std",
+    "ppo/reward_total_mean",
+    "ppo/kl",
+    "ppo/kl_coef",
+    "ppo/entropy",
+    "ppo/clipfrac",
+    "ppo/approxkl",
+    "ppo/policy_loss",
+    "ppo/value_loss",
+    "ppo/value_clipfrac",
+    "ppo/returns_mean",
+    "ppo/advantages_mean",
+    "ppo/response_length",
+    "ppo/eos_fraction",
+    "ppo/lr",
+    "time/generation_s",
+    "time/scoring_s",
+    "time/training_s",
 }
 
 
@@ -31,12 +48,29 @@ def vowel_fraction(prompts, texts):
 
 
 def make_trainer(tok, tmp_path, score_fn=vowel_fraction, seed=0, **overrides):
-    params = dict(steps=4, batch_size=16, mini_batch_size=8, ppo_epochs=2, learning_rate=1e-2, max_new_tokens=8,
-                  temperature=1.0, kl_coef=0.01, missing_eos_penalty=None, checkpoint_every=0,
-                  checkpoint_dir=str(tmp_path / "ckpt"), out_dir=str(tmp_path / "policy"))
+    params = dict(
+        steps=4,
+        batch_size=16,
+        mini_batch_size=8,
+        ppo_epochs=2,
+        learning_rate=1e-2,
+        max_new_tokens=8,
+        temperature=1.0,
+        kl_coef=0.01,
+        missing_eos_penalty=None,
+        checkpoint_every=0,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        out_dir=str(tmp_path / "policy"),
+    )
     params.update(overrides)
-    return PPOTrainer(PPOConfig(**params), policy=tiny_llama(tok, seed=0), tokenizer=tok, score_fn=score_fn,
-                      prompts=PROMPTS, seed=seed)
+    return PPOTrainer(
+        PPOConfig(**params),
+        policy=tiny_llama(tok, seed=0),
+        tokenizer=tok,
+        score_fn=score_fn,
+        prompts=PROMPTS,
+        seed=seed,
+    )
 
 
 @pytest.mark.parametrize("value_model", ["shared", "separate"])
@@ -58,8 +92,15 @@ def test_reward_rises(tok, tmp_path, value_model):
 
 def test_missing_eos_penalty_in_the_rewards(tok, tmp_path):
     """Score 0 and no KL term: each response's total reward is -penalty when it did not end, else 0."""
-    trainer = make_trainer(tok, tmp_path, score_fn=lambda p, t: torch.zeros(len(t)), kl_coef=0.0,
-                           missing_eos_penalty=1.0, stop_strings=["e"], max_new_tokens=12)
+    trainer = make_trainer(
+        tok,
+        tmp_path,
+        score_fn=lambda p, t: torch.zeros(len(t)),
+        kl_coef=0.0,
+        missing_eos_penalty=1.0,
+        stop_strings=["e"],
+        max_new_tokens=12,
+    )
     stats = trainer.update()
     assert 0.0 < stats["ppo/eos_fraction"] < 1.0
     assert stats["ppo/reward_total_mean"] == pytest.approx(-(1.0 - stats["ppo/eos_fraction"]), abs=1e-6)
@@ -85,8 +126,9 @@ def test_sft_reward_normalization_uses_fixed_statistics_of_sft_samples(tok, tmp_
         calls.append(vowel_fraction(prompts, texts))
         return calls[-1]
 
-    trainer = make_trainer(tok, tmp_path, score_fn=score, kl_coef=0.0, reward_normalization="sft",
-                           reward_norm_prompts=16)
+    trainer = make_trainer(
+        tok, tmp_path, score_fn=score, kl_coef=0.0, reward_normalization="sft", reward_norm_prompts=16
+    )
     first = trainer.update()
     sft_scores, rollout_scores = calls
     assert len(sft_scores) == 16 and trainer.sft_scores.count == 16
@@ -95,12 +137,15 @@ def test_sft_reward_normalization_uses_fixed_statistics_of_sft_samples(tok, tmp_
     assert normalized.std(correction=0).item() == pytest.approx(1.0, abs=1e-4)
     assert first["ppo/reward_norm_mean"] == pytest.approx(sft_scores.double().mean().item())
     assert first["ppo/reward_norm_std"] == pytest.approx(sft_scores.double().std(correction=0).item())
-    assert first["ppo/reward_total_mean"] == pytest.approx(trainer.sft_scores.normalize(rollout_scores).mean().item(),
-                                                           abs=1e-5)  # not 0: not this batch's own statistics
+    assert first["ppo/reward_total_mean"] == pytest.approx(
+        trainer.sft_scores.normalize(rollout_scores).mean().item(), abs=1e-5
+    )  # not 0: not this batch's own statistics
     second = trainer.update()
     assert len(calls) == 3  # sampled once
     assert (second["ppo/reward_norm_mean"], second["ppo/reward_norm_std"]) == (
-        first["ppo/reward_norm_mean"], first["ppo/reward_norm_std"])
+        first["ppo/reward_norm_mean"],
+        first["ppo/reward_norm_std"],
+    )
 
 
 @pytest.mark.parametrize("schedule", ["constant", "linear"])
@@ -128,8 +173,9 @@ def _without_times(history):
 
 RESUME_VARIANTS = {
     "shared": dict(reward_normalization="running", adaptive_kl={"enabled": True, "target": 1.0, "horizon": 50}),
-    "separate+lora": dict(value_model="separate", lora={"enabled": True, "r": 4, "alpha": 8}, learning_rate=5e-2,
-                          kl_estimator="k3"),
+    "separate+lora": dict(
+        value_model="separate", lora={"enabled": True, "r": 4, "alpha": 8}, learning_rate=5e-2, kl_estimator="k3"
+    ),
     "sft-normalization+linear-lr": dict(reward_normalization="sft", reward_norm_prompts=8, lr_schedule="linear"),
 }
 
@@ -146,7 +192,11 @@ def test_resume_equals_uninterrupted_run(tok, tmp_path, variant):
     ckpt_dir = tmp_path / "b" / "ckpt"
     assert [p.name for p in ckpt_dir.iterdir()] == ["step-000003"]
     assert {p.name for p in (ckpt_dir / "step-000003").iterdir()} == {
-        "trainable.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json"}
+        "trainable.safetensors",
+        "optimizer.pt",
+        "rng.pt",
+        "trainer_state.json",
+    }
 
     resumed = make_trainer(tok, tmp_path / "b", steps=6, checkpoint_every=3, **extra)
     resumed_history = resumed.train()
@@ -227,9 +277,7 @@ def test_lora_reference_is_the_adapter_free_base(tok, tmp_path):
         assert not torch.allclose(merged(qr).logits, sft(qr).logits, atol=1e-4)
 
 
-
-def test_separate_critic_starts_from_the_reward_model_when_it_reads_the_policys_tokens(tok, tmp_path,
-                                                                                        tiny_model_dir):
+def test_separate_critic_starts_from_the_reward_model_when_it_reads_the_policys_tokens(tok, tmp_path, tiny_model_dir):
     from transformers import AutoModelForSequenceClassification
 
     from rlhflow.config import load_config
@@ -237,24 +285,32 @@ def test_separate_critic_starts_from_the_reward_model_when_it_reads_the_policys_
     from tasks.ppo import make_critic
 
     torch.manual_seed(0)
-    rm = RewardModel(AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1), tok,
-                     max_length=64, mean=0.5, std=2.0)
+    rm = RewardModel(
+        AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1),
+        tok,
+        max_length=64,
+        mean=0.5,
+        std=2.0,
+    )
     cfg = load_config(overrides=["ppo.value_model=separate"])
     critic = make_critic(cfg, rm, tok)
     assert critic is not None
     assert torch.equal(critic.head.summary.weight, rm.model.score.weight / 2.0)
 
     params = make_trainer(tok, tmp_path, steps=1, value_model="separate").cfg
-    trainer = PPOTrainer(params, policy=tiny_llama(tok, seed=0), tokenizer=tok, score_fn=vowel_fraction,
-                         prompts=PROMPTS, critic=critic)
+    trainer = PPOTrainer(
+        params, policy=tiny_llama(tok, seed=0), tokenizer=tok, score_fn=vowel_fraction, prompts=PROMPTS, critic=critic
+    )
     assert trainer.model.critic is critic  # trained as given, not replaced by a copy of the SFT backbone
     stats = trainer.update()
     assert math.isfinite(stats["ppo/value_loss"])
     assert not torch.equal(critic.head.summary.weight, rm.model.score.weight / 2.0)  # it trained
     with torch.no_grad():  # the reward model itself did not
         fresh = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
-        assert all(torch.equal(a, b) for (n, a), (_, b) in zip(rm.model.base_model.named_parameters(),
-                                                               fresh.base_model.named_parameters()))
+        assert all(
+            torch.equal(a, b)
+            for (n, a), (_, b) in zip(rm.model.base_model.named_parameters(), fresh.base_model.named_parameters())
+        )
 
     # no reward model (a rule-based reward): auto falls back to the SFT copy, reward_model refuses
     assert make_critic(cfg, None, tok) is None

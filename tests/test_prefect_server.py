@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, free_port, tiny_pipeline_overrides
+
 from flows.pipeline import ACCELERATOR_STAGES, PARAMS, TRAINING_LIMIT
 from flows.report import LINK_KEY, MLFLOW_UI_URL_ENV, REPORT_KEY
 from flows.serve import stop, wait_for
@@ -29,17 +29,34 @@ def served(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-home")
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api, "PREFECT_SERVER_UI_ENABLED": "false",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", MLFLOW_UI_URL_ENV: MLFLOW_UI}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": api,
+        "PREFECT_SERVER_UI_ENABLED": "false",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        MLFLOW_UI_URL_ENV: MLFLOW_UI,
+    }
     env.pop("MLFLOW_TRACKING_URI", None)  # exported by mlflow.set_tracking_uri in earlier tests
     bin_dir = Path(sys.executable).parent
     logs = {name: open(home / f"{name}.log", "w") for name in ("server", "serve")}
-    procs = [subprocess.Popen([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                              env=env, cwd=home, stdout=logs["server"], stderr=subprocess.STDOUT)]
+    procs = [
+        subprocess.Popen(
+            [str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            cwd=home,
+            stdout=logs["server"],
+            stderr=subprocess.STDOUT,
+        )
+    ]
     try:
         wait_for(f"{api}/health", procs[0], "the Prefect server")
-        procs.append(subprocess.Popen([sys.executable, "-m", "flows.serve"], env=env, cwd=home,
-                                      stdout=logs["serve"], stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "flows.serve"], env=env, cwd=home, stdout=logs["serve"], stderr=subprocess.STDOUT
+            )
+        )
         yield api, home
     finally:
         stop(list(reversed(procs)))
@@ -72,11 +89,17 @@ def _overlaps(a, b) -> bool:
     return a.start_time < b.end_time and b.start_time < a.end_time
 
 
-def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_together(served, tmp_path,
-                                                                                          tiny_model_dir):
+def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_together(
+    served, tmp_path, tiny_model_dir
+):
     import mlflow
-    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter,
-                                                FlowRunFilterId, TaskRunFilter)
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterId,
+        TaskRunFilter,
+    )
     from prefect.client.schemas.sorting import ArtifactSort, TaskRunSort
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -97,10 +120,14 @@ def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_
     roots = [tmp_path / "a", tmp_path / "b"]
     stages = [None, ["demo_data", "validate", "sft"]]
     with temporary_settings({PREFECT_API_URL: api}):
-        runs = [run_deployment("rlhf-pipeline/pipeline", timeout=0,
-                               parameters={"overrides": tiny_pipeline_overrides(root, tiny_model_dir),
-                                           "stages": only})
-                for root, only in zip(roots, stages)]
+        runs = [
+            run_deployment(
+                "rlhf-pipeline/pipeline",
+                timeout=0,
+                parameters={"overrides": tiny_pipeline_overrides(root, tiny_model_dir), "stages": only},
+            )
+            for root, only in zip(roots, stages)
+        ]
     with _client(api) as client:
         deadline = time.monotonic() + 480
         while time.monotonic() < deadline:
@@ -109,12 +136,19 @@ def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_
                 break
             time.sleep(2)
         assert all(r.state.is_completed() for r in runs), (
-            [r.state for r in runs], (home / "serve.log").read_text()[-5000:])
+            [r.state for r in runs],
+            (home / "serve.log").read_text()[-5000:],
+        )
 
-        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in runs])),
-                                          sort=TaskRunSort.EXPECTED_START_TIME_ASC, limit=200)
-        training = {r.id: [t for t in task_runs if t.flow_run_id == r.id and t.name.rsplit("-", 1)[0]
-                           in ACCELERATOR_STAGES] for r in runs}
+        task_runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in runs])),
+            sort=TaskRunSort.EXPECTED_START_TIME_ASC,
+            limit=200,
+        )
+        training = {
+            r.id: [t for t in task_runs if t.flow_run_id == r.id and t.name.rsplit("-", 1)[0] in ACCELERATOR_STAGES]
+            for r in runs
+        }
         first, second = (training[r.id] for r in runs)
         assert len(first) == 4 and len(second) == 1
         clashes = [(a.name, b.name) for a in first for b in second if _overlaps(a, b)]
@@ -122,8 +156,12 @@ def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_
 
         artifacts = client.read_artifacts(  # the sync client sends no defaults: every argument is given
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[runs[0].id])),
-            flow_run_filter=FlowRunFilter(), task_run_filter=TaskRunFilter(), sort=ArtifactSort.KEY_ASC, limit=50,
-            offset=0)
+            flow_run_filter=FlowRunFilter(),
+            task_run_filter=TaskRunFilter(),
+            sort=ArtifactSort.KEY_ASC,
+            limit=50,
+            offset=0,
+        )
     by_key = {a.key: a for a in artifacts}
     report = by_key[REPORT_KEY]
     assert report.type == "markdown"
@@ -151,10 +189,18 @@ def test_a_slot_left_taken_by_a_killed_run_is_announced_and_can_be_freed(served)
     api, _ = served
     with _client(api) as client:  # the leak: a slot taken, no run holding it
         client.update_global_concurrency_limit(TRAINING_LIMIT, GlobalConcurrencyLimitUpdate(active_slots=1))
-    code = ("import flows.pipeline as p; p.SLOT_NOTICE_S = 1.0\n"
-            "with p.training_slot('ppo'):\n    print('stage entered', flush=True)")
-    proc = subprocess.Popen([sys.executable, "-u", "-c", code], env={**os.environ, "PREFECT_API_URL": api},
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    code = (
+        "import flows.pipeline as p; p.SLOT_NOTICE_S = 1.0\n"
+        "with p.training_slot('ppo'):\n    print('stage entered', flush=True)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "-c", code],
+        env={**os.environ, "PREFECT_API_URL": api},
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     while proc.poll() is None and not any("waited" in line for line in lines):
         lines.append(proc.stdout.readline())  # the waiting stage prints a notice every second

@@ -10,21 +10,38 @@ import json
 import subprocess
 
 import pytest
-
 from conftest import REPO, stage_command, stage_env, tiny_pipeline_overrides
+
 from rlhflow.config import DEFAULT_PREFERENCES
 from rlhflow.data.formats import read_jsonl
 
-JUDGE_METRICS = ["eval/judge_win_rate_vs_sft", "eval/judge_reward_mean", "eval/judge_reward_mean_sft",
-                 "eval/win_rate_ci_low", "eval/win_rate_ci_high", "eval/judge_win_rate_ci_low",
-                 "eval/judge_win_rate_ci_high", "eval/proxy_judge_gap"]
+JUDGE_METRICS = [
+    "eval/judge_win_rate_vs_sft",
+    "eval/judge_reward_mean",
+    "eval/judge_reward_mean_sft",
+    "eval/win_rate_ci_low",
+    "eval/win_rate_ci_high",
+    "eval/judge_win_rate_ci_low",
+    "eval/judge_win_rate_ci_high",
+    "eval/proxy_judge_gap",
+]
 
 
 def test_shipped_data_passes_validate_with_the_default_tokenizer(tmp_path):
-    overrides = [f"validate.out_dir={tmp_path}/validated", f"validate.report_dir={tmp_path}/report",
-                 f"metrics_dir={tmp_path}/metrics", f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"]
-    done = subprocess.run(stage_command("tasks.validate", overrides), cwd=REPO, env=stage_env(), capture_output=True,
-                          text=True, timeout=600)
+    overrides = [
+        f"validate.out_dir={tmp_path}/validated",
+        f"validate.report_dir={tmp_path}/report",
+        f"metrics_dir={tmp_path}/metrics",
+        f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+    ]
+    done = subprocess.run(
+        stage_command("tasks.validate", overrides),
+        cwd=REPO,
+        env=stage_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads((tmp_path / "metrics/validate.json").read_text())
     # 23 of the 1,500 pairs: 18 prompts and 1 rejected response over 512 tokens, 4 empty chosen responses
@@ -62,8 +79,13 @@ def test_flow_on_the_shipped_data_logs_the_judge_and_the_intervals(prefect_serve
 
     overrides = [o for o in tiny_pipeline_overrides(tmp_path, tiny_model_dir) if not o.startswith("data.preferences=")]
     # the tiny tokenizer spends many more tokens per word than the default model's
-    overrides += ["validate.max_prompt_tokens=100000", "validate.max_response_tokens=100000",
-                  "reward_model.max_length=128", "judge.max_length=128", "evaluate.n_prompts=8"]
+    overrides += [
+        "validate.max_prompt_tokens=100000",
+        "validate.max_response_tokens=100000",
+        "reward_model.max_length=128",
+        "judge.max_length=128",
+        "evaluate.n_prompts=8",
+    ]
     results = rlhf_pipeline(overrides=overrides)
     assert (tmp_path / "data/validated/judge.jsonl").exists() and not (tmp_path / "data/raw/demo").exists()
 
@@ -79,10 +101,14 @@ def test_flow_on_the_shipped_data_logs_the_judge_and_the_intervals(prefect_serve
         assert key in children["judge"].data.metrics and key in parent.data.metrics
     assert 0 <= parent.data.metrics["judge/accuracy"] <= 1 and "rm/accuracy_se" in children["reward_model"].data.metrics
     assert results["eval/win_rate_ci_low"] <= results["eval/win_rate_vs_sft"] <= results["eval/win_rate_ci_high"]
-    assert (results["eval/judge_win_rate_ci_low"] <= results["eval/judge_win_rate_vs_sft"]
-            <= results["eval/judge_win_rate_ci_high"])
+    assert (
+        results["eval/judge_win_rate_ci_low"]
+        <= results["eval/judge_win_rate_vs_sft"]
+        <= results["eval/judge_win_rate_ci_high"]
+    )
     assert results["eval/proxy_judge_gap"] == pytest.approx(
-        results["eval/win_rate_vs_sft"] - results["eval/judge_win_rate_vs_sft"])
+        results["eval/win_rate_vs_sft"] - results["eval/judge_win_rate_vs_sft"]
+    )
     assert "validate/dropped_fraction" in children["validate"].data.metrics
     assert {d.dataset.name for d in children["judge"].inputs.dataset_inputs} == {"preferences-judge"}
 

@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from rlhflow.config import RewardModelConfig
-from rlhflow.reward import RewardModel, encode_pair, evaluate_pairs, load_backbone, pairwise_accuracy, train_reward_model
+from rlhflow.reward import (
+    RewardModel,
+    encode_pair,
+    evaluate_pairs,
+    load_backbone,
+    pairwise_accuracy,
+    train_reward_model,
+)
 
 PROMPT = [{"role": "user", "content": "hello world"}]
 
@@ -14,9 +21,13 @@ PROMPT = [{"role": "user", "content": "hello world"}]
 def _pairs(n: int, offset: int = 0) -> list[dict]:
     rows = []
     for i in range(offset, offset + n):
-        rows.append({"prompt_messages": [{"role": "user", "content": f"question {i}: please explain water"}],
-                     "chosen": f"Thank you for asking! Here are three clear steps: first, second, third {i}.",
-                     "rejected": "no."})
+        rows.append(
+            {
+                "prompt_messages": [{"role": "user", "content": f"question {i}: please explain water"}],
+                "chosen": f"Thank you for asking! Here are three clear steps: first, second, third {i}.",
+                "rejected": "no.",
+            }
+        )
     return rows
 
 
@@ -27,8 +38,9 @@ def test_bradley_terry_loss_matches_hand_computation(tiny_model_dir):
 
     model, tok = load_backbone(str(tiny_model_dir))
     rows = _pairs(4)
-    args = RewardConfig(output_dir="/tmp/rm-loss-test", report_to="none", use_cpu=True, max_length=None,
-                        center_rewards_coefficient=0.01)
+    args = RewardConfig(
+        output_dir="/tmp/rm-loss-test", report_to="none", use_cpu=True, max_length=None, center_rewards_coefficient=0.01
+    )
     trainer = RewardTrainer(model=model, args=args, train_dataset=pair_dataset(rows, tok, 64), processing_class=tok)
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     model.eval()
@@ -48,14 +60,19 @@ def test_pairwise_accuracy_counts_ties_half():
 
 def test_training_learns_a_separable_preference_and_reloads(tiny_model_dir, tmp_path):
     cfg = RewardModelConfig(epochs=4, batch_size=8, learning_rate=3e-3, max_length=64, warmup_ratio=0.0)
-    rm = train_reward_model(cfg, _pairs(32), backbone=str(tiny_model_dir), out_dir=tmp_path / "rm",
-                            work_dir=tmp_path / "work", seed=0)
+    rm = train_reward_model(
+        cfg, _pairs(32), backbone=str(tiny_model_dir), out_dir=tmp_path / "rm", work_dir=tmp_path / "work", seed=0
+    )
     held_out = _pairs(16, offset=100)
     assert evaluate_pairs(rm, held_out)["accuracy"] >= 0.9
     # scores are normalised over the training responses
     train = _pairs(32)
-    all_scores = torch.cat([rm.score([r["prompt_messages"] for r in train], [r["chosen"] for r in train]),
-                            rm.score([r["prompt_messages"] for r in train], [r["rejected"] for r in train])])
+    all_scores = torch.cat(
+        [
+            rm.score([r["prompt_messages"] for r in train], [r["chosen"] for r in train]),
+            rm.score([r["prompt_messages"] for r in train], [r["rejected"] for r in train]),
+        ]
+    )
     assert abs(float(all_scores.mean())) < 1e-3 and float(all_scores.std()) == pytest.approx(1.0, rel=1e-3)
     reloaded = RewardModel.load(tmp_path / "rm")
     prompts, responses = [r["prompt_messages"] for r in held_out], [r["chosen"] for r in held_out]

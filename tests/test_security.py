@@ -11,12 +11,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, tiny_pipeline_overrides
 
 MARKER_ENV = "RLHFLOW_TEST_REMOTE_CODE_MARKER"
 
-CUSTOM_CONFIG = '''
+CUSTOM_CONFIG = """
 import os
 from pathlib import Path
 from transformers import LlamaConfig
@@ -26,8 +25,8 @@ Path(os.environ["{marker}"]).write_text("remote code ran")
 
 class EvilConfig(LlamaConfig):
     model_type = "evil-llama"
-'''
-CUSTOM_MODELING = '''
+"""
+CUSTOM_MODELING = """
 from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 from .configuration_evil import EvilConfig
 
@@ -38,7 +37,7 @@ class EvilForCausalLM(LlamaForCausalLM):
 
 class EvilForSequenceClassification(LlamaForSequenceClassification):
     config_class = EvilConfig
-'''
+"""
 
 
 @pytest.fixture()
@@ -47,9 +46,15 @@ def remote_code_model(tmp_path, tiny_model_dir, monkeypatch):
     model = tmp_path / "evil_model"
     shutil.copytree(tiny_model_dir, model)
     config = json.loads((model / "config.json").read_text())
-    config.update(model_type="evil-llama", architectures=["EvilForCausalLM"], auto_map={
-        "AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM",
-        "AutoModelForSequenceClassification": "modeling_evil.EvilForSequenceClassification"})
+    config.update(
+        model_type="evil-llama",
+        architectures=["EvilForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_evil.EvilConfig",
+            "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM",
+            "AutoModelForSequenceClassification": "modeling_evil.EvilForSequenceClassification",
+        },
+    )
     (model / "config.json").write_text(json.dumps(config))
     (model / "configuration_evil.py").write_text(CUSTOM_CONFIG.format(marker=MARKER_ENV))
     (model / "modeling_evil.py").write_text(CUSTOM_MODELING)
@@ -102,8 +107,11 @@ def test_every_torch_load_in_the_project_uses_weights_only():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load":
                 weights_only = [k for k in node.keywords if k.arg == "weights_only"]
-                ok = bool(weights_only) and isinstance(weights_only[0].value, ast.Constant) and \
-                    weights_only[0].value.value is True
+                ok = (
+                    bool(weights_only)
+                    and isinstance(weights_only[0].value, ast.Constant)
+                    and weights_only[0].value.value is True
+                )
                 calls.append((f"{path.relative_to(REPO)}:{node.lineno}", ok))
     assert calls, "expected the PPO checkpoint loader's torch.load calls"
     assert all(ok for _, ok in calls), [where for where, ok in calls if not ok]
@@ -159,8 +167,7 @@ def test_the_prefect_server_listens_on_loopback_only(prefect_server):
     assert addresses == {"0100007F"}, addresses  # 127.0.0.1, not 0.0.0.0 (00000000) or an IPv6 wildcard
 
 
-def test_environment_secrets_never_reach_mlflow_or_prefect_logs(prefect_server, tmp_path, tiny_model_dir,
-                                                                 monkeypatch):
+def test_environment_secrets_never_reach_mlflow_or_prefect_logs(prefect_server, tmp_path, tiny_model_dir, monkeypatch):
     import asyncio
 
     import mlflow

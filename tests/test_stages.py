@@ -62,8 +62,16 @@ def test_code_deps_are_the_import_closure_of_the_stage_module():
     sft = next(s for s in STAGES if s.name == "sft")
     assert {"rlhflow/metrics.py", "rlhflow/packed.py"} <= set(sft.deps)
     ppo = next(s for s in STAGES if s.name == "ppo")
-    assert all(_covered(ppo, f) for f in ("rlhflow/packed.py", "rlhflow/models.py", "rlhflow/distributed.py",
-                                          "rlhflow/reward.py", "rlhflow/ppo/trainer.py"))
+    assert all(
+        _covered(ppo, f)
+        for f in (
+            "rlhflow/packed.py",
+            "rlhflow/models.py",
+            "rlhflow/distributed.py",
+            "rlhflow/reward.py",
+            "rlhflow/ppo/trainer.py",
+        )
+    )
 
 
 def test_code_deps_cover_what_importing_the_module_loads():
@@ -74,14 +82,25 @@ def test_code_deps_cover_what_importing_the_module_loads():
     import sys
     from pathlib import Path
 
-    probe = ("import importlib, sys; importlib.import_module(sys.argv[1]); "
-             "print('\\n'.join(m.__file__ for m in list(sys.modules.values()) if getattr(m, '__file__', None)))")
+    probe = (
+        "import importlib, sys; importlib.import_module(sys.argv[1]); "
+        "print('\\n'.join(m.__file__ for m in list(sys.modules.values()) if getattr(m, '__file__', None)))"
+    )
     for s in STAGES:
-        out = subprocess.run([sys.executable, "-c", probe, s.module], cwd=REPO_ROOT, capture_output=True, text=True,
-                             timeout=300, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+        out = subprocess.run(
+            [sys.executable, "-c", probe, s.module],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        )
         assert out.returncode == 0, out.stderr[-2000:]
-        loaded = {str(Path(f).resolve().relative_to(REPO_ROOT)) for f in out.stdout.split()
-                  if f.startswith(str(REPO_ROOT) + "/") and "/.venv/" not in f}
+        loaded = {
+            str(Path(f).resolve().relative_to(REPO_ROOT))
+            for f in out.stdout.split()
+            if f.startswith(str(REPO_ROOT) + "/") and "/.venv/" not in f
+        }
         assert loaded, s.name
         assert not [f for f in loaded if not _covered(s, f)], s.name
 
@@ -91,12 +110,23 @@ def test_the_import_walk_follows_deferred_and_relative_imports(tmp_path):
 
     (tmp_path / "tasks").mkdir()
     (tmp_path / "rlhflow/sub").mkdir(parents=True)
-    for f in ("tasks/__init__.py", "rlhflow/__init__.py", "rlhflow/sub/__init__.py", "rlhflow/leaf.py",
-              "rlhflow/unused.py"):
+    for f in (
+        "tasks/__init__.py",
+        "rlhflow/__init__.py",
+        "rlhflow/sub/__init__.py",
+        "rlhflow/leaf.py",
+        "rlhflow/unused.py",
+    ):
         (tmp_path / f).write_text("")
     (tmp_path / "rlhflow/sub/mod.py").write_text("from ..leaf import x\nfrom . import sibling\n")
     (tmp_path / "rlhflow/sub/sibling.py").write_text("import json\n")
     (tmp_path / "tasks/st.py").write_text("import os\n\ndef run():\n    from rlhflow.sub.mod import thing\n")
     assert import_closure("tasks.st", tmp_path) == (
-        "rlhflow/__init__.py", "rlhflow/leaf.py", "rlhflow/sub/__init__.py", "rlhflow/sub/mod.py",
-        "rlhflow/sub/sibling.py", "tasks/__init__.py", "tasks/st.py")
+        "rlhflow/__init__.py",
+        "rlhflow/leaf.py",
+        "rlhflow/sub/__init__.py",
+        "rlhflow/sub/mod.py",
+        "rlhflow/sub/sibling.py",
+        "tasks/__init__.py",
+        "tasks/st.py",
+    )

@@ -19,17 +19,20 @@ def tokenizer():
 
 
 def pairs(n: int, start_row: int = 1, prefix: str = "train") -> pd.DataFrame:
-    return pd.DataFrame({
-        "prompt": [f"{prefix} question {i}: how do I boil water?" for i in range(n)],
-        "chosen": [f"Put a pot of water on the stove and heat it for {i + 2} minutes." for i in range(n)],
-        "rejected": ["No." for _ in range(n)],
-        "source_row": list(range(start_row, start_row + n)),
-    })
+    return pd.DataFrame(
+        {
+            "prompt": [f"{prefix} question {i}: how do I boil water?" for i in range(n)],
+            "chosen": [f"Put a pot of water on the stove and heat it for {i + 2} minutes." for i in range(n)],
+            "rejected": ["No." for _ in range(n)],
+            "source_row": list(range(start_row, start_row + n)),
+        }
+    )
 
 
 def run(train, test, tokenizer, tmp_path, **cfg):
-    return validate_preferences({"train": train, "test": test}, cfg=ValidateConfig(**cfg), tokenizer=tokenizer,
-                                report_dir=tmp_path)
+    return validate_preferences(
+        {"train": train, "test": test}, cfg=ValidateConfig(**cfg), tokenizer=tokenizer, report_dir=tmp_path
+    )
 
 
 def failure(train, test, tokenizer, tmp_path, **cfg) -> DataValidationError:
@@ -134,8 +137,15 @@ def test_over_long_texts(tokenizer, tmp_path):
     train = pairs(4)
     train.loc[2, "chosen"] = "water " * 200
     train.loc[1, "prompt"] = "please " * 200
-    err = failure(train, pairs(2, prefix="test"), tokenizer, tmp_path, max_response_tokens=64, max_prompt_tokens=64,
-                  overlong="fail")
+    err = failure(
+        train,
+        pairs(2, prefix="test"),
+        tokenizer,
+        tmp_path,
+        max_response_tokens=64,
+        max_prompt_tokens=64,
+        overlong="fail",
+    )
     line = failed_line(err, "expect_column_values_to_be_between(chosen_tokens)")
     assert "1 row" in line and "train row 3: chosen_tokens=" in line
     assert "train row 2: prompt_tokens=" in failed_line(err, "expect_column_values_to_be_between(prompt_tokens)")
@@ -146,8 +156,15 @@ def test_blank_and_over_long_rows_are_dropped_counted_and_kept_out(tokenizer, tm
     train.loc[3, "chosen"] = "water " * 200  # over-long response
     train.loc[7, "prompt"] = "please " * 200  # over-long prompt
     train.loc[9, "rejected"] = " \t"  # blank response
-    result = run(train, pairs(10, start_row=101, prefix="test"), tokenizer, tmp_path, max_response_tokens=64,
-                 max_prompt_tokens=64, max_dropped_fraction=0.1)
+    result = run(
+        train,
+        pairs(10, start_row=101, prefix="test"),
+        tokenizer,
+        tmp_path,
+        max_response_tokens=64,
+        max_prompt_tokens=64,
+        max_dropped_fraction=0.1,
+    )
     assert result.success and result.dropped == {"train": [3, 7, 9]}
     assert result.dropped_per_reason == {"overlong_chosen": 1, "overlong_prompt": 1, "blank_rejected": 1}
     summary = result.summary()
@@ -165,8 +182,9 @@ def test_blank_and_over_long_rows_are_dropped_counted_and_kept_out(tokenizer, tm
 def test_too_many_dropped_rows_fail_naming_the_share_the_reasons_and_rows(tokenizer, tmp_path):
     train = pairs(20)
     train.loc[[2, 5], "chosen"] = "water " * 200
-    err = failure(train, pairs(4, prefix="test"), tokenizer, tmp_path, max_response_tokens=64,
-                  max_dropped_fraction=0.05)
+    err = failure(
+        train, pairs(4, prefix="test"), tokenizer, tmp_path, max_response_tokens=64, max_dropped_fraction=0.05
+    )
     line = failed_line(err, "max_dropped_fraction(rows)")
     assert "2 of 24 rows (8.3%) would be dropped, more than validate.max_dropped_fraction=0.05" in line
     assert "overlong_chosen: 2" in line and "train row 3:" in line and "train row 6:" in line
@@ -198,8 +216,12 @@ def test_a_prompt_shared_by_the_judge_and_train_splits_fails(tokenizer, tmp_path
     train, judge, test = pairs(5), pairs(3, start_row=20, prefix="judge"), pairs(3, start_row=50, prefix="test")
     judge.loc[0, "prompt"] = train.loc[2, "prompt"]
     with pytest.raises(DataValidationError) as err:
-        validate_preferences({"train": train, "judge": judge, "test": test}, cfg=ValidateConfig(), tokenizer=tokenizer,
-                             report_dir=tmp_path)
+        validate_preferences(
+            {"train": train, "judge": judge, "test": test},
+            cfg=ValidateConfig(),
+            tokenizer=tokenizer,
+            report_dir=tmp_path,
+        )
     line = failed_line(err.value, "expect_column_values_to_be_in_set(prompt_in_other_split)")
     assert "train row 3:" in line and "judge row 20:" in line
 
@@ -247,23 +269,33 @@ def test_an_hh_format_file_with_over_long_and_blank_rows(tokenizer, tmp_path):
     def dialogue(question: str, answer: str) -> str:
         return f"\n\nHuman: {question}\n\nAssistant: {answer}"
 
-    rows = [{"chosen": dialogue(f"How do I keep plant {i} alive?", f"Water plant {i} weekly."),
-             "rejected": dialogue(f"How do I keep plant {i} alive?", "Plants are boring.")} for i in range(40)]
+    rows = [
+        {
+            "chosen": dialogue(f"How do I keep plant {i} alive?", f"Water plant {i} weekly."),
+            "rejected": dialogue(f"How do I keep plant {i} alive?", "Plants are boring."),
+        }
+        for i in range(40)
+    ]
     rows[3]["chosen"] = dialogue("How do I keep plant 3 alive?", "")  # the assistant said nothing
     rows[10] = {k: dialogue("please " * 100, v.split("Assistant: ")[-1]) for k, v in rows[10].items()}
     path = tmp_path / "hh.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     splits = assign_splits(load_preferences(path), test_fraction=0.2, judge_fraction=0.25, seed=0)
 
-    result = validate_preferences(splits, cfg=ValidateConfig(max_prompt_tokens=64), tokenizer=tokenizer,
-                                  report_dir=tmp_path / "ok")
+    result = validate_preferences(
+        splits, cfg=ValidateConfig(max_prompt_tokens=64), tokenizer=tokenizer, report_dir=tmp_path / "ok"
+    )
     assert result.dropped_per_reason == {"blank_chosen": 1, "overlong_prompt": 1}
     kept = {row for split, df in splits.items() for row in result.kept(split, df)["source_row"]}
     assert len(kept) == 38 and not {4, 11} & kept  # lines 4 and 11 of the file
 
     with pytest.raises(DataValidationError) as err:  # 2 of 40 rows is more than 2%
-        validate_preferences(splits, cfg=ValidateConfig(max_prompt_tokens=64, max_dropped_fraction=0.02),
-                             tokenizer=tokenizer, report_dir=tmp_path / "failed")
+        validate_preferences(
+            splits,
+            cfg=ValidateConfig(max_prompt_tokens=64, max_dropped_fraction=0.02),
+            tokenizer=tokenizer,
+            report_dir=tmp_path / "failed",
+        )
     line = failed_line(err.value, "max_dropped_fraction(rows)")
     assert "2 of 40 rows (5.0%)" in line and "blank_chosen: 1" in line and "overlong_prompt: 1" in line
     assert "row 4:" in line and "row 11:" in line

@@ -28,8 +28,9 @@ import json
 import math
 import os
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import pandas as pd
 
@@ -46,8 +47,13 @@ FILE_TYPES = ".jsonl, .jsonl.gz, .json (a list of objects), .parquet"
 HH_ASSISTANT = "\n\nAssistant:"
 _HH_TURN = re.compile(r"\n\n(Human|Assistant):")
 _SHAREGPT_ROLES = {
-    "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "model": "assistant", "bot": "assistant", "chatgpt": "assistant",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "bot": "assistant",
+    "chatgpt": "assistant",
     "system": "system",
 }
 _TRANSCRIPT_LABELS = {"user": "Human", "assistant": "Assistant", "system": "System"}
@@ -61,7 +67,9 @@ class DataFormatError(ValueError):
 # ---- public API ---------------------------------------------------------------------------------------
 
 
-def load_preferences(source: str | os.PathLike, *, hf_split: str = "train", max_rows: int | None = None) -> pd.DataFrame:
+def load_preferences(
+    source: str | os.PathLike, *, hf_split: str = "train", max_rows: int | None = None
+) -> pd.DataFrame:
     """Read preference pairs from a file, a local dataset directory or a Hugging Face dataset name."""
     source = str(source)
     path = Path(os.path.expanduser(source))
@@ -352,8 +360,10 @@ def _to_canonical(rows: list[tuple[int, Any]], source: str) -> pd.DataFrame:
         convert = _from_dialogues
     else:
         # Name what is missing against the closest accepted format (prompt/chosen/rejected when none is close).
-        wanted = max(([c for c in ("prompt", "chosen", "rejected")], ["conversations", "chosen", "rejected"]),
-                     key=lambda cols: len(present.intersection(cols)))
+        wanted = max(
+            ([c for c in ("prompt", "chosen", "rejected")], ["conversations", "chosen", "rejected"]),
+            key=lambda cols: len(present.intersection(cols)),
+        )
         missing = [c for c in wanted if c not in present]
         raise DataFormatError(
             f"{source}: unrecognised schema: missing column{'s' if len(missing) > 1 else ''} {', '.join(missing)} "

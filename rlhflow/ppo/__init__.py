@@ -16,8 +16,19 @@ from rlhflow.ppo.core import (
 )
 
 __all__ = [
-    "AdaptiveKLController", "FixedKLController", "NonFiniteError", "PPOTrainer", "RunningMoments", "gae",
-    "kl_per_token", "learning_rate", "masked_mean", "masked_var", "masked_whiten", "per_token_rewards", "policy_loss",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "NonFiniteError",
+    "PPOTrainer",
+    "RunningMoments",
+    "gae",
+    "kl_per_token",
+    "learning_rate",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "per_token_rewards",
+    "policy_loss",
     "value_loss",
 ]
 

@@ -12,7 +12,7 @@ divergence" note (k1/k3 estimators).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -22,8 +22,12 @@ import torch
 SumAcross = Callable[[torch.Tensor], torch.Tensor]
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None, sum_across: SumAcross | None = None,
-                ) -> torch.Tensor:
+def masked_mean(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    dim: int | None = None,
+    sum_across: SumAcross | None = None,
+) -> torch.Tensor:
     """Mean of x over the positions where mask is 1 (over all of them, or along `dim`). `sum_across` sums a
     tensor over data-parallel processes (rlhflow.distributed.sum_across), making the mean one over the global
     batch; None: this process's tensors only."""
@@ -36,8 +40,12 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None, sum
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, sum_across: SumAcross | None = None,
-               ) -> torch.Tensor:
+def masked_var(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    unbiased: bool = True,
+    sum_across: SumAcross | None = None,
+) -> torch.Tensor:
     """Variance of x over the masked positions; unbiased (n-1) by default. `sum_across`: as in masked_mean."""
     mean = masked_mean(x, mask, sum_across=sum_across)
     centered_sq = (x - mean) ** 2
@@ -50,8 +58,9 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, sum_a
     return var
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
-                  sum_across: SumAcross | None = None) -> torch.Tensor:
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8, sum_across: SumAcross | None = None
+) -> torch.Tensor:
     """(x - mean) / std over the masked positions; padding stays 0. shift_mean=False keeps the mean
     (only rescales), as used for rewards by some implementations. `sum_across`: global statistics, as in
     masked_mean."""
@@ -103,8 +112,13 @@ def per_token_rewards(scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, ma
 # ---- advantages ----------------------------------------------------------------------------------
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float,
-        ) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over the response tokens; returns (advantages, returns).
 
     delta_t = r_t + gamma * V_{t+1} - V_t      (V after the last real token is 0: the episode ends there)
@@ -129,8 +143,9 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 # ---- losses --------------------------------------------------------------------------------------
 
 
-def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                cliprange: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def policy_loss(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cliprange: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Clipped surrogate: L = mean_t -min(rho A, clip(rho, 1-eps, 1+eps) A), rho = pi / pi_old.
 
     Returns (loss, clipfrac = share of tokens where the clipped term is the active one,
@@ -146,8 +161,13 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     return loss, clipfrac, approxkl
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               cliprange_value: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss: 0.5 * mean_t max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clip(V - V_old, +-eps_v).
 
     cliprange_value=None gives the plain 0.5 * (V - R)^2. Returns (loss, value clipfrac)."""
