@@ -1,5 +1,6 @@
-# make run   - set up (first time), generate the demo data and run the whole pipeline flow on params.yaml
+# make run   - set up (first time), then the whole pipeline flow on params.yaml (the shipped hh-rlhf data)
 # make test  - set up (first time), then the test suite
+# make lint  - set up (first time), then ruff: lint and format check (configured in pyproject.toml)
 # make ui    - set up (first time), then a Prefect server, an MLflow server and the pipeline's deployments (Ctrl-C stops all)
 # make bench - set up (first time), build the peer venv (trl 1.12, once), then the benchmarks (docs/benchmarks.md)
 # make docs  - set up (first time), then the documentation site (MkDocs) in site/
@@ -19,7 +20,7 @@ export GX_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-e2e bench ui docs dvc-yaml clean
+.PHONY: setup run test test-e2e lint format bench ui docs dvc-yaml clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,6 +52,14 @@ browser:
 	else \
 		echo "chromium is missing and this is not root: run 'sudo apt-get update && sudo apt-get install -y --no-install-recommends chromium' (tests/test_mlflow_ui.py fails without it)" >&2; \
 	fi
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 test-e2e: setup
 	$(BIN)/python -m pytest -q -m e2e $(PYTEST_ARGS)
