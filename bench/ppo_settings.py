@@ -1,5 +1,6 @@
-"""PPO settings side by side on the default pipeline: memory modes (shared value head, separate critic, LoRA) and
-KL settings (fixed k1, k3, adaptive), each as the real `ppo` stage on the outputs of a default run.
+"""PPO settings side by side on the default pipeline: memory modes (shared value head, separate critic, LoRA), KL
+settings (fixed k1, k3, adaptive) and implementation details (PPO epochs, learning-rate decay, reward normalisation
+by SFT samples), each as the real `ppo` stage on the outputs of a default run.
 
     make run                                  # once: data/validated, models/sft, models/reward_model
     .venv/bin/python -m bench.ppo_settings    # every setting in SETTINGS
@@ -39,6 +40,12 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
         ["ppo.lora.enabled=true", "ppo.learning_rate=1e-4"],
     ),
     "k3": ("shared, k3 KL estimator", ["ppo.kl_estimator=k3"]),
+    "epochs4": ("shared, 4 PPO epochs per rollout batch (TRL's default)", ["ppo.ppo_epochs=4"]),
+    "linear_lr": ("shared, learning rate decayed linearly to 0 over the run", ["ppo.lr_schedule=linear"]),
+    "sft_norm": (
+        "shared, rewards normalised by the SFT policy's scores on 64 training prompts",
+        ["ppo.reward_normalization=sft"],
+    ),
     "adaptive": (
         "shared, adaptive KL (target 3 nats, horizon 100)",
         ["ppo.adaptive_kl.enabled=true", "ppo.adaptive_kl.target=3", "ppo.adaptive_kl.horizon=100"],
