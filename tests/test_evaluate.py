@@ -238,5 +238,6 @@ def test_dvc_exp_run_with_another_kl_coef_is_compared_and_challenges_the_champio
         str(candidate.version) if promoted else champion_before
     )
     report = (repo / "reports/evaluate/report.md").read_text()
-    assert f"champion v{champion_before} on eval/win_rate_vs_sft" in report
+    assert f"champion v{champion_before} on eval/judge_win_rate_vs_sft" in report  # the judge decides
+    assert candidate.tags["champion.metric"] == "eval/judge_win_rate_vs_sft"
     assert "is already the champion" in report  # the reward model
