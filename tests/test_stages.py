@@ -5,7 +5,7 @@ import yaml
 from rlhflow.config import REPO_ROOT, load_config
 from rlhflow.stages import STAGES, dvc_yaml
 
-FLOW_ORDER = ["demo_data", "validate", "sft", "reward_model", "ppo", "evaluate"]
+FLOW_ORDER = ["demo_data", "validate", "sft", "reward_model", "judge", "ppo", "evaluate"]
 
 
 def test_dvc_yaml_is_generated_from_the_stage_list():
