@@ -47,8 +47,8 @@ PARAMS = load_config()
 
 StageName = Literal[tuple(STAGE_NAMES)]  # an enum in the parameter form
 
-# Stages that load models on the accelerator; they hold one slot of this Prefect global concurrency limit.
-ACCELERATOR_STAGES = ("sft", "reward_model", "judge", "ppo", "evaluate")
+# Stages that load models on the accelerator (Stage.accelerator) hold one slot of this Prefect global concurrency
+# limit.
 TRAINING_LIMIT = "rlhf-training"
 TRAINING_LIMIT_DEFAULT_SLOTS = 1
 
@@ -198,7 +198,7 @@ def run_pipeline(cfg: Config, stages: list[str] | None = None, force: bool = Fal
     """The body of every flow here: the selected stages, in order, in one MLflow parent run."""
     names = selected_stages(cfg, stages)
     tracking.preflight(cfg)  # an unreachable tracking server fails here, in seconds, not after training
-    if any(n in ACCELERATOR_STAGES for n in names):
+    if any(get_stage(n).accelerator for n in names):
         ensure_training_limit()
     results: dict[str, float] = {}
     outcomes: list[report.StageOutcome] = []
@@ -213,7 +213,7 @@ def run_pipeline(cfg: Config, stages: list[str] | None = None, force: bool = Fal
                 f"{tracking.redact(uri)}: {run_url}"
             )
             for name in names:
-                if name in ACCELERATOR_STAGES:  # a second pipeline run waits here for the first one's stage
+                if get_stage(name).accelerator:  # a second pipeline run waits here for the first one's stage
                     with training_slot(name):
                         outcome, metrics = run_or_skip(name, cfg, parent.info.run_id, force)
                 else:

@@ -42,22 +42,20 @@ class StageContext:
 
 
 StageBody = Callable[[Config, StageContext], dict[str, float]]
-# Stages whose training runs data parallel under `accelerate launch`; in the others, rank 0 works alone.
-DATA_PARALLEL_STAGES = {"reward_model", "judge", "ppo"}
 
 
 def run_stage(name: str, body: StageBody, cfg: Config, parent_run_id: str | None = None) -> dict[str, float]:
     """Run one stage inside its MLflow child run; write metrics/<stage>.json when the stage declares one.
 
     Under `accelerate launch` with several processes, only the main process (rank 0) opens the run and writes
-    the metrics file; in DATA_PARALLEL_STAGES the others run the body with `ctx.main_process` False (they
-    train their data shard and must write nothing). They return no metrics."""
+    the metrics file; in data parallel stages (`Stage.data_parallel`) the others run the body with
+    `ctx.main_process` False (they train their data shard and must write nothing). They return no metrics."""
     distributed.init()
+    stage = get_stage(name)
     if not distributed.is_main_process():
-        if name in DATA_PARALLEL_STAGES:
+        if stage.data_parallel:
             body(cfg, StageContext(stage=name, main_process=False))
         return {}
-    stage = get_stage(name)
     sections = [p.split(".")[0] for p in stage.params]
     with tracking.stage_run(cfg, name, sorted(set(sections)), parent_run_id=parent_run_id) as run:
         ctx = StageContext(stage=name, parent_run_id=parent_run_id, run_id=run.info.run_id)

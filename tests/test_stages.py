@@ -21,6 +21,12 @@ def test_stage_order_and_commands():
         assert (REPO_ROOT / "tasks" / f"{s.name}.py").exists()
 
 
+def test_stage_properties():
+    assert [s.name for s in STAGES if s.accelerator] == ["sft", "reward_model", "judge", "ppo", "evaluate"]
+    assert [s.name for s in STAGES if s.data_parallel] == ["reward_model", "judge", "ppo"]
+    assert all(s.accelerator for s in STAGES if s.data_parallel)
+
+
 def test_templates_resolve_to_the_configured_paths():
     cfg = load_config(overrides=["sft.out_dir=/x/sft"])
     sft = next(s for s in STAGES if s.name == "sft")
