@@ -36,10 +36,8 @@ from prefect.tasks import exponential_backoff
 
 from flows import report
 from rlhflow import lineage, tracking
-from rlhflow.config import Config, apply_overrides, config_from_dict, load_config
+from rlhflow.config import Config, apply_overrides, config_from_dict, load_config, parse_config_args
 from rlhflow.stages import STAGE_NAMES, STAGES, get_stage
-from tasks._common import parse_args
-from tasks.demo_data import uses_demo_data
 
 # params.yaml as read when the flows are imported: the defaults of the flow parameters, hence of the Prefect
 # UI's parameter form (a deployment's run started from the API without `config` re-reads it, in a new process).
@@ -63,6 +61,9 @@ def selected_stages(cfg: Config, stages: list[str] | None) -> list[str]:
     unknown = [n for n in names if n not in STAGE_NAMES]
     if unknown:
         raise ValueError(f"unknown stage(s) {unknown}; stages: {STAGE_NAMES}")
+    # deferred: rlhflow.data loads pandas, which importing the flow does not need
+    from rlhflow.data.demo import uses_demo_data
+
     if "demo_data" in names and not uses_demo_data(cfg):
         names.remove("demo_data")  # the user brought their own data
     return [n for n in STAGE_NAMES if n in names]  # pipeline order, whatever order they were given in
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         before, after = reset_training_limit()
         print(f"{TRAINING_LIMIT}: {before} slot(s) taken before, {after} now")
         return
-    cfg, _ = parse_args(
+    cfg, _ = parse_config_args(
         rest,
         "Run the RLHF pipeline flow (validate -> sft -> reward_model -> ppo -> evaluate); "
         "--stages a,b runs a subset, --force runs stages that are up to date too.",

@@ -7,7 +7,6 @@ A stage module defines `run(cfg, ctx) -> dict[str, float]` (its metrics) and end
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -22,7 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 from rlhflow import distributed, tracking  # noqa: E402
-from rlhflow.config import Config, ConfigError, load_config  # noqa: E402
+from rlhflow.config import Config, parse_config_args  # noqa: E402
 from rlhflow.stages import get_stage  # noqa: E402
 
 
@@ -80,27 +79,8 @@ def stage_task(name: str, body: StageBody):
     return _task
 
 
-def parse_args(argv: list[str] | None, description: str) -> tuple[Config, argparse.Namespace]:
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--params", default=None, help="params file (default: the repo's params.yaml)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one params.yaml value for this run, e.g. --set ppo.kl_coef=0.1 (repeatable)",
-    )
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.params, args.overrides)
-    except ConfigError as err:
-        parser.exit(2, f"error: {err}\n")
-    return cfg, args
-
-
 def cli(name: str, body: StageBody, argv: list[str] | None = None) -> None:
-    cfg, _ = parse_args(argv, f"Run the {name} stage alone: {get_stage(name).description}.")
+    cfg, _ = parse_config_args(argv, f"Run the {name} stage alone: {get_stage(name).description}.")
     try:
         tracking.preflight(cfg)  # an unreachable tracking server fails here, in seconds, not after training
         metrics = run_stage(name, body, cfg)

@@ -16,11 +16,6 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     return {"demo/pairs": rows}
 
 
-def uses_demo_data(cfg: Config) -> bool:
-    """True when the pipeline reads the demo generator's output (the offline default)."""
-    return cfg.path(cfg.data.preferences) == cfg.path(cfg.data.demo.out_dir) / "preferences.jsonl"
-
-
 task = stage_task(NAME, run)
 
 if __name__ == "__main__":

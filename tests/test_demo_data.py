@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlhflow.config import DemoDataConfig, ValidateConfig
-from rlhflow.data.demo import REJECTION_KINDS, generate_demo, main, write_demo
+from rlhflow.config import DemoDataConfig, ValidateConfig, load_config
+from rlhflow.data.demo import REJECTION_KINDS, generate_demo, main, uses_demo_data, write_demo
 from rlhflow.data.formats import load_preferences
 from rlhflow.testing import tiny_tokenizer
 from rlhflow.validation import split_by_prompt, validate_preferences
@@ -61,3 +61,9 @@ def test_command_line(tmp_path, capsys):
     main(["--out", str(tmp_path), "--n-prompts", "20", "--pairs-per-prompt", "1", "--seed", "5"])
     assert "wrote 20 pairs" in capsys.readouterr().out
     assert (tmp_path / "preferences.jsonl").read_text().count("\n") == 20
+
+
+def test_uses_demo_data_only_when_preferences_are_the_demo_output():
+    demo_out = load_config().data.demo.out_dir
+    assert uses_demo_data(load_config(overrides=[f"data.preferences={demo_out}/preferences.jsonl"]))
+    assert not uses_demo_data(load_config(overrides=["data.preferences=elsewhere.jsonl"]))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from rlhflow.config import DemoDataConfig
+from rlhflow.config import Config, DemoDataConfig
 from rlhflow.data.formats import write_jsonl
 
 # topic -> (three short steps, two explanatory facts). The name reads as an activity in questions.
@@ -544,6 +544,11 @@ def write_demo(cfg: DemoDataConfig, out_dir: Path) -> Path:
     return write_jsonl(
         pd.DataFrame(pairs, columns=["prompt", "chosen", "rejected"]), Path(out_dir) / "preferences.jsonl"
     )
+
+
+def uses_demo_data(cfg: Config) -> bool:
+    """True when the pipeline reads the demo generator's output (the offline default)."""
+    return cfg.path(cfg.data.preferences) == cfg.path(cfg.data.demo.out_dir) / "preferences.jsonl"
 
 
 def _lower(text: str) -> str:
