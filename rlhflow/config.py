@@ -240,7 +240,7 @@ class PPOConfig(Section):
     reward_fn: str | None = Field(
         None,
         description="'module:function' scoring (prompts, responses, **reward_fn_kwargs) -> list[float], "
-        "e.g. 'rlhflow.rewards:contains_word'; default: the trained reward model",
+        "e.g. 'rlhflow.reward_functions:contains_word'; default: the trained reward model",
     )
     reward_fn_kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for reward_fn")
     value_model: Literal["shared", "separate"] = Field(

@@ -46,7 +46,7 @@ class RewardPyfunc(mlflow.pyfunc.PythonModel):
     """Normalised reward of each (prompt, response) row."""
 
     def load_context(self, context):
-        from rlhflow.reward import RewardModel
+        from rlhflow.reward_model import RewardModel
 
         self.rm = RewardModel.load(context.artifacts["model_dir"])
 

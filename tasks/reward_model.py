@@ -62,7 +62,7 @@ def train_pairwise_model(
     from rlhflow import distributed, tracking
     from rlhflow.data.formats import read_jsonl
     from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir
-    from rlhflow.reward import evaluate_pairs, train_reward_model
+    from rlhflow.reward_model import evaluate_pairs, train_reward_model
 
     validated = cfg.path(cfg.validate_.out_dir)
     train_file = validated / f"{split}.jsonl"

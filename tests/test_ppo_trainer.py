@@ -282,7 +282,7 @@ def test_separate_critic_starts_from_the_reward_model_when_it_reads_the_policys_
 
     from rlhflow.config import load_config
     from rlhflow.ppo.setup import make_critic
-    from rlhflow.reward import RewardModel
+    from rlhflow.reward_model import RewardModel
 
     torch.manual_seed(0)
     rm = RewardModel(
@@ -321,11 +321,11 @@ def test_separate_critic_starts_from_the_reward_model_when_it_reads_the_policys_
 
 
 def test_load_reward_fn_binds_its_kwargs_and_rejects_bad_specs():
-    from rlhflow.rewards import load_reward_fn
+    from rlhflow.reward_functions import load_reward_fn
 
-    fn = load_reward_fn("rlhflow.rewards:contains_word", {"word": "hello"})
+    fn = load_reward_fn("rlhflow.reward_functions:contains_word", {"word": "hello"})
     assert fn([[], []], ["Hello there", "bye"]) == [1.0, 0.0]
     with pytest.raises(ValueError, match="must look like"):
-        load_reward_fn("rlhflow.rewards")
+        load_reward_fn("rlhflow.reward_functions")
     with pytest.raises(ValueError, match="is not a callable"):
-        load_reward_fn("rlhflow.rewards:nope")
+        load_reward_fn("rlhflow.reward_functions:nope")

@@ -74,7 +74,7 @@ def test_code_deps_are_the_import_closure_of_the_stage_module():
             "rlhflow/packed.py",
             "rlhflow/models.py",
             "rlhflow/distributed.py",
-            "rlhflow/reward.py",
+            "rlhflow/reward_model.py",
             "rlhflow/ppo/trainer.py",
         )
     )

@@ -7,8 +7,8 @@ import torch
 
 from rlhflow.config import Config
 from rlhflow.policy import Critic
-from rlhflow.reward import RewardModel
-from rlhflow.rewards import load_reward_fn
+from rlhflow.reward_functions import load_reward_fn
+from rlhflow.reward_model import RewardModel
 
 
 def load_reward_source(cfg: Config, device):
