@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, tiny_pipeline_overrides
 
+from rlhflow.stages import STAGES
+
 MARKER_ENV = "RLHFLOW_TEST_REMOTE_CODE_MARKER"
 
 CUSTOM_CONFIG = """
@@ -187,7 +189,7 @@ def test_environment_secrets_never_reach_mlflow_or_prefect_logs(prefect_server, 
 
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("rlhf").experiment_id])
-    assert len(runs) == 7  # the parent and six stages
+    assert len(runs) == 1 + len(STAGES)  # the parent and one run per stage
     for run in runs:
         assert not leaks(json.dumps(run.data.params)), run.data.tags.get("stage")
         assert not leaks(json.dumps(run.data.tags)), run.data.tags.get("stage")
