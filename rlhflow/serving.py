@@ -8,6 +8,8 @@ rm.predict(pd.DataFrame({"prompt": [...], "response": [...]}))                 #
 
 from __future__ import annotations
 
+# The model code (torch, transformers) is imported when MLflow loads a logged model (load_context, predict):
+# logging one imports this module and needs none of it.
 import mlflow.pyfunc
 
 

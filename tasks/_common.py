@@ -20,6 +20,9 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
+from prefect import task  # noqa: E402
+from prefect.cache_policies import NO_CACHE  # noqa: E402
+
 from rlhflow import distributed, tracking  # noqa: E402
 from rlhflow.config import Config, parse_config_args  # noqa: E402
 from rlhflow.stages import get_stage  # noqa: E402
@@ -69,8 +72,6 @@ def run_stage(name: str, body: StageBody, cfg: Config, parent_run_id: str | None
 
 def stage_task(name: str, body: StageBody):
     """The stage as a Prefect task: no retries (training is not idempotent), no result caching."""
-    from prefect import task
-    from prefect.cache_policies import NO_CACHE
 
     @task(name=name, retries=0, cache_policy=NO_CACHE)
     def _task(cfg: Config, parent_run_id: str | None = None) -> dict[str, float]:

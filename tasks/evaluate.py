@@ -11,6 +11,8 @@ run; the report (reports/evaluate/report.md) says which version is champion and 
 
 from __future__ import annotations
 
+# Heavy imports (torch, transformers, mlflow, the library's model code) are deferred into the stage body, so
+# that importing the module (the flow does, to get its task; so does `--help`) stays fast.
 import math
 import tempfile
 from dataclasses import dataclass, field

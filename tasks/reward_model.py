@@ -4,6 +4,8 @@ pairs, report pairwise accuracy (with its standard error) on the held-out test p
 
 from __future__ import annotations
 
+# Heavy imports (torch, transformers, mlflow, the library's model code) are deferred into the stage body, so
+# that importing the module (the flow does, to get its task; so does `--help`) stays fast.
 from pathlib import Path
 
 from rlhflow.config import Config, RewardModelConfig
