@@ -193,14 +193,6 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
-@pytest.fixture(scope="module")
 def good_run(prefect_server, tmp_path_factory, tiny_model_dir):
     """A tmp project whose demo data went through validate and sft: the previous good outputs."""
     from flows.pipeline import rlhf_pipeline

@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 from conftest import make_dvc_repo, tiny_pipeline_overrides
 
@@ -97,14 +96,6 @@ def test_hashes_are_dvcs_own(tmp_path):
     dvc_md5 = yaml.safe_load((tmp_path / "data.dvc").read_text())["outs"][0]["md5"]
     with lineage._hasher(load_config(overrides=[f"metrics_dir={tmp_path}/metrics"])) as md5:
         assert md5(data) == dvc_md5
-
-
-@pytest.fixture(scope="module")
-def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
 
 
 def _stage_runs(db: Path) -> list[str]:

@@ -25,14 +25,6 @@ EVAL_METRICS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
 def test_flow_runs_every_stage_and_tracks_them(prefect_server, tmp_path, tiny_model_dir):
     import mlflow
 

@@ -63,14 +63,6 @@ def test_shipped_data_passes_validate_with_the_default_tokenizer(tmp_path):
     assert report["success"] and report["dropped"]["rows"] == 23
 
 
-@pytest.fixture(scope="module")
-def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
 @pytest.mark.slow
 def test_flow_on_the_shipped_data_logs_the_judge_and_the_intervals(prefect_server, tmp_path, tiny_model_dir):
     import mlflow

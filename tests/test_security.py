@@ -139,14 +139,6 @@ SECRETS = {
 }
 
 
-@pytest.fixture(scope="module")
-def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
 def listening_addresses(port: int) -> set[str]:
     """Local IPv4/IPv6 addresses with a socket listening on `port` (from /proc/net/tcp*)."""
     found = set()
