@@ -38,6 +38,7 @@ def digest(path: Path) -> dict[str, str] | None:
 # ---- the tracking server is down ------------------------------------------------------------------------
 
 
+@pytest.mark.system
 def test_unreachable_tracking_server_fails_the_flow_in_seconds(prefect_server, tmp_path, tiny_model_dir, monkeypatch):
     from flows.pipeline import rlhf_pipeline
     from rlhflow.tracking import TrackingUnavailableError

@@ -14,6 +14,8 @@ from conftest import tiny_pipeline_overrides
 from rlhflow.stages import STAGES
 from rlhflow.tracking import file_md5
 
+pytestmark = pytest.mark.system  # whole flow runs on a Prefect test server
+
 EVAL_METRICS = [
     "eval/reward_mean",
     "eval/reward_mean_sft",

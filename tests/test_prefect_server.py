@@ -21,6 +21,8 @@ from flows.report import LINK_KEY, MLFLOW_UI_URL_ENV, REPORT_KEY
 from flows.serve import stop, wait_for
 from rlhflow.stages import STAGES
 
+pytestmark = pytest.mark.system  # a real Prefect server and served deployments
+
 MLFLOW_UI = "http://127.0.0.1:5999"
 ACCELERATOR = {s.name for s in STAGES if s.accelerator}
 

@@ -63,6 +63,7 @@ def test_shipped_data_passes_validate_with_the_default_tokenizer(tmp_path):
     assert report["success"] and report["dropped"]["rows"] == 23
 
 
+@pytest.mark.system
 @pytest.mark.slow
 def test_flow_on_the_shipped_data_logs_the_judge_and_the_intervals(prefect_server, tmp_path, tiny_model_dir):
     import mlflow

@@ -151,6 +151,7 @@ def listening_addresses(port: int) -> set[str]:
     return found
 
 
+@pytest.mark.system
 def test_the_prefect_server_listens_on_loopback_only(prefect_server):
     from urllib.parse import urlparse
 
@@ -161,6 +162,7 @@ def test_the_prefect_server_listens_on_loopback_only(prefect_server):
     assert addresses == {"0100007F"}, addresses  # 127.0.0.1, not 0.0.0.0 (00000000) or an IPv6 wildcard
 
 
+@pytest.mark.system
 def test_environment_secrets_never_reach_mlflow_or_prefect_logs(prefect_server, tmp_path, tiny_model_dir, monkeypatch):
     import asyncio
 
