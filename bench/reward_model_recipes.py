@@ -18,7 +18,7 @@ import time
 
 from rlhflow.config import DEFAULT_ENCODER, DEFAULT_PREFERENCES, REPO_ROOT, RewardModelConfig
 from rlhflow.data.formats import load_preferences
-from rlhflow.reward import evaluate_pairs, train_reward_model
+from rlhflow.reward_model import evaluate_pairs, train_reward_model
 from rlhflow.validation import split_by_prompt
 
 

@@ -24,7 +24,7 @@ def main() -> None:
     from rlhflow.config import PPOConfig
     from rlhflow.models import load_causal_lm
     from rlhflow.ppo import PPOTrainer
-    from rlhflow.reward import RewardModel
+    from rlhflow.reward_model import RewardModel
 
     tokenizer = AutoTokenizer.from_pretrained(root / "policy")
     policy = load_causal_lm(str(root / "policy"), dtype=dtype, pad_token_id=tokenizer.pad_token_id)

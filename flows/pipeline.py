@@ -36,10 +36,8 @@ from prefect.tasks import exponential_backoff
 
 from flows import report
 from rlhflow import lineage, tracking
-from rlhflow.config import Config, apply_overrides, config_from_dict, load_config
+from rlhflow.config import Config, apply_overrides, config_from_dict, load_config, parse_config_args
 from rlhflow.stages import STAGE_NAMES, STAGES, get_stage
-from tasks._common import parse_args
-from tasks.demo_data import uses_demo_data
 
 # params.yaml as read when the flows are imported: the defaults of the flow parameters, hence of the Prefect
 # UI's parameter form (a deployment's run started from the API without `config` re-reads it, in a new process).
@@ -47,8 +45,8 @@ PARAMS = load_config()
 
 StageName = Literal[tuple(STAGE_NAMES)]  # an enum in the parameter form
 
-# Stages that load models on the accelerator; they hold one slot of this Prefect global concurrency limit.
-ACCELERATOR_STAGES = ("sft", "reward_model", "judge", "ppo", "evaluate")
+# Stages that load models on the accelerator (Stage.accelerator) hold one slot of this Prefect global concurrency
+# limit.
 TRAINING_LIMIT = "rlhf-training"
 TRAINING_LIMIT_DEFAULT_SLOTS = 1
 
@@ -63,8 +61,8 @@ def selected_stages(cfg: Config, stages: list[str] | None) -> list[str]:
     unknown = [n for n in names if n not in STAGE_NAMES]
     if unknown:
         raise ValueError(f"unknown stage(s) {unknown}; stages: {STAGE_NAMES}")
-    if "demo_data" in names and not uses_demo_data(cfg):
-        names.remove("demo_data")  # the user brought their own data
+    # demo_data runs even when another file is the input, as under `dvc repro`: every stage of dvc.yaml then has
+    # its dvc.lock entry after a flow run (it writes a small deterministic file in well under a second)
     return [n for n in STAGE_NAMES if n in names]  # pipeline order, whatever order they were given in
 
 
@@ -198,7 +196,7 @@ def run_pipeline(cfg: Config, stages: list[str] | None = None, force: bool = Fal
     """The body of every flow here: the selected stages, in order, in one MLflow parent run."""
     names = selected_stages(cfg, stages)
     tracking.preflight(cfg)  # an unreachable tracking server fails here, in seconds, not after training
-    if any(n in ACCELERATOR_STAGES for n in names):
+    if any(get_stage(n).accelerator for n in names):
         ensure_training_limit()
     results: dict[str, float] = {}
     outcomes: list[report.StageOutcome] = []
@@ -213,7 +211,7 @@ def run_pipeline(cfg: Config, stages: list[str] | None = None, force: bool = Fal
                 f"{tracking.redact(uri)}: {run_url}"
             )
             for name in names:
-                if name in ACCELERATOR_STAGES:  # a second pipeline run waits here for the first one's stage
+                if get_stage(name).accelerator:  # a second pipeline run waits here for the first one's stage
                     with training_slot(name):
                         outcome, metrics = run_or_skip(name, cfg, parent.info.run_id, force)
                 else:
@@ -277,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         before, after = reset_training_limit()
         print(f"{TRAINING_LIMIT}: {before} slot(s) taken before, {after} now")
         return
-    cfg, _ = parse_args(
+    cfg, _ = parse_config_args(
         rest,
         "Run the RLHF pipeline flow (validate -> sft -> reward_model -> ppo -> evaluate); "
         "--stages a,b runs a subset, --force runs stages that are up to date too.",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from rlhflow import lineage
-from tasks._common import parse_args
+from rlhflow.config import parse_config_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip(), file=sys.stderr)
         return 2
     run_id, rest = argv[0], argv[1:]
-    cfg, _ = parse_args(rest, "Restore a pipeline run's outputs (the tracking store is read from params).")
+    cfg, _ = parse_config_args(rest, "Restore a pipeline run's outputs (the tracking store is read from params).")
     try:
         restored = lineage.restore(run_id, cfg)
     except lineage.RestoreError as err:

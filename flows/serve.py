@@ -11,6 +11,8 @@ mean for `make run`). Ctrl-C stops the deployments and, with --start-servers, bo
 
 from __future__ import annotations
 
+# prefect and the flows are imported inside the functions that use them: the --start-servers process only
+# starts the servers and a child process that serves, and never needs them.
 import argparse
 import os
 import signal

@@ -8,6 +8,7 @@ work starts, with the offending key named.
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -239,7 +240,7 @@ class PPOConfig(Section):
     reward_fn: str | None = Field(
         None,
         description="'module:function' scoring (prompts, responses, **reward_fn_kwargs) -> list[float], "
-        "e.g. 'rlhflow.rewards:contains_word'; default: the trained reward model",
+        "e.g. 'rlhflow.reward_functions:contains_word'; default: the trained reward model",
     )
     reward_fn_kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for reward_fn")
     value_model: Literal["shared", "separate"] = Field(
@@ -372,6 +373,27 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         if not isinstance(params, dict):
             raise ConfigError(f"{path} must hold a mapping of sections, got {type(params).__name__}")
     return config_from_dict(apply_overrides(params, overrides))
+
+
+def parse_config_args(argv: list[str] | None, description: str) -> tuple[Config, argparse.Namespace]:
+    """The command line every entry point shares: `--params FILE` and repeatable `--set key=value` overrides,
+    loaded and validated; a bad value exits with status 2 and the key named."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--params", default=None, help="params file (default: the repo's params.yaml)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one params.yaml value for this run, e.g. --set ppo.kl_coef=0.1 (repeatable)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.params, args.overrides)
+    except ConfigError as err:
+        parser.exit(2, f"error: {err}\n")
+    return cfg, args
 
 
 def write_params(cfg: Config, path: str | os.PathLike) -> None:

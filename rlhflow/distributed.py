@@ -9,6 +9,7 @@ optimisation step across all processes; each of N processes takes 1/N of every b
 
 from __future__ import annotations
 
+# accelerate is imported only when a multi-process run joins its process group: a single process never loads it.
 import os
 
 import torch

@@ -29,6 +29,7 @@ overrides is also saved as a DVC experiment (`save_experiment`), so `dvc exp sho
 
 from __future__ import annotations
 
+# dvc and mlflow are heavy: they are imported inside the functions that use them, so importing the flow stays fast.
 import contextlib
 import os
 import shutil
@@ -40,9 +41,11 @@ from typing import Any
 
 import yaml
 
-from rlhflow.config import REPO_ROOT, Config
+from rlhflow import tracking
+from rlhflow.config import REPO_ROOT, Config, load_config, write_params
 from rlhflow.fsutil import atomic_file
 from rlhflow.stages import STAGES, Stage, get_stage
+from rlhflow.tracking import redact  # URL passwords and secret environment values never reach MLflow
 
 PARAMS_FILE = "params.yaml"  # the key dvc.lock files its params under
 
@@ -383,8 +386,6 @@ def log_run_lineage(cfg: Config, names: list[str]) -> dict[str, Any]:
             rel = stage.resolve(cfg, template)
             if cfg.path(rel).is_file():
                 mlflow.log_artifact(str(cfg.path(rel)), artifact_path=_artifact_dir(rel))
-    from rlhflow.tracking import redact  # URL passwords and secret environment values never reach MLflow
-
     mlflow.log_text(redact(yaml.safe_dump(lock, sort_keys=False)), LOCK_FILE)
     mlflow.log_text(redact(yaml.safe_dump(cfg.to_params(), sort_keys=False)), PARAMS_FILE)
     return lock
@@ -419,8 +420,6 @@ def run_lock(run_id: str, cfg: Config, dst: Path) -> tuple[dict[str, Any], Path 
     """The run's `dvc.lock` artifact (parsed) and its downloaded `outputs/` folder (None when it has none)."""
     import mlflow
     from mlflow.exceptions import MlflowException
-
-    from rlhflow import tracking
 
     uri = tracking.tracking_uri(cfg)
     try:
@@ -526,7 +525,6 @@ EXP_TAG = "dvc.experiment"
 
 def has_overrides(cfg: Config) -> bool:
     """The run's config differs from the repository's params.yaml (--set, the Prefect form, --params)."""
-    from rlhflow.config import load_config
 
     return cfg.to_params() != load_config().to_params()
 
@@ -557,9 +555,6 @@ def save_experiment(cfg: Config, name: str, message: str) -> str | None:
     import subprocess
 
     from dvc.repo.experiments.refs import ExpRefInfo
-
-    from rlhflow.config import write_params
-    from rlhflow.tracking import redact
 
     try:
         head = _git("rev-parse", "--verify", "HEAD")

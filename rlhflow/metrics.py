@@ -6,7 +6,7 @@
   (the k1 estimator, unbiased under samples from the policy), averaged over responses, in nats;
 - win rate: fraction of prompts where the policy's response outscores the SFT response (ties count half), with
   a percentile-bootstrap confidence interval over prompts;
-- pairwise accuracy (in rlhflow.reward): fraction of pairs where chosen outscores rejected;
+- pairwise accuracy (in rlhflow.reward_model): fraction of pairs where chosen outscores rejected;
 - drift and reward hacking: response length (words), distinct-n, repetition rate;
 - reward-model calibration: accuracy by confidence bucket, expected calibration error;
 - Kendall's tau between reward-model scores and the human ranking of a prompt's responses.

@@ -23,8 +23,8 @@ from torch import nn
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 from transformers.generation import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
+from rlhflow.logits import entropy_from_logits, logprobs_from_logits
 from rlhflow.packed import packed_linears
-from rlhflow.ppo.core import entropy_from_logits, logprobs_from_logits
 
 Messages = list[dict]
 

@@ -8,6 +8,8 @@ rm.predict(pd.DataFrame({"prompt": [...], "response": [...]}))                 #
 
 from __future__ import annotations
 
+# The model code (torch, transformers) is imported when MLflow loads a logged model (load_context, predict):
+# logging one imports this module and needs none of it.
 import mlflow.pyfunc
 
 
@@ -46,7 +48,7 @@ class RewardPyfunc(mlflow.pyfunc.PythonModel):
     """Normalised reward of each (prompt, response) row."""
 
     def load_context(self, context):
-        from rlhflow.reward import RewardModel
+        from rlhflow.reward_model import RewardModel
 
         self.rm = RewardModel.load(context.artifacts["model_dir"])
 

@@ -30,6 +30,10 @@ class Stage:
     metrics: list[str] = field(default_factory=list)  # small JSON files, kept in git
     plots: list[str] = field(default_factory=list)  # data files behind the plots in PLOTS
     persist: list[str] = field(default_factory=list)  # outputs kept between runs (checkpoints)
+    # loads models on the accelerator: holds a slot of the Prefect concurrency limit while it runs (flows/pipeline.py)
+    accelerator: bool = False
+    # trains data parallel under `accelerate launch`; otherwise rank 0 works alone (tasks/_common.py)
+    data_parallel: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "deps", with_code_deps(self.deps, self.module))
@@ -96,22 +100,27 @@ STAGES: list[Stage] = [
         deps=[VALIDATED, "rlhflow/models.py", "rlhflow/policy.py", "tasks/sft.py"],
         outs=["${sft.out_dir}"],
         metrics=[_metrics("sft")],
+        accelerator=True,
     ),
     Stage(
         name="reward_model",
         description="train the Bradley-Terry reward model with trl's RewardTrainer",
         params=["seed", "reward_model"],
-        deps=[VALIDATED, "${sft.out_dir}", "rlhflow/reward.py", "tasks/reward_model.py"],
+        deps=[VALIDATED, "${sft.out_dir}", "rlhflow/reward_model.py", "tasks/reward_model.py"],
         outs=["${reward_model.out_dir}"],
         metrics=[_metrics("reward_model")],
+        accelerator=True,
+        data_parallel=True,
     ),
     Stage(
         name="judge",
         description="train the judge reward model on the judge split (prompts PPO and the proxy never see)",
         params=["seed", "judge"],
-        deps=[VALIDATED, "${sft.out_dir}", "rlhflow/reward.py", "tasks/reward_model.py", "tasks/judge.py"],
+        deps=[VALIDATED, "${sft.out_dir}", "rlhflow/reward_model.py", "tasks/reward_model.py", "tasks/judge.py"],
         outs=["${judge.out_dir}"],
         metrics=[_metrics("judge")],
+        accelerator=True,
+        data_parallel=True,
     ),
     Stage(
         name="ppo",
@@ -128,6 +137,8 @@ STAGES: list[Stage] = [
         outs=["${ppo.out_dir}"],
         metrics=[_metrics("ppo")],
         plots=["${metrics_dir}/ppo_history.csv"],
+        accelerator=True,
+        data_parallel=True,
     ),
     Stage(
         name="evaluate",
@@ -153,12 +164,13 @@ STAGES: list[Stage] = [
             "${metrics_dir}/ppo_history.csv",
             "rlhflow/metrics.py",
             "rlhflow/plots.py",
-            "rlhflow/reward.py",
+            "rlhflow/reward_model.py",
             "tasks/evaluate.py",
         ],
         outs=["${evaluate.report_dir}"],
         metrics=[_metrics("evaluate")],
         plots=["${metrics_dir}/eval_reward_quantiles.csv", "${metrics_dir}/eval_calibration.csv"],
+        accelerator=True,
     ),
 ]
 

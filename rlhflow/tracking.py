@@ -6,6 +6,8 @@ the repository root (never relative to the cwd, so DVC stages and flows write to
 
 from __future__ import annotations
 
+# mlflow (and pandas) are imported inside the functions that use them: importing the flow and the stage modules
+# stays fast, and rlhflow.serving (imported by log_model_dir) is loaded only when a model is logged.
 import contextlib
 import hashlib
 import math

@@ -18,6 +18,7 @@ and a prompt leaking between splits is a boolean `prompt_in_other_split` column 
 
 from __future__ import annotations
 
+# great_expectations is heavy: it is imported inside the functions that run the suite.
 import hashlib
 import html
 import json

@@ -7,7 +7,6 @@ A stage module defines `run(cfg, ctx) -> dict[str, float]` (its metrics) and end
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -21,8 +20,11 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
+from prefect import task  # noqa: E402
+from prefect.cache_policies import NO_CACHE  # noqa: E402
+
 from rlhflow import distributed, tracking  # noqa: E402
-from rlhflow.config import Config, ConfigError, load_config  # noqa: E402
+from rlhflow.config import Config, parse_config_args  # noqa: E402
 from rlhflow.stages import get_stage  # noqa: E402
 
 
@@ -42,22 +44,20 @@ class StageContext:
 
 
 StageBody = Callable[[Config, StageContext], dict[str, float]]
-# Stages whose training runs data parallel under `accelerate launch`; in the others, rank 0 works alone.
-DATA_PARALLEL_STAGES = {"reward_model", "judge", "ppo"}
 
 
 def run_stage(name: str, body: StageBody, cfg: Config, parent_run_id: str | None = None) -> dict[str, float]:
     """Run one stage inside its MLflow child run; write metrics/<stage>.json when the stage declares one.
 
     Under `accelerate launch` with several processes, only the main process (rank 0) opens the run and writes
-    the metrics file; in DATA_PARALLEL_STAGES the others run the body with `ctx.main_process` False (they
-    train their data shard and must write nothing). They return no metrics."""
+    the metrics file; in data parallel stages (`Stage.data_parallel`) the others run the body with
+    `ctx.main_process` False (they train their data shard and must write nothing). They return no metrics."""
     distributed.init()
+    stage = get_stage(name)
     if not distributed.is_main_process():
-        if name in DATA_PARALLEL_STAGES:
+        if stage.data_parallel:
             body(cfg, StageContext(stage=name, main_process=False))
         return {}
-    stage = get_stage(name)
     sections = [p.split(".")[0] for p in stage.params]
     with tracking.stage_run(cfg, name, sorted(set(sections)), parent_run_id=parent_run_id) as run:
         ctx = StageContext(stage=name, parent_run_id=parent_run_id, run_id=run.info.run_id)
@@ -72,8 +72,6 @@ def run_stage(name: str, body: StageBody, cfg: Config, parent_run_id: str | None
 
 def stage_task(name: str, body: StageBody):
     """The stage as a Prefect task: no retries (training is not idempotent), no result caching."""
-    from prefect import task
-    from prefect.cache_policies import NO_CACHE
 
     @task(name=name, retries=0, cache_policy=NO_CACHE)
     def _task(cfg: Config, parent_run_id: str | None = None) -> dict[str, float]:
@@ -82,27 +80,8 @@ def stage_task(name: str, body: StageBody):
     return _task
 
 
-def parse_args(argv: list[str] | None, description: str) -> tuple[Config, argparse.Namespace]:
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--params", default=None, help="params file (default: the repo's params.yaml)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one params.yaml value for this run, e.g. --set ppo.kl_coef=0.1 (repeatable)",
-    )
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.params, args.overrides)
-    except ConfigError as err:
-        parser.exit(2, f"error: {err}\n")
-    return cfg, args
-
-
 def cli(name: str, body: StageBody, argv: list[str] | None = None) -> None:
-    cfg, _ = parse_args(argv, f"Run the {name} stage alone: {get_stage(name).description}.")
+    cfg, _ = parse_config_args(argv, f"Run the {name} stage alone: {get_stage(name).description}.")
     try:
         tracking.preflight(cfg)  # an unreachable tracking server fails here, in seconds, not after training
         metrics = run_stage(name, body, cfg)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+# Heavy imports (torch, transformers, mlflow, the library's model code) are deferred into the stage body, so
+# that importing the module (the flow does, to get its task; so does `--help`) stays fast.
 from rlhflow.config import Config
 from tasks._common import StageContext, cli, stage_task
 
@@ -14,11 +16,6 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     path = write_demo(cfg.data.demo, cfg.path(cfg.data.demo.out_dir))
     rows = sum(1 for _ in open(path))
     return {"demo/pairs": rows}
-
-
-def uses_demo_data(cfg: Config) -> bool:
-    """True when the pipeline reads the demo generator's output (the offline default)."""
-    return cfg.path(cfg.data.preferences) == cfg.path(cfg.data.demo.out_dir) / "preferences.jsonl"
 
 
 task = stage_task(NAME, run)

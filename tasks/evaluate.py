@@ -11,6 +11,8 @@ run; the report (reports/evaluate/report.md) says which version is champion and 
 
 from __future__ import annotations
 
+# Heavy imports (torch, transformers, mlflow, the library's model code) are deferred into the stage body, so
+# that importing the module (the flow does, to get its task; so does `--help`) stays fast.
 import math
 import tempfile
 from dataclasses import dataclass, field
@@ -80,7 +82,7 @@ class PairEvaluation:
 
 def evaluate_reward_model(rm, rows: list[dict]) -> PairEvaluation:
     from rlhflow.metrics import confidence_buckets, expected_calibration_error, ranking_agreement
-    from rlhflow.reward import pairwise_accuracy
+    from rlhflow.reward_model import pairwise_accuracy
 
     prompts = [r["prompt_messages"] for r in rows]
     chosen = rm.raw_scores(prompts, [r["chosen"] for r in rows])
@@ -111,7 +113,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.fsutil import atomic_dir, write_json_atomic, write_text_atomic
     from rlhflow.metrics import perplexity, response_kl, win_rate, win_rate_interval
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device
-    from rlhflow.reward import RewardModel
+    from rlhflow.reward_model import RewardModel
 
     e = cfg.evaluate
     device = pick_device(cfg.device)

@@ -4,66 +4,13 @@
 
 from __future__ import annotations
 
-import functools
-import importlib
-from collections.abc import Callable
-
+# Heavy imports (torch, transformers, mlflow, the library's model code) are deferred into the stage body, so
+# that importing the module (the flow does, to get its task; so does `--help`) stays fast.
 from rlhflow.config import Config
 from tasks._common import StageContext, cli, stage_task
 
 NAME = "ppo"
 REGISTERED_NAME = "rlhf-policy"
-
-
-def load_reward_fn(spec: str, kwargs: dict | None = None) -> Callable:
-    """`package.module:function`, called as fn(prompt_messages_batch, responses, **kwargs) -> sequence of floats."""
-    module_name, _, attr = spec.partition(":")
-    if not attr:
-        raise ValueError(f"ppo.reward_fn {spec!r} must look like 'package.module:function'")
-    fn = getattr(importlib.import_module(module_name), attr, None)
-    if not callable(fn):
-        raise ValueError(f"ppo.reward_fn {spec!r}: {attr!r} is not a callable in {module_name}")
-    return functools.partial(fn, **(kwargs or {}))
-
-
-def load_reward_source(cfg: Config, device):
-    """(score_fn, reward model): ppo.reward_fn when set (no reward model), else the trained reward model's
-    normalised score."""
-    import torch
-
-    if cfg.ppo.reward_fn:
-        fn = load_reward_fn(cfg.ppo.reward_fn, cfg.ppo.reward_fn_kwargs)
-        return lambda prompts, responses: torch.as_tensor(list(fn(prompts, responses)), dtype=torch.float32), None
-    from rlhflow.reward import RewardModel
-
-    rm = RewardModel.load(
-        cfg.path(cfg.reward_model.out_dir), batch_size=cfg.reward_model.eval_batch_size, device=device
-    )
-    return rm.score, rm
-
-
-def make_critic(cfg: Config, reward_model, policy_tokenizer):
-    """The separate critic's start (ppo.critic_init): a copy of the reward model when it reads the policy's tokens,
-    else None (the trainer copies the SFT backbone)."""
-    from rlhflow.policy import Critic
-
-    if cfg.ppo.value_model != "separate" or cfg.ppo.critic_init == "sft":
-        return None
-    if reward_model is None:
-        why_not = "ppo.reward_fn replaces the reward model"
-    elif reward_model.tokenizer.get_vocab() != policy_tokenizer.get_vocab():
-        why_not = "the reward model's tokenizer is not the policy's"
-    else:
-        try:
-            critic = Critic.from_reward_model(reward_model.model, reward_model.mean, reward_model.std)
-            print("ppo: the critic starts from the reward model", flush=True)
-            return critic
-        except ValueError as err:
-            why_not = str(err)
-    if cfg.ppo.critic_init == "reward_model":
-        raise ValueError(f"ppo.critic_init=reward_model: {why_not}")
-    print(f"ppo: the critic starts from the SFT model ({why_not})", flush=True)
-    return None
 
 
 def inputs_fingerprint(cfg: Config) -> str:
@@ -106,6 +53,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.data.formats import read_jsonl
     from rlhflow.fsutil import atomic_dir
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device
+    from rlhflow.ppo.setup import load_reward_source, make_critic
     from rlhflow.ppo.trainer import PPOTrainer
 
     device = distributed.local_device(pick_device(cfg.device))

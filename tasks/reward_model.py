@@ -4,6 +4,8 @@ pairs, report pairwise accuracy (with its standard error) on the held-out test p
 
 from __future__ import annotations
 
+# Heavy imports (torch, transformers, mlflow, the library's model code) are deferred into the stage body, so
+# that importing the module (the flow does, to get its task; so does `--help`) stays fast.
 from pathlib import Path
 
 from rlhflow.config import Config, RewardModelConfig
@@ -62,7 +64,7 @@ def train_pairwise_model(
     from rlhflow import distributed, tracking
     from rlhflow.data.formats import read_jsonl
     from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir
-    from rlhflow.reward import evaluate_pairs, train_reward_model
+    from rlhflow.reward_model import evaluate_pairs, train_reward_model
 
     validated = cfg.path(cfg.validate_.out_dir)
     train_file = validated / f"{split}.jsonl"

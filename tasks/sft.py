@@ -4,6 +4,8 @@ perplexity on held-out reference responses and a few sample generations."""
 
 from __future__ import annotations
 
+# Heavy imports (torch, transformers, mlflow, the library's model code) are deferred into the stage body, so
+# that importing the module (the flow does, to get its task; so does `--help`) stays fast.
 from rlhflow.config import Config
 from tasks._common import StageContext, cli, stage_task
 

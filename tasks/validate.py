@@ -9,6 +9,8 @@ failed report is written next to them (`<report_dir>.failed/`) and logged on the
 
 from __future__ import annotations
 
+# Heavy imports (torch, transformers, mlflow, the library's model code) are deferred into the stage body, so
+# that importing the module (the flow does, to get its task; so does `--help`) stays fast.
 import shutil
 
 from rlhflow.config import Config

@@ -25,6 +25,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
+def prefect_server():
+    """A temporary Prefect server (its own database) for the flow runs of one test module; stopped after it."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture(scope="module")
 def one_thread():
     """Tiny models run faster on one thread, and far faster when other work shares the 2 cores."""
     import torch

@@ -193,14 +193,6 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
-@pytest.fixture(scope="module")
 def good_run(prefect_server, tmp_path_factory, tiny_model_dir):
     """A tmp project whose demo data went through validate and sft: the previous good outputs."""
     from flows.pipeline import rlhf_pipeline
@@ -215,6 +207,7 @@ def good_run(prefect_server, tmp_path_factory, tiny_model_dir):
     return root, before
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("make_case", CASES, ids=[c.__name__ for c in CASES])
 def test_bad_data_is_rejected_by_validate_and_nothing_else_happens(make_case, good_run, tiny_model_dir, tmp_path):
     import mlflow
@@ -254,6 +247,7 @@ BAD_PARAMS = [
 ]
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("override,pattern", BAD_PARAMS, ids=["unknown_key", "wrong_type", "out_of_range"])
 def test_bad_parameters_fail_the_flow_before_any_work(override, pattern, prefect_server, tmp_path, tiny_model_dir):
     from flows.pipeline import rlhf_pipeline

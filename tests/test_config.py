@@ -61,3 +61,15 @@ def test_evaluation_temperature_follows_ppo_unless_set():
     cfg = load_config(overrides=["ppo.temperature=0.9"])
     assert cfg.evaluate.temperature is None and cfg.eval_temperature == 0.9  # params.yaml leaves it unset
     assert load_config(overrides=["ppo.temperature=0.9", "evaluate.temperature=0.5"]).eval_temperature == 0.5
+
+
+def test_command_line_reads_params_and_overrides(tmp_path):
+    from rlhflow.config import parse_config_args
+
+    params = tmp_path / "params.yaml"
+    params.write_text("seed: 3\n")
+    cfg, _ = parse_config_args(["--params", str(params), "--set", "ppo.kl_coef=0.25"], "test")
+    assert cfg.seed == 3 and cfg.ppo.kl_coef == 0.25
+    with pytest.raises(SystemExit) as exit_:
+        parse_config_args(["--set", "ppo.nope=1"], "test")
+    assert exit_.value.code == 2

@@ -116,6 +116,7 @@ def dvc_repo(tmp_path_factory, tiny_model_dir):
     return repo, run, first
 
 
+@pytest.mark.system
 def test_dvc_repro_runs_the_stages_then_nothing(dvc_repo):
     repo, run, first = dvc_repo
     for s in STAGES:
@@ -147,6 +148,7 @@ def _latest_stage_run(client, stage: str):
     )[0]
 
 
+@pytest.mark.system
 def test_dvc_metrics_equal_the_mlflow_metrics(dvc_repo):
     repo, _, _ = dvc_repo
     client = _mlflow_client(repo)
@@ -170,6 +172,7 @@ def test_dvc_metrics_equal_the_mlflow_metrics(dvc_repo):
     assert any(key.startswith("rm/accuracy_conf_") for key in evaluate)
 
 
+@pytest.mark.system
 def test_first_run_becomes_champion_and_the_report_says_so(dvc_repo):
     repo, _, _ = dvc_repo
     client = _mlflow_client(repo)
@@ -189,6 +192,7 @@ def test_first_run_becomes_champion_and_the_report_says_so(dvc_repo):
     assert {"prompt", "sft_response", "ppo_response", "sft_reward", "ppo_reward"} <= set(table["columns"])
 
 
+@pytest.mark.system
 def test_dvc_plots_show_renders_the_ppo_and_evaluation_plots(dvc_repo):
     repo, run, _ = dvc_repo
     shown = run("dvc", "plots", "show", "-o", "plots_html")
@@ -205,6 +209,7 @@ def test_dvc_plots_show_renders_the_ppo_and_evaluation_plots(dvc_repo):
     assert "ppo_reward" in html and "perfect_calibration" in html
 
 
+@pytest.mark.system
 def test_dvc_exp_run_with_another_kl_coef_is_compared_and_challenges_the_champion(dvc_repo):
     repo, run, _ = dvc_repo
     client = _mlflow_client(repo)

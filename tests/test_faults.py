@@ -38,14 +38,7 @@ def digest(path: Path) -> dict[str, str] | None:
 # ---- the tracking server is down ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
+@pytest.mark.system
 def test_unreachable_tracking_server_fails_the_flow_in_seconds(prefect_server, tmp_path, tiny_model_dir, monkeypatch):
     from flows.pipeline import rlhf_pipeline
     from rlhflow.tracking import TrackingUnavailableError

@@ -99,14 +99,6 @@ def test_hashes_are_dvcs_own(tmp_path):
         assert md5(data) == dvc_md5
 
 
-@pytest.fixture(scope="module")
-def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
 def _stage_runs(db: Path) -> list[str]:
     import mlflow
 
@@ -115,6 +107,7 @@ def _stage_runs(db: Path) -> list[str]:
     return [r.data.tags["stage"] for r in runs if "stage" in r.data.tags]
 
 
+@pytest.mark.system
 def test_second_flow_run_skips_and_a_changed_param_reruns_that_stage(prefect_server, tmp_path, tiny_model_dir):
     from flows.pipeline import rlhf_pipeline
 
@@ -146,6 +139,7 @@ def test_second_flow_run_skips_and_a_changed_param_reruns_that_stage(prefect_ser
     assert json.loads((tmp_path / "metrics/validate.json").read_text())["validate/test_rows"] > 0
 
 
+@pytest.mark.system
 def test_flow_skips_what_dvc_repro_just_ran(tmp_path, tiny_model_dir):
     """`dvc repro` records its stages in dvc.lock; the flow, in the same repository, finds them up to date."""
     run = make_dvc_repo(tmp_path / "repo", tiny_model_dir, timeout=600)

@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from conftest import make_dvc_repo
 
 from rlhflow import lineage, tracking
@@ -131,6 +132,7 @@ LOCK_PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.system
 def test_flow_run_is_dvcs_record_and_its_parent_run_restores(tmp_path, tiny_model_dir):
     repo = tmp_path / "repo"
     run = make_dvc_repo(repo, tiny_model_dir, timeout=900)

@@ -22,7 +22,8 @@ from conftest import REPO, free_port, tiny_pipeline_overrides
 
 from rlhflow.stages import STAGE_NAMES
 
-pytestmark = pytest.mark.slow  # a whole tiny pipeline run, then an MLflow server and Chromium: about 2 min on 2 cores
+# a whole tiny pipeline run, then an MLflow server and Chromium: about 2 min on 2 cores
+pytestmark = [pytest.mark.slow, pytest.mark.system]
 
 ARTIFACTS = REPO / "test-artifacts"
 EVAL_METRICS = [

@@ -14,6 +14,8 @@ from conftest import tiny_pipeline_overrides
 from rlhflow.stages import STAGES
 from rlhflow.tracking import file_md5
 
+pytestmark = pytest.mark.system  # whole flow runs on a Prefect test server
+
 EVAL_METRICS = [
     "eval/reward_mean",
     "eval/reward_mean_sft",
@@ -23,14 +25,6 @@ EVAL_METRICS = [
     "eval/perplexity_sft",
     "rm/accuracy",
 ]
-
-
-@pytest.fixture(scope="module")
-def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
 
 
 def test_flow_runs_every_stage_and_tracks_them(prefect_server, tmp_path, tiny_model_dir):

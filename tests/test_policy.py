@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from rlhflow.logits import entropy_from_logits
 from rlhflow.packed import packed_linears
 from rlhflow.policy import (
     Critic,
@@ -16,7 +17,6 @@ from rlhflow.policy import (
     pad_sequences,
     sequence_logprobs,
 )
-from rlhflow.ppo.core import entropy_from_logits
 from rlhflow.testing import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")

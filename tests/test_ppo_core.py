@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from rlhflow.logits import entropy_from_logits, logprobs_from_logits
 from rlhflow.ppo import core
 
 approx = lambda x, **kw: pytest.approx(x, abs=kw.pop("abs", 1e-5), **kw)  # noqa: E731
@@ -131,14 +132,14 @@ def test_clipped_value_loss_by_hand():
 
 
 def test_entropy_and_logprobs_from_logits():
-    assert core.entropy_from_logits(torch.zeros(2, 4)).tolist() == approx([math.log(4)] * 2)
+    assert entropy_from_logits(torch.zeros(2, 4)).tolist() == approx([math.log(4)] * 2)
     # a distribution (1/2, 1/4, 1/4): H = 1.5 log 2
     logits = torch.log(t([[0.5, 0.25, 0.25]]))
-    assert core.entropy_from_logits(logits).item() == approx(1.5 * math.log(2))
+    assert entropy_from_logits(logits).item() == approx(1.5 * math.log(2))
     logits = torch.randn(3, 5, 7)
     tokens = torch.randint(0, 7, (3, 5))
     expected = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
-    assert torch.allclose(core.logprobs_from_logits(logits, tokens), expected, atol=1e-6)
+    assert torch.allclose(logprobs_from_logits(logits, tokens), expected, atol=1e-6)
 
 
 def test_adaptive_kl_controller_moves_towards_target():

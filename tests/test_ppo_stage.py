@@ -20,7 +20,7 @@ def ppo_overrides(root: Path, model_dir: Path, **extra) -> list[str]:
         "sft.out_dir": model_dir,
         "validate.out_dir": root / "validated",
         "reward_model.out_dir": root / "no_reward_model",
-        "ppo.reward_fn": "rlhflow.rewards:vowel_fraction",
+        "ppo.reward_fn": "rlhflow.reward_functions:vowel_fraction",
         "ppo.steps": STEPS,
         "ppo.batch_size": 8,
         "ppo.mini_batch_size": 4,

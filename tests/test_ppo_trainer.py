@@ -281,8 +281,8 @@ def test_separate_critic_starts_from_the_reward_model_when_it_reads_the_policys_
     from transformers import AutoModelForSequenceClassification
 
     from rlhflow.config import load_config
-    from rlhflow.reward import RewardModel
-    from tasks.ppo import make_critic
+    from rlhflow.ppo.setup import make_critic
+    from rlhflow.reward_model import RewardModel
 
     torch.manual_seed(0)
     rm = RewardModel(
@@ -318,3 +318,14 @@ def test_separate_critic_starts_from_the_reward_model_when_it_reads_the_policys_
     with pytest.raises(ValueError, match="ppo.critic_init=reward_model: ppo.reward_fn replaces the reward model"):
         make_critic(strict, None, tok)
     assert make_critic(load_config(overrides=["ppo.value_model=shared"]), rm, tok) is None
+
+
+def test_load_reward_fn_binds_its_kwargs_and_rejects_bad_specs():
+    from rlhflow.reward_functions import load_reward_fn
+
+    fn = load_reward_fn("rlhflow.reward_functions:contains_word", {"word": "hello"})
+    assert fn([[], []], ["Hello there", "bye"]) == [1.0, 0.0]
+    with pytest.raises(ValueError, match="must look like"):
+        load_reward_fn("rlhflow.reward_functions")
+    with pytest.raises(ValueError, match="is not a callable"):
+        load_reward_fn("rlhflow.reward_functions:nope")

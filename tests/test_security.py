@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, tiny_pipeline_overrides
 
+from rlhflow.stages import STAGES
+
 MARKER_ENV = "RLHFLOW_TEST_REMOTE_CODE_MARKER"
 
 CUSTOM_CONFIG = """
@@ -67,7 +69,7 @@ def remote_code_model(tmp_path, tiny_model_dir, monkeypatch):
 def test_model_code_runs_only_when_params_turn_trust_remote_code_on(remote_code_model):
     from rlhflow.config import load_config
     from rlhflow.models import load_causal_lm
-    from rlhflow.reward import load_backbone
+    from rlhflow.reward_model import load_backbone
 
     model, marker = remote_code_model
     cfg = load_config()
@@ -87,7 +89,7 @@ def test_weights_load_only_from_safetensors(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from rlhflow.models import load_causal_lm
-    from rlhflow.reward import NORM_FILE, RewardModel, load_backbone
+    from rlhflow.reward_model import NORM_FILE, RewardModel, load_backbone
 
     pickled = tmp_path / "pickled_model"
     shutil.copytree(tiny_model_dir, pickled)
@@ -137,14 +139,6 @@ SECRETS = {
 }
 
 
-@pytest.fixture(scope="module")
-def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
 def listening_addresses(port: int) -> set[str]:
     """Local IPv4/IPv6 addresses with a socket listening on `port` (from /proc/net/tcp*)."""
     found = set()
@@ -157,6 +151,7 @@ def listening_addresses(port: int) -> set[str]:
     return found
 
 
+@pytest.mark.system
 def test_the_prefect_server_listens_on_loopback_only(prefect_server):
     from urllib.parse import urlparse
 
@@ -167,6 +162,7 @@ def test_the_prefect_server_listens_on_loopback_only(prefect_server):
     assert addresses == {"0100007F"}, addresses  # 127.0.0.1, not 0.0.0.0 (00000000) or an IPv6 wildcard
 
 
+@pytest.mark.system
 def test_environment_secrets_never_reach_mlflow_or_prefect_logs(prefect_server, tmp_path, tiny_model_dir, monkeypatch):
     import asyncio
 
@@ -187,7 +183,7 @@ def test_environment_secrets_never_reach_mlflow_or_prefect_logs(prefect_server, 
 
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("rlhf").experiment_id])
-    assert len(runs) == 8  # the parent and seven stages
+    assert len(runs) == 1 + len(STAGES)  # the parent and one run per stage
     for run in runs:
         assert not leaks(json.dumps(run.data.params)), run.data.tags.get("stage")
         assert not leaks(json.dumps(run.data.tags)), run.data.tags.get("stage")

@@ -21,6 +21,12 @@ def test_stage_order_and_commands():
         assert (REPO_ROOT / "tasks" / f"{s.name}.py").exists()
 
 
+def test_stage_properties():
+    assert [s.name for s in STAGES if s.accelerator] == ["sft", "reward_model", "judge", "ppo", "evaluate"]
+    assert [s.name for s in STAGES if s.data_parallel] == ["reward_model", "judge", "ppo"]
+    assert all(s.accelerator for s in STAGES if s.data_parallel)
+
+
 def test_templates_resolve_to_the_configured_paths():
     cfg = load_config(overrides=["sft.out_dir=/x/sft"])
     sft = next(s for s in STAGES if s.name == "sft")
@@ -38,10 +44,11 @@ def test_every_code_dependency_exists():
 
 def test_each_stage_reads_the_outputs_of_earlier_stages_only():
     cfg = load_config()
-    produced: set[str] = {s.resolve(cfg, "${data.preferences}") for s in STAGES[:0]}
+    # the preference data is the one input given before any stage runs (the user's, or demo_data's output)
+    produced = {STAGES[0].resolve(cfg, "${data.preferences}")}
     for s in STAGES:
         for dep in s.deps:
-            if dep.startswith("${") and dep != "${data.preferences}":
+            if dep.startswith("${"):
                 assert s.resolve(cfg, dep) in produced, f"{s.name} reads {dep} before any stage writes it"
         produced.update(s.resolve(cfg, o) for o in s.outs + s.metrics + s.plots)  # DVC outputs, cached or not
 
@@ -68,7 +75,7 @@ def test_code_deps_are_the_import_closure_of_the_stage_module():
             "rlhflow/packed.py",
             "rlhflow/models.py",
             "rlhflow/distributed.py",
-            "rlhflow/reward.py",
+            "rlhflow/reward_model.py",
             "rlhflow/ppo/trainer.py",
         )
     )

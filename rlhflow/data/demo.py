@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from rlhflow.config import DemoDataConfig
+from rlhflow.config import DemoDataConfig, load_config
 from rlhflow.data.formats import write_jsonl
 
 # topic -> (three short steps, two explanatory facts). The name reads as an activity in questions.
@@ -551,8 +551,6 @@ def _lower(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from rlhflow.config import load_config
-
     defaults = load_config().data.demo
     parser = argparse.ArgumentParser(description="Write the deterministic demo preference data.")
     parser.add_argument("--out", default=None, help=f"output directory (default: {defaults.out_dir})")

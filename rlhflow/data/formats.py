@@ -22,6 +22,7 @@ are kept: the validation suite reports them with their rows.
 
 from __future__ import annotations
 
+# pyarrow and datasets are imported by the readers that need them: heavy, and most data never uses them.
 import codecs
 import gzip
 import json

@@ -1,4 +1,5 @@
-"""PPO for RLHF: the math (`rlhflow.ppo.core`) and the engine (`rlhflow.ppo.trainer`)."""
+"""PPO for RLHF: the math (`rlhflow.ppo.core`), the engine (`rlhflow.ppo.trainer`) and what a run starts from
+(`rlhflow.ppo.setup`)."""
 
 from rlhflow.ppo.core import (
     AdaptiveKLController,
@@ -14,6 +15,7 @@ from rlhflow.ppo.core import (
     policy_loss,
     value_loss,
 )
+from rlhflow.ppo.trainer import NonFiniteError, PPOTrainer
 
 __all__ = [
     "AdaptiveKLController",
@@ -31,11 +33,3 @@ __all__ = [
     "policy_loss",
     "value_loss",
 ]
-
-
-def __getattr__(name):  # the trainer imports rlhflow.policy, which imports core: load it lazily
-    if name in ("PPOTrainer", "NonFiniteError"):
-        from rlhflow.ppo import trainer
-
-        return getattr(trainer, name)
-    raise AttributeError(name)

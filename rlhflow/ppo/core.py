@@ -182,18 +182,6 @@ def value_loss(
     return loss, clipfrac
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """H = logsumexp(l) - sum_v softmax(l)_v * l_v, per position."""
-    probs = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
-
-
-def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[token] without materialising the full log-softmax."""
-    picked = torch.gather(logits, -1, tokens.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
 # ---- learning-rate schedule ----------------------------------------------------------------------
 
 

@@ -31,6 +31,7 @@ share it; the time/ entries are the main process's):
 
 from __future__ import annotations
 
+# peft is imported only when LoRA is asked for (ppo.lora.enabled): full fine-tuning never loads it.
 import copy
 import json
 import os

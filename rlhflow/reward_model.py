@@ -12,6 +12,8 @@ meaning whatever the scale of the head.
 
 from __future__ import annotations
 
+# trl, datasets and the trainer callbacks are imported by train_reward_model and pair_dataset only: scoring with a
+# trained reward model (PPO, evaluation, serving) never loads them.
 import json
 import math
 import os

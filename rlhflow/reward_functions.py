@@ -1,4 +1,4 @@
-"""Rule-based rewards for PPO without a reward model: `--set ppo.reward_fn=rlhflow.rewards:contains_word
+"""Rule-based rewards for PPO without a reward model: `--set ppo.reward_fn=rlhflow.reward_functions:contains_word
 --set ppo.reward_fn_kwargs='{word: thanks}'`.
 
 A reward function takes the batch of prompts (chat messages) and the decoded responses, plus the keyword
@@ -8,8 +8,21 @@ module and is named the same way (`package.module:function`).
 
 from __future__ import annotations
 
+import functools
+import importlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+
+def load_reward_fn(spec: str, kwargs: dict | None = None) -> Callable:
+    """`package.module:function`, called as fn(prompt_messages_batch, responses, **kwargs) -> sequence of floats."""
+    module_name, _, attr = spec.partition(":")
+    if not attr:
+        raise ValueError(f"ppo.reward_fn {spec!r} must look like 'package.module:function'")
+    fn = getattr(importlib.import_module(module_name), attr, None)
+    if not callable(fn):
+        raise ValueError(f"ppo.reward_fn {spec!r}: {attr!r} is not a callable in {module_name}")
+    return functools.partial(fn, **(kwargs or {}))
 
 
 def contains_word(prompts: Sequence, responses: Sequence[str], word: str = "thanks") -> list[float]:

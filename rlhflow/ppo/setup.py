@@ -1,0 +1,45 @@
+"""What a PPO run starts from, as the config chooses it: the reward source (a programmatic `ppo.reward_fn` or the
+trained reward model) and the separate critic's initial weights (`ppo.critic_init`)."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhflow.config import Config
+from rlhflow.policy import Critic
+from rlhflow.reward_functions import load_reward_fn
+from rlhflow.reward_model import RewardModel
+
+
+def load_reward_source(cfg: Config, device):
+    """(score_fn, reward model): ppo.reward_fn when set (no reward model), else the trained reward model's
+    normalised score."""
+    if cfg.ppo.reward_fn:
+        fn = load_reward_fn(cfg.ppo.reward_fn, cfg.ppo.reward_fn_kwargs)
+        return lambda prompts, responses: torch.as_tensor(list(fn(prompts, responses)), dtype=torch.float32), None
+    rm = RewardModel.load(
+        cfg.path(cfg.reward_model.out_dir), batch_size=cfg.reward_model.eval_batch_size, device=device
+    )
+    return rm.score, rm
+
+
+def make_critic(cfg: Config, reward_model, policy_tokenizer):
+    """The separate critic's start (ppo.critic_init): a copy of the reward model when it reads the policy's tokens,
+    else None (the trainer copies the SFT backbone)."""
+    if cfg.ppo.value_model != "separate" or cfg.ppo.critic_init == "sft":
+        return None
+    if reward_model is None:
+        why_not = "ppo.reward_fn replaces the reward model"
+    elif reward_model.tokenizer.get_vocab() != policy_tokenizer.get_vocab():
+        why_not = "the reward model's tokenizer is not the policy's"
+    else:
+        try:
+            critic = Critic.from_reward_model(reward_model.model, reward_model.mean, reward_model.std)
+            print("ppo: the critic starts from the reward model", flush=True)
+            return critic
+        except ValueError as err:
+            why_not = str(err)
+    if cfg.ppo.critic_init == "reward_model":
+        raise ValueError(f"ppo.critic_init=reward_model: {why_not}")
+    print(f"ppo: the critic starts from the SFT model ({why_not})", flush=True)
+    return None
