@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
 
 from rlhflow import distributed
+from rlhflow.hf_trainer import checkpoint_args, log_callback, train_resuming, use_bf16
 from rlhflow.models import disable_dropout, resolve_model
 
 NORM_FILE = "reward_normalization.json"
@@ -203,17 +204,11 @@ def train_reward_model(
     With `cfg.checkpoint_every` > 0 the Trainer checkpoints into `work_dir` every that many steps (the last one
     kept), and training resumes from the last complete checkpoint found there: the caller keeps `work_dir` only
     for the same inputs (see `rlhflow.fsutil.prepare_checkpoint_dir`)."""
-    from transformers import TrainerCallback
     from trl import RewardConfig, RewardTrainer
 
     torch.manual_seed(seed)  # the new score head's initialisation: the same in every run and every process
     model, tok = load_backbone(backbone, trust_remote_code=trust_remote_code, pooling=cfg.pooling)
     train = pair_dataset(train_rows, tok, cfg.max_length)
-
-    class _LogCallback(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if log_fn and logs:
-                log_fn({f"train_{k}": v for k, v in logs.items() if isinstance(v, (int, float))}, state.global_step)
 
     args = RewardConfig(
         output_dir=str(work_dir),
@@ -234,11 +229,7 @@ def train_reward_model(
         # batches of pairs of similar length (shuffled in groups) pad little: about 1.5x faster on real dialogues
         train_sampling_strategy="group_by_length",
         remove_unused_columns=False,
-        **(
-            {"save_strategy": "steps", "save_steps": cfg.checkpoint_every, "save_total_limit": 1}
-            if cfg.checkpoint_every
-            else {"save_strategy": "no"}
-        ),
+        **checkpoint_args(cfg.checkpoint_every),
         use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=0,
         disable_tqdm=False,
@@ -246,15 +237,9 @@ def train_reward_model(
         gradient_checkpointing=cfg.gradient_checkpointing,
     )
     trainer = RewardTrainer(
-        model=model, args=args, train_dataset=train, processing_class=tok, callbacks=[_LogCallback()]
+        model=model, args=args, train_dataset=train, processing_class=tok, callbacks=[log_callback(log_fn)]
     )
-    resume = last_complete_checkpoint(work_dir) if cfg.checkpoint_every else None
-    if resume is not None:
-        step = int(resume.name.split("-")[-1])
-        print(f"reward model: resuming training from {resume.name} (step {step})", flush=True)
-        if log_fn:
-            log_fn({"resumed_from_step": float(step)}, step)
-    trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+    train_resuming(trainer, work_dir, what="reward model", log_fn=log_fn)
     if log_fn:  # the batch the Trainer actually used per optimisation step, over all processes
         log_fn(
             {
@@ -289,26 +274,6 @@ def train_reward_model(
     rm.mean, rm.std = float(scores.mean()), float(scores.std().clamp_min(1e-6))
     write_normalization(out, mean=rm.mean, std=rm.std, max_length=cfg.max_length)
     return rm
-
-
-def use_bf16(precision: str) -> bool:
-    """bf16 mixed precision for `precision` ("auto": only on a CUDA GPU with bf16 support). trl's configs default
-    to bf16, which on a CPU without native bf16 (no AVX512-BF16/AMX) makes every matmul a slow fallback kernel:
-    MiniLM reward-model steps took 50 s instead of 1.2 s on such a machine."""
-    if precision == "auto":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    return precision == "bf16"
-
-
-def last_complete_checkpoint(work_dir: str | os.PathLike) -> Path | None:
-    """The newest `checkpoint-<step>` dir the Trainer finished writing (trainer_state.json is written last, so a
-    checkpoint cut short by a kill has none and is skipped)."""
-    done = [
-        p
-        for p in Path(work_dir).glob("checkpoint-*")
-        if p.name.split("-")[-1].isdigit() and (p / "trainer_state.json").is_file()
-    ]
-    return max(done, key=lambda p: int(p.name.split("-")[-1]), default=None)
 
 
 def write_normalization(model_dir: Path, *, mean: float, std: float, max_length: int) -> None:

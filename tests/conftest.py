@@ -153,6 +153,12 @@ def stage_env() -> dict[str, str]:
     }
 
 
+def run_stage_cli(module: str, overrides: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run a stage's CLI to its end, as dvc.yaml runs it; its output captured as text."""
+    cmd = stage_command(module, overrides)
+    return subprocess.run(cmd, cwd=REPO, env=stage_env(), capture_output=True, text=True, timeout=timeout)
+
+
 def kill_stage_once(cmd: list[str], marker: Path, timeout: float) -> None:
     """Start a stage's CLI and SIGKILL it (no clean-up can run) as soon as `marker` exists; fails when the stage
     ended before that."""
@@ -163,6 +169,27 @@ def kill_stage_once(cmd: list[str], marker: Path, timeout: float) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the stage finished before it could be killed"
+
+
+def kill_training_once(module: str, overrides: list[str], checkpoint_dir: Path, checkpoint_every: int) -> int:
+    """Start a training stage's CLI, SIGKILL it once its second Trainer checkpoint is complete, and return the step
+    of the last complete checkpoint it left (the one a rerun resumes from)."""
+    from rlhflow.hf_trainer import last_complete_checkpoint
+
+    marker = checkpoint_dir / f"checkpoint-{2 * checkpoint_every}" / "trainer_state.json"
+    kill_stage_once(stage_command(module, overrides), marker, timeout=300)
+    return int(last_complete_checkpoint(checkpoint_dir).name.split("-")[-1])
+
+
+def rerun_resumes(module: str, overrides: list[str], *, what: str, killed_at: int, out_dir: Path, checkpoint_dir: Path):
+    """Rerun a killed training stage: it resumes from the checkpoint at step `killed_at`, writes its output, and
+    leaves neither checkpoints nor the killed run's temp output behind."""
+    rerun = run_stage_cli(module, overrides)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert f"{what}: resuming training from checkpoint-{killed_at} (step {killed_at})" in rerun.stdout
+    assert (out_dir / "model.safetensors").exists()
+    assert not checkpoint_dir.exists()  # finished: nothing left to resume
+    assert not list(out_dir.parent.glob(f".{out_dir.name}.*"))  # the killed run's temp output dir was cleaned up
 
 
 def free_port() -> int:

@@ -14,7 +14,15 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, kill_stage_once, stage_command, stage_env, tiny_pipeline_overrides
+from conftest import (
+    REPO,
+    kill_training_once,
+    rerun_resumes,
+    run_stage_cli,
+    stage_command,
+    stage_env,
+    tiny_pipeline_overrides,
+)
 
 
 def closed_port() -> int:
@@ -59,14 +67,7 @@ def test_unreachable_tracking_server_fails_the_flow_in_seconds(prefect_server, t
 def test_unreachable_tracking_server_fails_a_stage_cli_before_it_starts(tmp_path, tiny_model_dir):
     uri = f"http://127.0.0.1:{closed_port()}"
     overrides = tiny_pipeline_overrides(tmp_path, tiny_model_dir, tracking=False) + [f"tracking.tracking_uri={uri}"]
-    done = subprocess.run(
-        stage_command("tasks.demo_data", overrides),
-        cwd=REPO,
-        env=stage_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_stage_cli("tasks.demo_data", overrides, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"demo_data failed: MLflow tracking server {uri} is unreachable" in done.stderr
     assert "Traceback" not in done.stderr
@@ -206,29 +207,18 @@ def test_killed_reward_model_training_resumes_from_its_last_checkpoint(tmp_path,
     ]
     total_steps = RM_ROWS // RM_BATCH
 
-    kill_stage_once(
-        stage_command("tasks.reward_model", overrides),
-        tmp_path / "ckpt" / f"checkpoint-{2 * RM_CHECKPOINT_EVERY}" / "trainer_state.json",
-        timeout=300,
-    )
+    killed_at = kill_training_once("tasks.reward_model", overrides, tmp_path / "ckpt", RM_CHECKPOINT_EVERY)
     assert not (tmp_path / "reward_model").exists()
-    complete = [p for p in (tmp_path / "ckpt").glob("checkpoint-*") if (p / "trainer_state.json").exists()]
-    killed_at = max(int(p.name.split("-")[1]) for p in complete)
     assert 2 * RM_CHECKPOINT_EVERY <= killed_at < total_steps
 
-    rerun = subprocess.run(
-        stage_command("tasks.reward_model", overrides),
-        cwd=REPO,
-        env=stage_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    rerun_resumes(
+        "tasks.reward_model",
+        overrides,
+        what="reward model",
+        killed_at=killed_at,
+        out_dir=tmp_path / "reward_model",
+        checkpoint_dir=tmp_path / "ckpt",
     )
-    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
-    assert f"reward model: resuming training from checkpoint-{killed_at} (step {killed_at})" in rerun.stdout
-    assert (tmp_path / "reward_model/model.safetensors").exists()
-    assert not (tmp_path / "ckpt").exists()  # finished: nothing left to resume
-    assert not list(tmp_path.glob(".reward_model.*"))  # the killed run's temp output dir was cleaned up
 
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("rlhf").experiment_id])

@@ -7,10 +7,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
-from conftest import REPO, stage_command, stage_env, tiny_pipeline_overrides
+from conftest import run_stage_cli, tiny_pipeline_overrides
 
 from rlhflow.config import DEFAULT_PREFERENCES
 from rlhflow.data.formats import read_jsonl
@@ -34,14 +33,7 @@ def test_shipped_data_passes_validate_with_the_default_tokenizer(tmp_path):
         f"metrics_dir={tmp_path}/metrics",
         f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
     ]
-    done = subprocess.run(
-        stage_command("tasks.validate", overrides),
-        cwd=REPO,
-        env=stage_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = run_stage_cli("tasks.validate", overrides)
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads((tmp_path / "metrics/validate.json").read_text())
     # 23 of the 1,500 pairs: 18 prompts and 1 rejected response over 512 tokens, 4 empty chosen responses

@@ -105,7 +105,7 @@ def test_training_precision_is_fp32_on_cpu_unless_asked():
     import torch
 
     from rlhflow.config import load_config
-    from rlhflow.reward_model import use_bf16
+    from rlhflow.hf_trainer import use_bf16
 
     assert load_config().reward_model.precision == "auto" and not load_config().reward_model.gradient_checkpointing
     assert use_bf16("auto") == (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
