@@ -31,7 +31,7 @@ Messages = list[dict]
 # ---- prompts -------------------------------------------------------------------------------------
 
 
-def _prompt_text(tokenizer: PreTrainedTokenizerBase, messages: Messages | str) -> tuple[str, bool]:
+def prompt_text(tokenizer: PreTrainedTokenizerBase, messages: Messages | str) -> tuple[str, bool]:
     """The prompt as text, and whether the tokenizer should add its special tokens (BOS) to it."""
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
@@ -51,7 +51,7 @@ def encode_prompts(
     keep the last `max_prompt_length` tokens of each, left-pad to the longest. Returns (input_ids, attention_mask)."""
     rows = []
     for messages in prompt_messages:
-        text, add_special = _prompt_text(tokenizer, messages)
+        text, add_special = prompt_text(tokenizer, messages)
         ids = tokenizer(text, add_special_tokens=add_special)["input_ids"]
         rows.append(ids[-max_prompt_length:])  # truncate from the left: the end of the prompt matters most
     return pad_sequences(rows, tokenizer.pad_token_id, side="left")

@@ -36,6 +36,7 @@ from rlhflow.fsutil import write_text_atomic
 os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
 
 TEXT_COLUMNS = ("prompt", "chosen", "rejected")
+DEMONSTRATION_COLUMNS = ("prompt", "completion")  # demonstrations for supervised fine-tuning: the same checks
 SPLITS = ("train", "judge", "test")
 SNIPPET_CHARS = 60
 
@@ -223,12 +224,12 @@ class _Check:
     drop_above: float | None = None  # only rows whose checked value exceeds this may be dropped (too short fails)
 
 
-def _checks(df: pd.DataFrame, cfg: ValidateConfig) -> list[_Check]:
+def _checks(df: pd.DataFrame, cfg: ValidateConfig, columns: tuple[str, ...] = TEXT_COLUMNS) -> list[_Check]:
     import great_expectations.expectations as gxe
 
-    present = [c for c in TEXT_COLUMNS if c in df.columns]
+    present = [c for c in columns if c in df.columns]
     checks = [_Check(gxe.ExpectTableRowCountToBeBetween(min_value=1), "table", "the split has rows", ())]
-    for column in TEXT_COLUMNS:
+    for column in columns:
         checks.append(_Check(gxe.ExpectColumnToExist(column=column), column, f"column {column} is present", ()))
     for column in present:
         show = (column,) if column == "prompt" else ("prompt", column)
@@ -256,8 +257,11 @@ def _checks(df: pd.DataFrame, cfg: ValidateConfig) -> list[_Check]:
                 drop_policy="blank",
             ),
         ]
-    bounds = {"prompt": (None, cfg.max_prompt_tokens)}
-    bounds |= {c: (cfg.min_tokens, cfg.max_response_tokens) for c in ("chosen", "rejected")}
+    # the prompt has an upper bound only; every other text column is a response
+    bounds = {
+        c: (None, cfg.max_prompt_tokens) if c == "prompt" else (cfg.min_tokens, cfg.max_response_tokens)
+        for c in columns
+    }
     for column in present:
         low, high = bounds[column]
         words = f"at most {high}" if low is None else f"between {low} and {high}"
@@ -287,14 +291,15 @@ def _checks(df: pd.DataFrame, cfg: ValidateConfig) -> list[_Check]:
                 problem="chosen identical to rejected",
             )
         )
-    if len(present) == len(TEXT_COLUMNS):
+    if len(present) == len(columns):
+        names, unit = ", ".join(columns), "pair" if columns == TEXT_COLUMNS else "row"
         checks.append(
             _Check(
-                gxe.ExpectCompoundColumnsToBeUnique(column_list=list(TEXT_COLUMNS)),
-                "prompt, chosen, rejected",
-                "no duplicate (prompt, chosen, rejected) pairs",
-                ("prompt", "chosen"),
-                problem="a duplicate (prompt, chosen, rejected) pair",
+                gxe.ExpectCompoundColumnsToBeUnique(column_list=list(columns)),
+                names,
+                f"no duplicate ({names}) {unit}s",
+                columns[:2],
+                problem=f"a duplicate ({names}) {unit}",
             )
         )
     if "prompt_in_other_split" in df.columns:
@@ -310,12 +315,12 @@ def _checks(df: pd.DataFrame, cfg: ValidateConfig) -> list[_Check]:
     return checks
 
 
-def _with_helper_columns(df: pd.DataFrame, tokenizer) -> pd.DataFrame:
+def _with_helper_columns(df: pd.DataFrame, tokenizer, columns: tuple[str, ...] = TEXT_COLUMNS) -> pd.DataFrame:
     """A copy indexed 0..n-1 with `source_row` and `<column>_tokens` (NaN where the text is missing)."""
     df = df.reset_index(drop=True).copy()
     if "source_row" not in df.columns:
         df["source_row"] = range(1, len(df) + 1)
-    for column in TEXT_COLUMNS:
+    for column in columns:
         if column in df.columns:
             df[f"{column}_tokens"] = _token_counts(df[column], tokenizer)
     return df
@@ -438,11 +443,11 @@ def _merge(
     outcome.examples += [_example(df, i, split, check) for i in indexes[: max(0, max_examples - len(outcome.examples))]]
 
 
-def _statistics(df: pd.DataFrame) -> dict[str, float]:
+def _statistics(df: pd.DataFrame, columns: tuple[str, ...] = TEXT_COLUMNS) -> dict[str, float]:
     stats = {"rows": float(len(df))}
     if "prompt" in df.columns:
         stats["prompts"] = float(df["prompt"].astype(str).nunique())
-    for column in TEXT_COLUMNS:
+    for column in columns:
         tokens = df.get(f"{column}_tokens")
         if tokens is not None and tokens.notna().any():
             stats[f"mean_{column}_tokens"] = round(float(tokens.mean()), 2)
@@ -451,23 +456,29 @@ def _statistics(df: pd.DataFrame) -> dict[str, float]:
 
 
 def validate_preferences(
-    splits: dict[str, pd.DataFrame], *, cfg: ValidateConfig, tokenizer, report_dir: Path
+    splits: dict[str, pd.DataFrame],
+    *,
+    cfg: ValidateConfig,
+    tokenizer,
+    report_dir: Path,
+    columns: tuple[str, ...] = TEXT_COLUMNS,
 ) -> ValidationResult:
     """Run the suite on every split (e.g. train, judge, test), write the JSON and HTML reports, raise
     DataValidationError on failure. Rows dropped under the blank/over-long policies are in `result.dropped`;
-    `result.kept(split, df)` gives what to write."""
+    `result.kept(split, df)` gives what to write. `columns`: the text columns checked (the prompt first), by default
+    preference pairs'; demonstrations pass DEMONSTRATION_COLUMNS."""
     import great_expectations as gx
     from great_expectations.data_context.types.base import ProgressBarsConfig
 
     context = gx.get_context(mode="ephemeral")
     context.variables.progress_bars = ProgressBarsConfig(globally=False)
 
-    frames = {split: _with_helper_columns(df, tokenizer) for split, df in splits.items()}
+    frames = {split: _with_helper_columns(df, tokenizer, columns) for split, df in splits.items()}
     _mark_shared_prompts(frames)
     outcomes: dict[str, ExpectationOutcome] = {}
     dropped: dict[str, set[int]] = {split: set() for split in frames}
     for split, df in frames.items():
-        checks = _checks(df, cfg)
+        checks = _checks(df, cfg, columns)
         results = _run_suite(context, split, df, checks)
         for i, check in enumerate(checks):  # in suite order: GE returns results reordered
             _merge(outcomes, split, df, check, results[i], cfg, dropped[split])
@@ -481,7 +492,8 @@ def validate_preferences(
         success=all(e.success for e in expectations),
         expectations=expectations,
         statistics={
-            split: _statistics(df.drop(index=sorted(dropped[split]))) | {"rows_dropped": float(len(dropped[split]))}
+            split: _statistics(df.drop(index=sorted(dropped[split])), columns)
+            | {"rows_dropped": float(len(dropped[split]))}
             for split, df in frames.items()
         },
         dropped={split: sorted(rows) for split, rows in dropped.items() if rows},

@@ -44,6 +44,11 @@ FORMATS_ACCEPTED = (
     "conversations/chosen/rejected (sharegpt turns with from/value)"
 )
 FILE_TYPES = ".jsonl, .jsonl.gz, .json (a list of objects), .parquet"
+DEMONSTRATION_COLUMNS = ["prompt", "prompt_messages", "completion", "source_row"]
+DEMONSTRATION_FORMATS = (
+    "prompt/completion (text or lists of messages); messages (a chat ending in the assistant's turn); "
+    f"or preference pairs, whose chosen responses are used ({FORMATS_ACCEPTED})"
+)
 
 HH_ASSISTANT = "\n\nAssistant:"
 _HH_TURN = re.compile(r"\n\n(Human|Assistant):")
@@ -85,6 +90,38 @@ def load_preferences(
     if not rows:
         raise DataFormatError(f"{source}: empty file: no rows to read")
     return _to_canonical(rows, source)
+
+
+def load_demonstrations(source: str | os.PathLike, *, max_rows: int | None = None) -> pd.DataFrame:
+    """Read demonstrations for supervised fine-tuning from a file, into the columns DEMONSTRATION_COLUMNS: prompt,
+    prompt_messages, completion, source_row. Rows are prompt/completion (text or messages), chat `messages` (the
+    last one, the assistant's, is the completion), or preference pairs in any format `load_preferences` reads
+    (the chosen response is the completion; a pair repeated for one prompt gives one demonstration)."""
+    path = Path(os.path.expanduser(str(source)))
+    if not path.is_file():
+        raise DataFormatError(f"{source}: no such file")
+    rows = _read_file(path, max_rows)
+    if not rows:
+        raise DataFormatError(f"{source}: empty file: no rows to read")
+    columns = list(dict.fromkeys(key for _, record in rows for key in record))
+    present = set(columns)
+    if {"prompt", "completion"} <= present:
+        convert = _from_prompt_completion
+    elif "messages" in present:
+        convert = _from_messages
+    elif {"chosen", "rejected"} <= present:
+        # the validated splits keep each prompt's messages; other preference files are read as validate reads them
+        pairs = (
+            pd.DataFrame([record for _, record in rows], columns=CANONICAL_COLUMNS)
+            if set(CANONICAL_COLUMNS) <= present
+            else _to_canonical(rows, str(source))
+        )
+        demos = pairs.rename(columns={"chosen": "completion"}).drop(columns="rejected")
+        return demos.drop_duplicates(["prompt", "completion"]).reset_index(drop=True)
+    else:
+        formats = (["prompt", "completion"], ["messages"], ["chosen", "rejected"])
+        raise _unrecognised(str(source), "demonstrations", columns, len(rows), formats, DEMONSTRATION_FORMATS)
+    return pd.DataFrame(_convert_rows(rows, convert, str(source)), columns=DEMONSTRATION_COLUMNS)
 
 
 def write_jsonl(df: pd.DataFrame, path: str | os.PathLike) -> Path:
@@ -360,17 +397,35 @@ def _to_canonical(rows: list[tuple[int, Any]], source: str) -> pd.DataFrame:
     elif {"chosen", "rejected"} <= present:
         convert = _from_dialogues
     else:
-        # Name what is missing against the closest accepted format (prompt/chosen/rejected when none is close).
-        wanted = max(
-            ([c for c in ("prompt", "chosen", "rejected")], ["conversations", "chosen", "rejected"]),
-            key=lambda cols: len(present.intersection(cols)),
-        )
-        missing = [c for c in wanted if c not in present]
+        formats = (["prompt", "chosen", "rejected"], ["conversations", "chosen", "rejected"])
+        raise _unrecognised(source, "schema", columns, len(rows), formats, FORMATS_ACCEPTED)
+    out = _convert_rows(rows, convert, source)
+    unparsed = [r["source_row"] for r in out if r.pop("_no_shared_prompt", False)]
+    if unparsed:
         raise DataFormatError(
-            f"{source}: unrecognised schema: missing column{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
-            f"in all {len(rows)} rows (columns found: {', '.join(columns) or '(none)'}); "
-            f"formats accepted: {FORMATS_ACCEPTED}"
+            f"{source}: no prompt column, and chosen/rejected do not share a prompt ending in "
+            f"{HH_ASSISTANT!r} (Anthropic HH format) {_rows_text(unparsed)}; formats accepted: {FORMATS_ACCEPTED}"
         )
+    return pd.DataFrame(out, columns=CANONICAL_COLUMNS)
+
+
+def _unrecognised(
+    source: str, what: str, columns: list[str], n_rows: int, formats: Iterable[list[str]], accepted: str
+) -> DataFormatError:
+    """The error for rows of no accepted format: what is missing against the closest one (the first when none is
+    close)."""
+    present = set(columns)
+    wanted = max(formats, key=lambda cols: len(present.intersection(cols)))
+    missing = [c for c in wanted if c not in present]
+    return DataFormatError(
+        f"{source}: unrecognised {what}: missing column{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+        f"in all {n_rows} rows (columns found: {', '.join(columns) or '(none)'}); formats accepted: {accepted}"
+    )
+
+
+def _convert_rows(rows: list[tuple[int, Any]], convert, source: str) -> list[dict]:
+    """`convert(record, row, problems)` over the rows, each result with its `source_row`; rows it cannot convert
+    are collected and raised as one DataFormatError naming them."""
     problems = _TypeProblems()
     out = []
     for row, record in rows:
@@ -379,13 +434,7 @@ def _to_canonical(rows: list[tuple[int, Any]], source: str) -> pd.DataFrame:
             converted["source_row"] = row
             out.append(converted)
     problems.raise_if_any(source)
-    unparsed = [r["source_row"] for r in out if r.pop("_no_shared_prompt", False)]
-    if unparsed:
-        raise DataFormatError(
-            f"{source}: no prompt column, and chosen/rejected do not share a prompt ending in "
-            f"{HH_ASSISTANT!r} (Anthropic HH format) {_rows_text(unparsed)}; formats accepted: {FORMATS_ACCEPTED}"
-        )
-    return pd.DataFrame(out, columns=CANONICAL_COLUMNS)
+    return out
 
 
 def _is_null(value: Any) -> bool:
@@ -445,19 +494,47 @@ def _render_turns(messages: list[dict]) -> str:
 
 
 def _from_prompt_chosen_rejected(record: dict, row: int, problems: _TypeProblems) -> dict | None:
-    prompt = record.get("prompt")
-    if _is_null(prompt):
-        prompt_messages, prompt_text = [], None
-    elif isinstance(prompt, str):
-        prompt_messages, prompt_text = [{"role": "user", "content": prompt}], prompt
-    else:
-        prompt_messages = _messages(prompt, "prompt", row, problems)
-        prompt_text = render_prompt(prompt_messages) if prompt_messages else None
+    prompt_messages, prompt_text = _prompt(record.get("prompt"), row, problems)
     return {
         "prompt": prompt_text,
-        "prompt_messages": prompt_messages or [],
+        "prompt_messages": prompt_messages,
         "chosen": _response(record.get("chosen"), "chosen", row, problems),
         "rejected": _response(record.get("rejected"), "rejected", row, problems),
+    }
+
+
+def _prompt(value: Any, row: int, problems: _TypeProblems) -> tuple[list[dict], str | None]:
+    """A prompt given as text or as messages: (prompt_messages, plain-text prompt); ([], None) when null."""
+    if _is_null(value):
+        return [], None
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}], value
+    messages = _messages(value, "prompt", row, problems)
+    return messages or [], render_prompt(messages) if messages else None
+
+
+def _from_prompt_completion(record: dict, row: int, problems: _TypeProblems) -> dict | None:
+    prompt_messages, prompt_text = _prompt(record.get("prompt"), row, problems)
+    return {
+        "prompt": prompt_text,
+        "prompt_messages": prompt_messages,
+        "completion": _response(record.get("completion"), "completion", row, problems),
+    }
+
+
+def _from_messages(record: dict, row: int, problems: _TypeProblems) -> dict | None:
+    """A chat ending in the assistant's turn: the turns before it are the prompt, its content the completion."""
+    value = record.get("messages")
+    messages = None if _is_null(value) else _messages(value, "messages", row, problems)
+    if messages is None:
+        return None if not _is_null(value) else {"prompt": None, "prompt_messages": [], "completion": None}
+    if len(messages) < 2 or messages[-1]["role"] != "assistant":
+        problems.add("messages", row, value, "a chat of at least two messages ending in the assistant's")
+        return None
+    return {
+        "prompt": render_prompt(messages[:-1]),
+        "prompt_messages": messages[:-1],
+        "completion": messages[-1]["content"],
     }
 
 
