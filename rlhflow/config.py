@@ -95,6 +95,14 @@ class ValidateConfig(Section):
         return self
 
 
+class LoraConfig(Section):
+    enabled: bool = False
+    r: int = Field(16, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
 class SFTConfig(Section):
     model: str = Field(
         DEFAULT_SFT_MODEL,
@@ -105,7 +113,37 @@ class SFTConfig(Section):
     n_samples: int = Field(4, ge=0, description="sample generations recorded for held-out prompts")
     max_new_tokens: int = Field(48, ge=1)
     perplexity_rows: int = Field(64, ge=1, description="held-out reference responses for perplexity")
-    batch_size: int = Field(8, ge=1)
+    batch_size: int = Field(8, ge=1, description="rows per batch for perplexity and sample generations")
+    # supervised fine-tuning on demonstrations (trl's SFTTrainer)
+    train: bool = Field(
+        False, description="fine-tune the loaded model on sft.train_data with trl's SFTTrainer; false: use it as loaded"
+    )
+    train_data: str = Field(
+        "data/validated/train.jsonl",
+        description="demonstrations: a file of prompt/completion rows or chat `messages` (.jsonl, .jsonl.gz, .json, "
+        ".parquet), or of preference pairs, whose chosen responses are the demonstrations; default: the validated "
+        "train split (never the test or judge split, which are refused)",
+    )
+    epochs: float = Field(1.0, gt=0, description="passes over the demonstrations")
+    learning_rate: float = Field(2e-5, gt=0)
+    train_batch_size: int = Field(8, ge=1, description="demonstrations per optimisation step")
+    max_length: int = Field(
+        512, ge=8, description="tokens per training sequence (prompt and completion); longer ones are cut at the end"
+    )
+    packing: bool = Field(
+        False, description="pack several demonstrations into each max_length sequence (less padding, same loss mask)"
+    )
+    lora: LoraConfig = Field(
+        LoraConfig(),
+        description="train a LoRA adapter instead of all weights; merged into the saved model",
+    )
+    checkpoint_every: int = Field(
+        25, ge=0, description="training steps between Trainer checkpoints; a killed run resumes from the last (0: none)"
+    )
+    checkpoint_dir: str = "checkpoints/sft"
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="training precision; auto: bf16 mixed precision on a CUDA GPU that supports it, else fp32"
+    )
 
 
 class RewardModelConfig(Section):
@@ -163,14 +201,6 @@ class AdaptiveKLConfig(Section):
     enabled: bool = False
     target: float = Field(6.0, gt=0, description="target KL per response (nats)")
     horizon: int = Field(10_000, ge=1)
-
-
-class LoraConfig(Section):
-    enabled: bool = False
-    r: int = Field(16, ge=1)
-    alpha: int = Field(32, ge=1)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 class PPOConfig(Section):

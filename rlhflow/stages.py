@@ -87,7 +87,8 @@ STAGES: list[Stage] = [
     ),
     Stage(
         name="sft",
-        description="load the SFT model, keep a plain safetensors copy, baseline perplexity and samples",
+        description="load the SFT model, optionally fine-tune it on demonstrations (trl's SFTTrainer), keep a plain "
+        "safetensors copy, baseline perplexity and samples",
         params=[
             "seed",
             "sft",
@@ -97,7 +98,15 @@ STAGES: list[Stage] = [
             "ppo.top_p",
             "evaluate.temperature",
         ],
-        deps=[VALIDATED, "rlhflow/models.py", "rlhflow/policy.py", "tasks/sft.py"],
+        # the demonstrations: by default the validated train split (inside VALIDATED), else the user's file
+        deps=[
+            VALIDATED,
+            "${sft.train_data}",
+            "rlhflow/models.py",
+            "rlhflow/policy.py",
+            "rlhflow/sft.py",
+            "tasks/sft.py",
+        ],
         outs=["${sft.out_dir}"],
         metrics=[_metrics("sft")],
         accelerator=True,

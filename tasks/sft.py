@@ -1,45 +1,139 @@
-"""Stage sft: load the SFT model (Hub id, local dir, GGUF file or packaged default), keep a plain safetensors
-copy as the stage output (the policy's starting point and the frozen reference), and record the baseline:
-perplexity on held-out reference responses and a few sample generations."""
+"""Stage sft: load the SFT model (Hub id, local dir, GGUF file or packaged default), optionally fine-tune it on
+demonstrations with trl's SFTTrainer (`sft.train`), keep a plain safetensors copy as the stage output (the policy's
+starting point and the frozen reference), and record the baseline: perplexity on held-out reference responses and a
+few sample generations. A trained model is registered as `rlhf-sft`.
+
+Demonstrations (`sft.train_data`) are read and validated (columns, blanks, token lengths: the preference data's
+suite) before any training; rows whose prompt is in the test or judge split are refused."""
 
 from __future__ import annotations
 
 # Heavy imports (torch, transformers, mlflow, the library's model code) are deferred into the stage body, so
 # that importing the module (the flow does, to get its task; so does `--help`) stays fast.
+from pathlib import Path
+
 from rlhflow.config import Config
 from tasks._common import StageContext, cli, stage_task
 
 NAME = "sft"
+REGISTERED_NAME = "rlhf-sft"
+HELD_OUT_SPLITS = ("test", "judge")  # evaluation's prompts and the judge's: never trained on
+
+
+def checked_demonstrations(cfg: Config, tokenizer, report_dir: Path):
+    """The validated demonstrations of `sft.train_data`. Raises a DataFormatError (unreadable file, missing
+    columns, wrong types), a DataValidationError (blank or over-long rows beyond validate's policy, duplicates) or
+    a ValueError (prompts of the test or judge split), each naming the rows."""
+    from rlhflow.data.formats import load_demonstrations, read_jsonl
+    from rlhflow.sft import held_out_prompt_rows
+    from rlhflow.validation import DEMONSTRATION_COLUMNS, validate_preferences
+
+    source = cfg.path(cfg.sft.train_data)
+    validated = cfg.path(cfg.validate_.out_dir)
+    held_out_files = {split: validated / f"{split}.jsonl" for split in HELD_OUT_SPLITS}
+    if any(source.resolve() == f.resolve() for f in held_out_files.values()):
+        raise ValueError(f"sft.train_data={cfg.sft.train_data} is a held-out split: train on the train split")
+    demos = load_demonstrations(source, max_rows=cfg.validate_.max_rows)
+    held_out = {split: read_jsonl(f) for split, f in held_out_files.items() if f.exists()}
+    leaked = held_out_prompt_rows(demos, held_out)
+    if leaked:
+        where = "; ".join(
+            f"{len(rows)} with a prompt of the {split} split (rows {rows[:10]})" for split, rows in leaked.items()
+        )
+        raise ValueError(f"{source}: demonstrations must not share prompts with held-out data: {where}")
+    result = validate_preferences(
+        {"demonstrations": demos},
+        cfg=cfg.validate_,
+        tokenizer=tokenizer,
+        report_dir=report_dir,
+        columns=DEMONSTRATION_COLUMNS,
+    )
+    return result.kept("demonstrations", demos), result
+
+
+def checkpoint_fingerprint(cfg: Config) -> str:
+    """What a Trainer checkpoint must have been made from to be resumed: the same model, training settings, seed
+    and demonstrations."""
+    import json
+
+    from rlhflow.fsutil import file_stamps
+
+    s = cfg.sft
+    settings = s.model_dump(
+        exclude={"out_dir", "checkpoint_dir", "checkpoint_every", "n_samples", "max_new_tokens", "perplexity_rows"}
+    )
+    return json.dumps(
+        {"sft": settings, "seed": cfg.seed, "inputs": file_stamps([cfg.path(s.train_data)])}, sort_keys=True
+    )
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
+    import shutil
+    import tempfile
+
     import mlflow
     import torch
 
     from rlhflow import tracking
     from rlhflow.data.formats import read_jsonl
-    from rlhflow.fsutil import atomic_dir
+    from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir
     from rlhflow.metrics import perplexity
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device, save_plain
     from rlhflow.policy import sample_responses
+    from rlhflow.sft import train_sft
 
     s = cfg.sft
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(s.model, trust_remote_code=s.trust_remote_code)
+    device = pick_device(cfg.device)
+    test = read_jsonl(cfg.path(cfg.validate_.out_dir) / "test.jsonl")
+    held_out = test.drop_duplicates("prompt").head(s.perplexity_rows)
+
+    def held_out_perplexity(model) -> float:
+        model.to(device).eval()
+        return perplexity(
+            model, tokenizer, list(held_out["prompt_messages"]), list(held_out["chosen"]), batch_size=s.batch_size
+        )
+
+    metrics: dict[str, float] = {}
+    if s.train:  # the demonstrations are checked before anything is loaded or trained
+        with tempfile.TemporaryDirectory() as report_dir:
+            try:
+                demos, checked = checked_demonstrations(cfg, tokenizer, Path(report_dir))
+            finally:
+                mlflow.log_artifacts(report_dir, artifact_path="demonstrations_validation")
+        metrics |= {"sft/demonstrations": float(len(demos)), "sft/demonstrations_dropped": float(checked.dropped_rows)}
+        if cfg.path(s.train_data).suffix in (".jsonl", ".parquet"):
+            tracking.log_dataset(cfg.path(s.train_data), name="sft-demonstrations", context="training")
+
     model = load_causal_lm(s.model, trust_remote_code=s.trust_remote_code, pad_token_id=tokenizer.pad_token_id)
     out_dir = cfg.path(s.out_dir)
     with atomic_dir(out_dir) as tmp:
         save_plain(model, tokenizer, tmp)
+        if s.train:
+            if (
+                getattr(model, "hf_quantizer", None) is not None
+            ):  # GGUF-loaded: the Trainer can neither train nor save it
+                model = load_causal_lm(str(tmp), pad_token_id=tokenizer.pad_token_id)
+            metrics["sft/perplexity_before"] = held_out_perplexity(model)
+            checkpoint_dir = prepare_checkpoint_dir(cfg.path(s.checkpoint_dir), checkpoint_fingerprint(cfg))
+            model = train_sft(
+                s,
+                model,
+                tokenizer,
+                demos,
+                work_dir=checkpoint_dir,
+                seed=cfg.seed,
+                log_fn=lambda m, step: ctx.log_metrics({f"sft/{k}": v for k, v in m.items()}, step=step),
+            )
+            save_plain(model, tokenizer, tmp)
+    if s.train:
+        shutil.rmtree(cfg.path(s.checkpoint_dir), ignore_errors=True)  # finished: nothing left to resume
 
-    device = pick_device(cfg.device)
-    model.to(device).eval()
-    test = read_jsonl(cfg.path(cfg.validate_.out_dir) / "test.jsonl")
-    held_out = test.drop_duplicates("prompt").head(s.perplexity_rows)
-    ppl = perplexity(
-        model, tokenizer, list(held_out["prompt_messages"]), list(held_out["chosen"]), batch_size=s.batch_size
-    )
-    metrics = {"sft/perplexity": ppl, "sft/parameters": float(sum(p.numel() for p in model.parameters()))}
-
+    metrics |= {
+        "sft/perplexity": held_out_perplexity(model),
+        "sft/parameters": float(sum(p.numel() for p in model.parameters())),
+    }
     if s.n_samples:
         rows = held_out.head(s.n_samples)
         outs = sample_responses(
@@ -57,7 +151,9 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
         responses = [t for o in outs for t in o.texts]
         mlflow.log_table({"prompt": list(rows["prompt"]), "response": responses}, artifact_file="sft_samples.json")
     ctx.log_metrics(metrics)
-    tracking.log_model_dir(cfg, out_dir, name="sft_model", kind="policy")
+    tracking.log_model_dir(
+        cfg, out_dir, name="sft_model", kind="policy", registered_name=REGISTERED_NAME if s.train else None
+    )
     return metrics
 
 

@@ -1,0 +1,133 @@
+"""Supervised fine-tuning on demonstrations with trl's SFTTrainer.
+
+Loss (completion-only negative log-likelihood), over a batch of demonstrations (x, y):
+    L = -(1 / sum |y|) * sum_(x, y) sum_t log pi(y_t | x, y_<t)
+Only completion tokens y_t carry loss: the prompt's tokens are labelled -100 (TRL's completion_only_loss on
+prompt/completion data). The prompt is rendered exactly as the policy is prompted later (rlhflow.policy): the
+chat template with the generation prompt when the tokenizer has one, else the plain-text prompt.
+
+With LoRA (`sft.lora.enabled`) only an adapter is trained; it is merged into the weights before the model is
+returned, so the saved model is a plain one of the loaded model's architecture.
+"""
+
+from __future__ import annotations
+
+# trl, peft and datasets are imported by the functions that train: importing this module stays light.
+import os
+
+import pandas as pd
+import torch
+
+from rlhflow.config import SFTConfig
+from rlhflow.hf_trainer import LogFn, checkpoint_args, log_callback, train_resuming, use_bf16
+from rlhflow.policy import prompt_text
+
+LOGGING_STEPS = 5
+
+
+def held_out_prompt_rows(demos: pd.DataFrame, held_out: dict[str, pd.DataFrame]) -> dict[str, list[int]]:
+    """Per held-out split (e.g. test, judge): the `source_row`s of demonstrations whose prompt is one of its
+    prompts. Training on them would leak the evaluation data (or the judge's) into the policy."""
+    found = {}
+    for split, df in held_out.items():
+        prompts = set(df["prompt"].astype(str))
+        rows = demos.loc[demos["prompt"].astype(str).isin(prompts), "source_row"].tolist()
+        if rows:
+            found[split] = rows
+    return found
+
+
+def demonstration_dataset(demos: pd.DataFrame, tokenizer):
+    """TRL's prompt/completion dataset: conversational (messages, rendered by the chat template) when the
+    tokenizer has a chat template, else the plain-text prompt the policy sees and the completion text."""
+    from datasets import Dataset
+
+    if getattr(tokenizer, "chat_template", None):
+        return Dataset.from_dict(
+            {
+                "prompt": list(demos["prompt_messages"]),
+                "completion": [[{"role": "assistant", "content": c}] for c in demos["completion"]],
+            }
+        )
+    return Dataset.from_dict(
+        {
+            "prompt": [prompt_text(tokenizer, m)[0] for m in demos["prompt_messages"]],
+            "completion": list(demos["completion"]),
+        }
+    )
+
+
+def sft_trainer(
+    cfg: SFTConfig, model, tokenizer, demos: pd.DataFrame, *, work_dir: str | os.PathLike, seed: int, log_fn=None
+):
+    """trl's SFTTrainer for `model` on the demonstrations (columns prompt_messages, completion), with the loss on
+    completion tokens only, checkpoints into `work_dir` every `cfg.checkpoint_every` steps."""
+    from trl import SFTConfig as TrainerConfig
+    from trl import SFTTrainer
+
+    peft_config = None
+    if cfg.lora.enabled:
+        from peft import LoraConfig
+
+        lora = cfg.lora
+        peft_config = LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=list(lora.target_modules),
+            task_type="CAUSAL_LM",
+        )
+    args = TrainerConfig(
+        output_dir=str(work_dir),
+        num_train_epochs=cfg.epochs,
+        per_device_train_batch_size=cfg.train_batch_size,
+        learning_rate=cfg.learning_rate,
+        lr_scheduler_type="linear",
+        max_length=cfg.max_length,
+        packing=cfg.packing,
+        completion_only_loss=True,
+        gradient_checkpointing=False,  # trl's default on: ~30% slower steps, needed only for large models
+        logging_steps=LOGGING_STEPS,
+        report_to="none",
+        seed=seed,
+        **checkpoint_args(cfg.checkpoint_every),
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
+        bf16=use_bf16(cfg.precision),
+        disable_tqdm=False,
+    )
+    torch.manual_seed(seed)  # the LoRA adapter's initialisation
+    return SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=demonstration_dataset(demos, tokenizer),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[log_callback(log_fn)],
+    )
+
+
+def train_sft(
+    cfg: SFTConfig,
+    model,
+    tokenizer,
+    demos: pd.DataFrame,
+    *,
+    work_dir: str | os.PathLike,
+    seed: int = 0,
+    log_fn: LogFn | None = None,
+):
+    """Fine-tune `model` on the demonstrations, resuming from the last complete checkpoint in `work_dir` (kept by
+    the caller only for the same inputs: `rlhflow.fsutil.prepare_checkpoint_dir`). Returns the trained model, a LoRA
+    adapter merged in, in eval mode."""
+    trainer = sft_trainer(cfg, model, tokenizer, demos, work_dir=work_dir, seed=seed, log_fn=log_fn)
+    train_resuming(trainer, work_dir, what="sft", log_fn=log_fn)
+    if log_fn:
+        log_fn(
+            {"train_steps": float(trainer.state.global_step), "train_sequences": float(len(trainer.train_dataset))},
+            trainer.state.global_step,
+        )
+    trained = trainer.model
+    if cfg.lora.enabled:
+        trained = trained.merge_and_unload()  # W + (alpha / r) B A: a plain model again
+    return trained.eval()

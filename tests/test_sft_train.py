@@ -1,0 +1,311 @@
+"""Supervised fine-tuning (sft.train=true) on tiny models: the loss is on completion tokens only, training lowers
+it (full and LoRA, the adapter merged into a plain model), demonstrations never come from held-out splits, bad
+demonstrations fail before any training, and a killed run resumes from its last Trainer checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from conftest import kill_training_once, rerun_resumes, run_stage_cli
+
+from rlhflow.config import load_config
+from rlhflow.data.formats import DataFormatError, load_demonstrations, write_jsonl
+from rlhflow.validation import DataValidationError
+
+ANSWER = "Thank you for asking! Here are three clear steps: first, second, and finally third."
+
+
+def demo_rows(n: int, *, prefix: str = "question") -> list[dict]:
+    return [
+        {
+            "prompt": f"{prefix} {i}: please explain water",
+            "prompt_messages": [{"role": "user", "content": f"{prefix} {i}: please explain water"}],
+            "completion": ANSWER,
+            "source_row": i + 1,
+        }
+        for i in range(n)
+    ]
+
+
+def pair_rows(prompts: list[str]) -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "prompt": prompts,
+            "prompt_messages": [[{"role": "user", "content": p}] for p in prompts],
+            "chosen": [f"{ANSWER} ({p})" for p in prompts],
+            "rejected": ["no."] * len(prompts),
+            "source_row": range(1, len(prompts) + 1),
+        }
+    )
+
+
+def write_lines(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def prompt_and_completion_ids(tok, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """The prompt as the policy is prompted (chat template, generation prompt), and the answer's tokens after it."""
+    prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+    full = tok.apply_chat_template(messages + [{"role": "assistant", "content": ANSWER}], tokenize=True)["input_ids"]
+    return prompt, list(full)[len(prompt) :]
+
+
+def sft_settings(**changes):
+    return load_config(overrides=[f"sft.{k}={v}" for k, v in changes.items()]).sft
+
+
+# ---- the loss ---------------------------------------------------------------------------------------------
+
+
+def test_loss_is_on_completion_tokens_only(tiny_model_dir, tok, tmp_path):
+    from rlhflow.models import load_causal_lm
+    from rlhflow.sft import sft_trainer
+
+    demos = pd.DataFrame(demo_rows(4))
+    model = load_causal_lm(str(tiny_model_dir), pad_token_id=tok.pad_token_id)
+    trainer = sft_trainer(sft_settings(checkpoint_every=0), model, tok, demos, work_dir=tmp_path, seed=0)
+    for example, messages in zip(trainer.train_dataset, demos["prompt_messages"]):
+        prompt_ids, completion_ids = prompt_and_completion_ids(tok, messages)
+        ids, labels = example["input_ids"], example["labels"]
+        assert ids == prompt_ids + completion_ids  # the prompt exactly as the policy is prompted, then the answer
+        assert labels[: len(prompt_ids)] == [-100] * len(prompt_ids)  # no loss on the prompt
+        assert labels[len(prompt_ids) :] == completion_ids  # loss on every completion token, its end of turn too
+        assert tok.convert_tokens_to_ids("<|im_end|>") in labels
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_training_lowers_the_loss_and_saves_a_plain_model(tiny_model_dir, tok, tmp_path, one_thread, lora):
+    from transformers import LlamaForCausalLM
+
+    from rlhflow.metrics import perplexity
+    from rlhflow.models import load_causal_lm, save_plain
+    from rlhflow.sft import train_sft
+
+    demos = pd.DataFrame(demo_rows(32))
+    cfg = sft_settings(
+        epochs=4,
+        learning_rate=3e-2 if lora else 1e-2,
+        train_batch_size=8,
+        max_length=64,
+        checkpoint_every=0,
+        **{"lora.enabled": lora, "lora.r": 8, "lora.alpha": 16},
+    )
+    model = load_causal_lm(str(tiny_model_dir), pad_token_id=tok.pad_token_id)
+    held_out = [[{"role": "user", "content": "question 99: please explain water"}]]
+    before = perplexity(model, tok, held_out, [ANSWER])
+    logged: list[tuple[dict, int]] = []
+    trained = train_sft(cfg, model, tok, demos, work_dir=tmp_path / "work", log_fn=lambda m, s: logged.append((m, s)))
+
+    # a random tiny model's logits are near uniform; a LoRA adapter on it moves them slowly, but steadily
+    drop = 0.97 if lora else 0.8
+    losses = [m["train_loss"] for m, _ in logged if "train_loss" in m]
+    assert len(losses) >= 3 and losses == sorted(losses, reverse=True) and losses[-1] < drop * losses[0]
+    assert perplexity(trained, tok, held_out, [ANSWER]) < drop * before  # and on a prompt it never saw
+    assert type(trained) is LlamaForCausalLM  # the adapter merged in: downstream stages load it unchanged
+    save_plain(trained, tok, tmp_path / "out")
+    reloaded = load_causal_lm(str(tmp_path / "out"), pad_token_id=tok.pad_token_id)
+    ids = torch.tensor([tok("please explain water")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, trained(ids).logits)
+
+
+def test_packing_keeps_the_completion_only_loss(tiny_model_dir, tok, tmp_path, one_thread):
+    from rlhflow.models import load_causal_lm
+    from rlhflow.sft import sft_trainer
+
+    demos = pd.DataFrame(demo_rows(8))
+    model = load_causal_lm(str(tiny_model_dir), pad_token_id=tok.pad_token_id)
+    cfg = sft_settings(packing=True, max_length=512, train_batch_size=2, checkpoint_every=0)
+    trainer = sft_trainer(cfg, model, tok, demos, work_dir=tmp_path, seed=0)
+    assert len(trainer.train_dataset) < len(demos)  # several demonstrations per sequence
+    labelled = sum(sum(label != -100 for label in ex["labels"]) for ex in trainer.train_dataset)
+    completion_tokens = len(prompt_and_completion_ids(tok, demos["prompt_messages"][0])[1])
+    assert labelled == len(demos) * completion_tokens
+    trainer.train()
+    assert trainer.state.global_step >= 1 and torch.isfinite(torch.tensor(trainer.state.log_history[-1]["train_loss"]))
+
+
+# ---- where demonstrations come from ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def validated(tmp_path) -> Path:
+    """Validated splits with disjoint prompts; two train pairs share a prompt and a chosen response."""
+    out = tmp_path / "validated"
+    train = pair_rows([f"train prompt {i}" for i in range(6)])
+    train = pd.concat([train, train.iloc[[0]].assign(rejected="nope.", source_row=7)], ignore_index=True)
+    write_jsonl(train, out / "train.jsonl")
+    write_jsonl(pair_rows([f"judge prompt {i}" for i in range(3)]), out / "judge.jsonl")
+    write_jsonl(pair_rows([f"test prompt {i}" for i in range(3)]), out / "test.jsonl")
+    return out
+
+
+def checked(validated: Path, *overrides: str):
+    from rlhflow.models import load_tokenizer
+    from tasks.sft import checked_demonstrations
+
+    cfg = load_config(
+        overrides=[f"validate.out_dir={validated}", f"sft.train_data={validated / 'train.jsonl'}", *overrides]
+    )
+    return checked_demonstrations(cfg, load_tokenizer(cfg.sft.model), validated.parent / "report")
+
+
+def test_default_demonstrations_are_the_train_splits_chosen_responses(validated, tiny_model_dir):
+    demos, _ = checked(validated, f"sft.model={tiny_model_dir}")
+    train = pd.read_json(validated / "train.jsonl", lines=True)
+    assert sorted(demos["prompt"]) == sorted(set(train["prompt"]))  # one demonstration per (prompt, chosen)
+    assert set(demos["completion"]) == set(train["chosen"])
+    assert list(demos["prompt_messages"].iloc[0]) == [{"role": "user", "content": demos["prompt"].iloc[0]}]
+    for split in ("test", "judge"):
+        held_out = set(pd.read_json(validated / f"{split}.jsonl", lines=True)["prompt"])
+        assert not held_out & set(demos["prompt"])
+
+
+@pytest.mark.parametrize("split", ["test", "judge"])
+def test_held_out_splits_are_refused(validated, tiny_model_dir, split):
+    with pytest.raises(ValueError, match="is a held-out split"):
+        checked(validated, f"sft.model={tiny_model_dir}", f"sft.train_data={validated / f'{split}.jsonl'}")
+    # a file of its own that holds prompts of a held-out split: refused, naming the rows
+    mixed = write_lines(
+        validated.parent / "mixed.jsonl",
+        [{"prompt": "a new prompt", "completion": ANSWER}, {"prompt": f"{split} prompt 2", "completion": ANSWER}],
+    )
+    with pytest.raises(ValueError, match=rf"1 with a prompt of the {split} split \(rows \[2\]\)"):
+        checked(validated, f"sft.model={tiny_model_dir}", f"sft.train_data={mixed}")
+
+
+# ---- bad demonstrations -----------------------------------------------------------------------------------
+
+
+def test_demonstration_formats(tmp_path):
+    chat = write_lines(
+        tmp_path / "chat.jsonl",
+        [
+            {
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Hi?"},
+                    {"role": "assistant", "content": "Hello."},
+                ]
+            }
+        ],
+    )
+    (row,) = load_demonstrations(chat).to_dict("records")
+    assert row["prompt_messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
+    assert row["completion"] == "Hello." and row["source_row"] == 1
+    conversational = write_lines(
+        tmp_path / "pc.jsonl",
+        [{"prompt": [{"role": "user", "content": "Hi?"}], "completion": [{"role": "assistant", "content": "Hello."}]}],
+    )
+    (row,) = load_demonstrations(conversational).to_dict("records")
+    assert row["prompt"] == "Hi?" and row["completion"] == "Hello."
+
+
+@pytest.mark.parametrize(
+    ("records", "message"),
+    [
+        ([], r"empty file: no rows to read"),
+        ([{"prompt": "Hi?"}, {"prompt": "Yo?"}], r"missing column completion in all 2 rows \(columns found: prompt\)"),
+        ([{"prompt": "Hi?", "completion": 3}], r"column completion: got int, expected text .*row 1"),
+        (
+            [{"messages": [{"role": "user", "content": "a"}]}, {"messages": [{"role": "user", "content": "b"}]}],
+            r"column messages: .*ending in the assistant's \(rows 1, 2\)",
+        ),
+    ],
+    ids=["empty", "missing-column", "wrong-type", "no-assistant-turn"],
+)
+def test_unreadable_demonstrations_name_the_problem(tmp_path, records, message):
+    with pytest.raises(DataFormatError, match=message):
+        load_demonstrations(write_lines(tmp_path / "demos.jsonl", records))
+
+
+def test_blank_and_overlong_demonstrations_follow_the_validate_policy(validated, tiny_model_dir):
+    records = [{"prompt": f"new prompt {i}", "completion": ANSWER} for i in range(40)]
+    records[4]["completion"] = "   "
+    records[9]["prompt"] = "word " * 600
+    demos_file = write_lines(validated.parent / "demos.jsonl", records)
+    base = [f"sft.model={tiny_model_dir}", f"sft.train_data={demos_file}"]
+    with pytest.raises(DataValidationError, match=r"1 row with a blank completion .*demonstrations row 5"):
+        checked(validated, *base, "validate.blank=fail")
+    with pytest.raises(DataValidationError, match=r"1 row with an over-long prompt .*demonstrations row 10"):
+        checked(validated, *base, "validate.overlong=fail")
+    demos, result = checked(validated, *base)  # the default policy: drop them, up to validate.max_dropped_fraction
+    assert len(demos) == 38 and result.dropped_per_reason == {"blank_completion": 1, "overlong_prompt": 1}
+
+
+# ---- the stage ---------------------------------------------------------------------------------------------
+
+
+def stage_overrides(root: Path, model_dir: Path, train_data: Path, *extra: str) -> list[str]:
+    return [
+        f"validate.out_dir={root / 'validated'}",
+        f"sft.model={model_dir}",
+        f"sft.out_dir={root / 'sft'}",
+        f"sft.checkpoint_dir={root / 'ckpt'}",
+        f"sft.train_data={train_data}",
+        "sft.train=true",
+        "sft.n_samples=0",
+        "sft.perplexity_rows=4",
+        "sft.max_length=64",
+        f"metrics_dir={root / 'metrics'}",
+        f"tracking.tracking_uri=sqlite:///{root}/mlflow.db",
+        *extra,
+    ]
+
+
+def test_bad_demonstrations_fail_the_stage_before_training(validated, tiny_model_dir):
+    root = validated.parent
+    empty = root / "empty.jsonl"
+    empty.write_text("")
+    run = run_stage_cli("tasks.sft", stage_overrides(root, tiny_model_dir, empty), timeout=300)
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert f"sft failed: {empty}: empty file: no rows to read" in run.stderr
+    assert not (root / "sft").exists() and not list(root.glob(".sft.*"))  # no output, not even half of one
+    assert not (root / "ckpt").exists()  # no training started
+    assert not (root / "metrics").exists()
+
+
+SFT_ROWS, SFT_BATCH, SFT_CHECKPOINT_EVERY = 96, 2, 4
+
+
+def test_killed_sft_training_resumes_from_its_last_checkpoint(validated, tiny_model_dir):
+    import mlflow
+
+    root = validated.parent
+    demos_file = write_lines(
+        root / "demos.jsonl", [{"prompt": r["prompt"], "completion": r["completion"]} for r in demo_rows(SFT_ROWS)]
+    )
+    overrides = stage_overrides(
+        root,
+        tiny_model_dir,
+        demos_file,
+        f"sft.train_batch_size={SFT_BATCH}",
+        f"sft.checkpoint_every={SFT_CHECKPOINT_EVERY}",
+        "sft.learning_rate=0.001",
+    )
+    total_steps = SFT_ROWS // SFT_BATCH
+    killed_at = kill_training_once("tasks.sft", overrides, root / "ckpt", SFT_CHECKPOINT_EVERY)
+    assert not (root / "sft").exists()
+    assert 2 * SFT_CHECKPOINT_EVERY <= killed_at < total_steps
+    client = mlflow.MlflowClient(f"sqlite:///{root}/mlflow.db")
+    assert not client.search_registered_models()  # the killed run registered nothing
+
+    rerun_resumes(
+        "tasks.sft", overrides, what="sft", killed_at=killed_at, out_dir=root / "sft", checkpoint_dir=root / "ckpt"
+    )
+
+    runs = client.search_runs([client.get_experiment_by_name("rlhf").experiment_id])
+    (finished,) = [r for r in runs if r.info.status == "FINISHED"]
+    metrics = finished.data.metrics
+    assert metrics["sft/resumed_from_step"] == killed_at
+    assert metrics["sft/train_steps"] == total_steps  # the same length as an uninterrupted run
+    assert metrics["sft/perplexity"] < metrics["sft/perplexity_before"]
+    logged_steps = [m.step for m in client.get_metric_history(finished.info.run_id, "sft/train_loss")]
+    assert logged_steps and min(logged_steps) > killed_at  # it trained on from the checkpoint, not from step 0
+    (version,) = client.search_model_versions("name='rlhf-sft'")
+    assert version.run_id == finished.info.run_id
