@@ -125,7 +125,7 @@ class SFTConfig(Section):
         "train split (never the test or judge split, which are refused)",
     )
     epochs: float = Field(1.0, gt=0, description="passes over the demonstrations")
-    learning_rate: float = Field(2e-5, gt=0)
+    learning_rate: float = Field(2e-5, gt=0, description="AdamW learning rate, decaying linearly to 0")
     train_batch_size: int = Field(8, ge=1, description="demonstrations per optimisation step")
     max_length: int = Field(
         512, ge=8, description="tokens per training sequence (prompt and completion); longer ones are cut at the end"

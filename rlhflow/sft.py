@@ -107,27 +107,17 @@ def sft_trainer(
     )
 
 
-def train_sft(
-    cfg: SFTConfig,
-    model,
-    tokenizer,
-    demos: pd.DataFrame,
-    *,
-    work_dir: str | os.PathLike,
-    seed: int = 0,
-    log_fn: LogFn | None = None,
-):
-    """Fine-tune `model` on the demonstrations, resuming from the last complete checkpoint in `work_dir` (kept by
-    the caller only for the same inputs: `rlhflow.fsutil.prepare_checkpoint_dir`). Returns the trained model, a LoRA
-    adapter merged in, in eval mode."""
-    trainer = sft_trainer(cfg, model, tokenizer, demos, work_dir=work_dir, seed=seed, log_fn=log_fn)
-    train_resuming(trainer, work_dir, what="sft", log_fn=log_fn)
+def train_sft(trainer, *, log_fn: LogFn | None = None):
+    """Train with an `sft_trainer`, resuming from the last complete checkpoint in its output dir (kept by the caller
+    only for the same inputs: `rlhflow.fsutil.prepare_checkpoint_dir`). Returns the trained model, a LoRA adapter
+    merged in, in eval mode."""
+    train_resuming(trainer, trainer.args.output_dir, what="sft", log_fn=log_fn)
     if log_fn:
         log_fn(
             {"train_steps": float(trainer.state.global_step), "train_sequences": float(len(trainer.train_dataset))},
             trainer.state.global_step,
         )
     trained = trainer.model
-    if cfg.lora.enabled:
+    if hasattr(trained, "merge_and_unload"):  # a LoRA adapter
         trained = trained.merge_and_unload()  # W + (alpha / r) B A: a plain model again
     return trained.eval()

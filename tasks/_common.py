@@ -7,10 +7,12 @@ A stage module defines `run(cfg, ctx) -> dict[str, float]` (its metrics) and end
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 # Quiet, offline defaults for the libraries the stages use (users can override them in the environment).
@@ -26,6 +28,20 @@ from prefect.cache_policies import NO_CACHE  # noqa: E402
 from rlhflow import distributed, tracking  # noqa: E402
 from rlhflow.config import Config, parse_config_args  # noqa: E402
 from rlhflow.stages import get_stage  # noqa: E402
+
+_PRINT = builtins.print  # the interpreter's print: stage modules are imported before a Prefect run patches it
+
+
+@contextlib.contextmanager
+def prints_to_stdout() -> Iterator[None]:
+    """print() writes to stdout inside the block, also in a Prefect run with log_prints. dill (datasets' fingerprint
+    of each function trl maps over a dataset) reads a function's globals from the disassembly it prints into a
+    captured stdout; Prefect's print would send that disassembly, hundreds of lines per function, to the run log."""
+    patched, builtins.print = builtins.print, _PRINT
+    try:
+        yield
+    finally:
+        builtins.print = patched
 
 
 @dataclass

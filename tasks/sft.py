@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlhflow.config import Config
-from tasks._common import StageContext, cli, stage_task
+from tasks._common import StageContext, cli, prints_to_stdout, stage_task
 
 NAME = "sft"
 REGISTERED_NAME = "rlhf-sft"
@@ -80,7 +80,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.metrics import perplexity
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device, save_plain
     from rlhflow.policy import sample_responses
-    from rlhflow.sft import train_sft
+    from rlhflow.sft import sft_trainer, train_sft
 
     s = cfg.sft
     torch.manual_seed(cfg.seed)
@@ -117,15 +117,13 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
                 model = load_causal_lm(str(tmp), pad_token_id=tokenizer.pad_token_id)
             metrics["sft/perplexity_before"] = held_out_perplexity(model)
             checkpoint_dir = prepare_checkpoint_dir(cfg.path(s.checkpoint_dir), checkpoint_fingerprint(cfg))
-            model = train_sft(
-                s,
-                model,
-                tokenizer,
-                demos,
-                work_dir=checkpoint_dir,
-                seed=cfg.seed,
-                log_fn=lambda m, step: ctx.log_metrics({f"sft/{k}": v for k, v in m.items()}, step=step),
-            )
+
+            def log_fn(m: dict, step: int) -> None:
+                ctx.log_metrics({f"sft/{k}": v for k, v in m.items()}, step=step)
+
+            with prints_to_stdout():  # trl tokenizes the demonstrations here
+                trainer = sft_trainer(s, model, tokenizer, demos, work_dir=checkpoint_dir, seed=cfg.seed, log_fn=log_fn)
+            model = train_sft(trainer, log_fn=log_fn)
             save_plain(model, tokenizer, tmp)
     if s.train:
         shutil.rmtree(cfg.path(s.checkpoint_dir), ignore_errors=True)  # finished: nothing left to resume

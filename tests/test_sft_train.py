@@ -59,6 +59,39 @@ def sft_settings(**changes):
     return load_config(overrides=[f"sft.{k}={v}" for k, v in changes.items()]).sft
 
 
+def test_the_prefect_form_shows_the_sft_settings():
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.pipeline import rlhf_pipeline
+
+    schema = parameter_schema(rlhf_pipeline.fn).model_dump_for_openapi()
+    fields = schema["definitions"]["SFTConfig"]["properties"]
+    for key in ("train", "train_data", "epochs", "learning_rate", "max_length", "packing", "lora", "checkpoint_every"):
+        assert fields[key]["description"], key
+    assert schema["properties"]["config"]["default"]["sft"]["train"] is False
+
+
+def test_trl_dataset_preparation_prints_to_stdout_not_to_a_run_log(tiny_model_dir, tok, tmp_path, capsys, monkeypatch):
+    """dill, fingerprinting trl's dataset functions, prints their disassembly into a captured stdout; under a
+    patched print (Prefect's log_prints) it would land in the run log. The stage prepares the data with the
+    interpreter's print."""
+    import builtins
+
+    from rlhflow.models import load_causal_lm
+    from rlhflow.sft import sft_trainer
+    from tasks._common import prints_to_stdout
+
+    run_log: list[str] = []
+    monkeypatch.setattr(builtins, "print", lambda *args, **kwargs: run_log.append(" ".join(map(str, args))))
+    model = load_causal_lm(str(tiny_model_dir), pad_token_id=tok.pad_token_id)
+    with prints_to_stdout():
+        sft_trainer(sft_settings(checkpoint_every=0), model, tok, pd.DataFrame(demo_rows(2)), work_dir=tmp_path, seed=0)
+    assert not [line for line in run_log if "LOAD_" in line]
+    assert "LOAD_" not in capsys.readouterr().out  # dill captured its own output
+    print("after the block")
+    assert run_log == ["after the block"]  # the patch is back
+
+
 # ---- the loss ---------------------------------------------------------------------------------------------
 
 
@@ -84,7 +117,7 @@ def test_training_lowers_the_loss_and_saves_a_plain_model(tiny_model_dir, tok, t
 
     from rlhflow.metrics import perplexity
     from rlhflow.models import load_causal_lm, save_plain
-    from rlhflow.sft import train_sft
+    from rlhflow.sft import sft_trainer, train_sft
 
     demos = pd.DataFrame(demo_rows(32))
     cfg = sft_settings(
@@ -99,7 +132,11 @@ def test_training_lowers_the_loss_and_saves_a_plain_model(tiny_model_dir, tok, t
     held_out = [[{"role": "user", "content": "question 99: please explain water"}]]
     before = perplexity(model, tok, held_out, [ANSWER])
     logged: list[tuple[dict, int]] = []
-    trained = train_sft(cfg, model, tok, demos, work_dir=tmp_path / "work", log_fn=lambda m, s: logged.append((m, s)))
+
+    def log_fn(metrics: dict, step: int) -> None:
+        logged.append((metrics, step))
+
+    trained = train_sft(sft_trainer(cfg, model, tok, demos, work_dir=tmp_path, seed=0, log_fn=log_fn), log_fn=log_fn)
 
     # a random tiny model's logits are near uniform; a LoRA adapter on it moves them slowly, but steadily
     drop = 0.97 if lora else 0.8
