@@ -29,7 +29,14 @@ from rlhflow import distributed, tracking  # noqa: E402
 from rlhflow.config import Config, parse_config_args  # noqa: E402
 from rlhflow.stages import get_stage  # noqa: E402
 
-_PRINT = builtins.print  # the interpreter's print: stage modules are imported before a Prefect run patches it
+
+def _print_to_stdout(*values, sep: str | None = " ", end: str | None = "\n", file=None, flush: bool = False) -> None:
+    """What print() does: Prefect's log_prints replaces print, and may have done so before this module is imported
+    (the flow imports stage modules while it runs), so the original cannot be kept."""
+    stream = sys.stdout if file is None else file
+    stream.write((" " if sep is None else sep).join(map(str, values)) + ("\n" if end is None else end))
+    if flush:
+        stream.flush()
 
 
 @contextlib.contextmanager
@@ -37,7 +44,7 @@ def prints_to_stdout() -> Iterator[None]:
     """print() writes to stdout inside the block, also in a Prefect run with log_prints. dill (datasets' fingerprint
     of each function trl maps over a dataset) reads a function's globals from the disassembly it prints into a
     captured stdout; Prefect's print would send that disassembly, hundreds of lines per function, to the run log."""
-    patched, builtins.print = builtins.print, _PRINT
+    patched, builtins.print = builtins.print, _print_to_stdout
     try:
         yield
     finally:

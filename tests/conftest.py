@@ -192,6 +192,28 @@ def rerun_resumes(module: str, overrides: list[str], *, what: str, killed_at: in
     assert not list(out_dir.parent.glob(f".{out_dir.name}.*"))  # the killed run's temp output dir was cleaned up
 
 
+def flow_run_logs(flow_run_id) -> list[str]:
+    """Every log message of a flow run and its task runs, as the Prefect API stores them."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    async def read() -> list[str]:
+        await APILogHandler.aflush()  # log records are sent in the background
+        only_this_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+        messages: list[str] = []
+        async with get_client() as prefect:
+            while True:  # the API returns at most 200 records a call
+                page = await prefect.read_logs(log_filter=only_this_run, limit=200, offset=len(messages))
+                messages += [log.message for log in page]
+                if len(page) < 200:
+                    return messages
+
+    return asyncio.run(read())
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now (for the servers the tests start)."""
     with socket.socket() as s:

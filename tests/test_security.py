@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import REPO, tiny_pipeline_overrides
+from conftest import REPO, flow_run_logs, tiny_pipeline_overrides
 
 from rlhflow.stages import STAGES
 
@@ -164,12 +164,7 @@ def test_the_prefect_server_listens_on_loopback_only(prefect_server):
 
 @pytest.mark.system
 def test_environment_secrets_never_reach_mlflow_or_prefect_logs(prefect_server, tmp_path, tiny_model_dir, monkeypatch):
-    import asyncio
-
     import mlflow
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-    from prefect.logging.handlers import APILogHandler
 
     from flows.pipeline import rlhf_pipeline
 
@@ -192,17 +187,6 @@ def test_environment_secrets_never_reach_mlflow_or_prefect_logs(prefect_server, 
     for path in artifacts + [tmp_path / "mlflow.db"]:  # every byte MLflow stored, the database included
         assert not leaks(path.read_bytes().decode("utf-8", errors="replace")), path
 
-    async def flow_run_logs() -> list[str]:
-        await APILogHandler.aflush()  # log records are sent in the background
-        only_this_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id]))
-        messages: list[str] = []
-        async with get_client() as prefect:
-            while True:  # the API returns at most 200 records a call
-                page = await prefect.read_logs(log_filter=only_this_run, limit=200, offset=len(messages))
-                messages += [log.message for log in page]
-                if len(page) < 200:
-                    return messages
-
-    messages = asyncio.run(flow_run_logs())
+    messages = flow_run_logs(state.state_details.flow_run_id)
     assert any("MLflow parent run" in m for m in messages)  # the run's own log lines are there
     assert not leaks("\n".join(messages))
