@@ -74,7 +74,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     import mlflow
     import torch
 
-    from rlhflow import tracking
+    from rlhflow import distributed, tracking
     from rlhflow.data.formats import read_jsonl
     from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir
     from rlhflow.metrics import perplexity
@@ -83,6 +83,8 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.sft import sft_trainer, train_sft
 
     s = cfg.sft
+    if s.train and distributed.world_size() > 1:  # the other processes do not run this stage: a Trainer would wait
+        raise ValueError("sft.train trains in one process: run the sft stage without accelerate launch")
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(s.model, trust_remote_code=s.trust_remote_code)
     device = pick_device(cfg.device)

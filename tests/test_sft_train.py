@@ -306,6 +306,15 @@ def test_bad_demonstrations_fail_the_stage_before_training(validated, tiny_model
     assert not (root / "metrics").exists()
 
 
+def test_training_refuses_a_multi_process_launch(monkeypatch):
+    from rlhflow import distributed
+    from tasks.sft import run
+
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)  # only rank 0 runs the stage: a Trainer would wait
+    with pytest.raises(ValueError, match="sft.train trains in one process"):
+        run(load_config(overrides=["sft.train=true"]), ctx=None)
+
+
 SFT_ROWS, SFT_BATCH, SFT_CHECKPOINT_EVERY = 96, 2, 4
 
 
