@@ -85,7 +85,8 @@ def test_bad_data_stops_the_flow_and_registers_nothing(prefect_server, tmp_path,
         rlhf_pipeline(overrides=overrides)
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("rlhf").experiment_id])
-    assert {r.data.tags.get("stage", "pipeline") for r in runs} == {"pipeline", "validate"}
-    assert all(r.info.status == "FAILED" for r in runs)
+    status = {r.data.tags.get("stage", "pipeline"): r.info.status for r in runs}
+    # demo_data is a stage of dvc.yaml like any other, so it runs (and succeeds) before validate
+    assert status == {"pipeline": "FAILED", "demo_data": "FINISHED", "validate": "FAILED"}
     assert client.search_registered_models() == []
     assert not (tmp_path / "data/validated").exists()
