@@ -18,7 +18,7 @@ def inputs_fingerprint(cfg: Config) -> str:
     seed, SFT model, reward model and training prompts."""
     import json
 
-    from rlhflow.fsutil import file_stamps
+    from rlhflow.hashing import file_stamps
 
     files = [
         cfg.path(cfg.sft.out_dir) / "model.safetensors",

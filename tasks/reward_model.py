@@ -25,7 +25,7 @@ def checkpoint_fingerprint(cfg: Config, rm_cfg: RewardModelConfig, train_file: P
     import json
 
     from rlhflow import distributed
-    from rlhflow.fsutil import file_stamps
+    from rlhflow.hashing import file_stamps
 
     backbone = backbone_spec(cfg, rm_cfg)
     files = [train_file]
