@@ -87,7 +87,7 @@ def train_pairwise_model(
         )
         if rm is None:  # not the main process: its part of the training is done
             return {}
-        held_out = evaluate_pairs(rm, test_rows)
+        held_out = evaluate_pairs(rm, test_rows).metrics
         metrics = {
             f"{prefix}/accuracy": held_out["accuracy"],
             f"{prefix}/accuracy_se": held_out["accuracy_se"],
