@@ -39,10 +39,6 @@ from rlhflow import lineage, tracking
 from rlhflow.config import Config, apply_overrides, config_from_dict, load_config, parse_config_args
 from rlhflow.stages import STAGE_NAMES, STAGES, get_stage
 
-# params.yaml as read when the flows are imported: the defaults of the flow parameters, hence of the Prefect
-# UI's parameter form (a deployment's run started from the API without `config` re-reads it, in a new process).
-PARAMS = load_config()
-
 StageName = Literal[tuple(STAGE_NAMES)]  # an enum in the parameter form
 
 # Stages that load models on the accelerator (Stage.accelerator) hold one slot of this Prefect global concurrency
@@ -66,7 +62,9 @@ def selected_stages(cfg: Config, stages: list[str] | None) -> list[str]:
     return [n for n in STAGE_NAMES if n in names]  # pipeline order, whatever order they were given in
 
 
-def with_overrides(cfg: Config, overrides: list[str] | None) -> Config:
+def with_overrides(cfg: Config | None, overrides: list[str] | None) -> Config:
+    """A flow's `config` parameter (None: params.yaml, read now, as the run starts) with `overrides` applied."""
+    cfg = load_config() if cfg is None else cfg
     return config_from_dict(apply_overrides(cfg.to_params(), overrides)) if overrides else cfg
 
 
@@ -242,7 +240,7 @@ def run_pipeline(cfg: Config, stages: list[str] | None = None, force: bool = Fal
 
 @flow(name="rlhf-pipeline", log_prints=True)
 def rlhf_pipeline(
-    config: Config = PARAMS,
+    config: Config | None = None,
     stages: list[StageName] | None = None,
     force: bool = False,
     overrides: list[str] | None = None,

@@ -44,6 +44,7 @@ import yaml
 from rlhflow import tracking
 from rlhflow.config import REPO_ROOT, Config, load_config, write_params
 from rlhflow.fsutil import atomic_file
+from rlhflow.hashing import dvc_md5s
 from rlhflow.stages import STAGES, Stage, get_stage
 from rlhflow.tracking import redact  # URL passwords and secret environment values never reach MLflow
 
@@ -102,38 +103,9 @@ def stage_outputs(stage: Stage) -> list[str]:
     return [*stage.outs, *stage.metrics, *stage.plots]
 
 
-@contextlib.contextmanager
-def _hasher(cfg: Config) -> Iterator[Any]:
-    """`md5(path)`: DVC's hash of a file or directory, None when it does not exist."""
-    from dvc.ignore import DvcIgnoreFilter
-    from dvc_data.hashfile.build import build
-    from dvc_data.hashfile.db import HashFileDB
-    from dvc_data.hashfile.state import State
-    from dvc_objects.fs import LocalFileSystem
-
-    fs = LocalFileSystem()
-    ignore = DvcIgnoreFilter(fs, str(REPO_ROOT))  # .dvcignore, as `dvc repro` applies it
-    cache_dir = state_dir(cfg) / "hash-state"
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    state = State(root_dir=str(REPO_ROOT), tmp_dir=str(cache_dir))
-    try:
-        with tempfile.TemporaryDirectory() as odb_dir:
-            odb = HashFileDB(fs, odb_dir, state=state)
-
-            def md5(path: Path) -> str | None:
-                if not path.exists():
-                    return None
-                _, _, obj = build(odb, str(path), fs, "md5", dry_run=True, ignore=ignore)
-                return obj.hash_info.value
-
-            yield md5
-    finally:
-        state.close()
-
-
 def fingerprint(stage: Stage, cfg: Config) -> Fingerprint:
     """The stage's deps, params and outs now, with paths as dvc.yaml resolves them (relative to the repo)."""
-    with _hasher(cfg) as md5:
+    with dvc_md5s(state_dir(cfg)) as md5:
         deps = {p: md5(cfg.path(p)) for p in (stage.resolve(cfg, t) for t in stage.deps)}
         outs = {p: md5(cfg.path(p)) for p in (stage.resolve(cfg, t) for t in stage_outputs(stage))}
     return Fingerprint(deps=deps, params=stage_params(stage, cfg), outs=outs)
@@ -461,7 +433,7 @@ def restore(run_id: str, cfg: Config) -> list[Restored]:
             repo._reset()  # DVC's index, if built, predates these entries
             for name in stages:
                 sources.update(_checkout_stage(repo, name, outputs))
-    with _hasher(cfg) as md5:
+    with dvc_md5s(state_dir(cfg)) as md5:
         results = [
             Restored(name, o["path"], o.get("md5"), md5(cfg.path(o["path"])), sources.get(o["path"], ""))
             for name, entry in stages.items()

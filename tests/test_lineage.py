@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import make_dvc_repo
 
-from rlhflow import lineage, tracking
+from rlhflow import lineage
 from rlhflow.config import load_config
+from rlhflow.hashing import file_md5
 from rlhflow.stages import STAGES
 
 
@@ -63,11 +64,11 @@ def _workspace_md5s(repo: Path, lock: dict) -> dict[str, str]:
                 listing = _dir_listing(repo, out["md5"])
                 files = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
                 same = files == sorted(e["relpath"] for e in listing) and all(
-                    tracking.file_md5(path / e["relpath"]) == e["md5"] for e in listing
+                    file_md5(path / e["relpath"]) == e["md5"] for e in listing
                 )
                 found[os.path.normpath(out["path"])] = out["md5"] if same else "differs"
             else:
-                found[os.path.normpath(out["path"])] = tracking.file_md5(path)
+                found[os.path.normpath(out["path"])] = file_md5(path)
     return found
 
 
