@@ -32,6 +32,7 @@ def deployments() -> list:
     from prefect.types.entrypoint import EntrypointType
 
     from flows.pipeline import rlhf_pipeline
+    from flows.restore import restore_run
     from flows.stage_flows import STAGE_FLOWS
 
     # flow runs import the flows by module (flows.pipeline.rlhf_pipeline), whatever the current directory
@@ -41,6 +42,11 @@ def deployments() -> list:
             name="pipeline", **common, description="The whole RLHF pipeline; up-to-date stages are skipped."
         )
     ]
+    served.append(
+        restore_run.to_deployment(
+            name="restore", **common, description="Put a pipeline run's data, models and metrics back (DVC cache)."
+        )
+    )
     for stage, stage_flow in STAGE_FLOWS.items():
         served.append(
             stage_flow.to_deployment(
