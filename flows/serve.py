@@ -51,6 +51,7 @@ def deployments() -> list:
     from prefect.types.entrypoint import EntrypointType
 
     from flows.pipeline import rlhf_pipeline
+    from flows.restore import restore_run
     from flows.stage_flows import STAGE_FLOWS
     from rlhflow.config import load_config
 
@@ -62,6 +63,11 @@ def deployments() -> list:
             name="pipeline", **common, description="The whole RLHF pipeline; up-to-date stages are skipped."
         )
     ]
+    served.append(
+        restore_run.to_deployment(
+            name="restore", **common, description="Put a pipeline run's data, models and metrics back (DVC cache)."
+        )
+    )
     for stage, stage_flow in STAGE_FLOWS.items():
         served.append(
             with_form_defaults(stage_flow, params).to_deployment(

@@ -241,6 +241,38 @@ def log_dataset(path: str | os.PathLike, *, name: str, context: str) -> str:
     return digest
 
 
+REGISTERED_MODELS_TAG = "registered_models"
+
+
+def link_stage_runs(parent_run_id: str) -> list[str]:
+    """The parent run lists what its stage runs used and made, so its page shows them: their datasets as its
+    inputs, their logged models as its outputs, and the registry versions they created as the tag
+    `registered_models` ("name/version, ..."). Returns those versions."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    parent = client.get_run(parent_run_id)
+    children = client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}'", order_by=["start_time ASC"]
+    )
+    seen = {(d.dataset.name, d.dataset.digest) for d in parent.inputs.dataset_inputs}
+    datasets, models, versions = [], [], []
+    for child in children:
+        for inp in child.inputs.dataset_inputs:
+            if (inp.dataset.name, inp.dataset.digest) not in seen:
+                seen.add((inp.dataset.name, inp.dataset.digest))
+                datasets.append(inp)
+        models += child.outputs.model_outputs if child.outputs else []
+        versions += [f"{v.name}/{v.version}" for v in client.search_model_versions(f"run_id = '{child.info.run_id}'")]
+    if datasets:
+        client.log_inputs(parent_run_id, datasets=datasets)
+    if models:
+        client.log_outputs(parent_run_id, models)
+    if versions:
+        client.set_tag(parent_run_id, REGISTERED_MODELS_TAG, ", ".join(versions))
+    return versions
+
+
 def write_stage_metrics(cfg: Config, stage: str, metrics: dict[str, float]) -> Path:
     """metrics/<stage>.json: what `dvc metrics show` lists; the same numbers MLflow has."""
     path = cfg.path(cfg.metrics_dir) / f"{stage}.json"

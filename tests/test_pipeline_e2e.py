@@ -62,6 +62,13 @@ def test_flow_runs_every_stage_and_tracks_them(prefect_server, tmp_path, tiny_mo
         version = client.get_model_version_by_alias(name, "candidate")
         assert version.run_id == children[stage].info.run_id
 
+    # the parent run lists its stages' datasets, logged models and registered versions
+    assert {"preferences-train", "preferences-test"} <= {d.dataset.name for d in parent.inputs.dataset_inputs}
+    stage_models = {m.model_id for c in children.values() for m in c.outputs.model_outputs}
+    assert stage_models and {m.model_id for m in parent.outputs.model_outputs} == stage_models
+    registered = parent.data.tags["registered_models"].split(", ")
+    assert {"rlhf-reward-model/1", "rlhf-policy/1"} <= set(registered)
+
     # stage outputs and metrics files on disk
     for s in STAGES:
         if s.metrics:
