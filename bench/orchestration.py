@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlhflow.config import add_overrides_argument, set_args
+
 REPO = Path(__file__).resolve().parents[1]
 # the default params.yaml, shortened so that one path takes a few minutes on 2 CPU cores
 SHORTENED = [
@@ -197,14 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         "--short", action="store_true", help="the default shortened (SHORTENED) instead of params.yaml as it is"
     )
     size.add_argument("--tiny", action="store_true", help="tiny models instead of the default")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="further params.yaml overrides for both paths",
-    )
+    add_overrides_argument(parser, "further params.yaml overrides for both paths")
     parser.add_argument("--direct-only", metavar="JSON", help=argparse.SUPPRESS)  # the direct path's own process
     parser.add_argument("--flow-only", metavar="JSON", help=argparse.SUPPRESS)  # the flow path's own process
     parser.add_argument("--keep", action="store_true", help="keep the two output roots (printed)")
@@ -213,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         run_direct(args.overrides, Path(args.direct_only))
         return
     if args.flow_only:
-        run_flow([a for o in args.overrides for a in ("--set", o)], Path(args.flow_only))
+        run_flow(set_args(args.overrides), Path(args.flow_only))
         return
 
     tmp = Path(tempfile.mkdtemp(prefix="rlhflow-orch-"))
@@ -241,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     for path in ("flow", "direct"):
         root = tmp / path
         overrides = root_overrides(root, demo_data=args.tiny) + base + args.overrides
-        sets = [a for o in overrides for a in ("--set", o)]
+        sets = set_args(overrides)
         if path == "flow":
             cmd = [sys.executable, "-m", "bench.orchestration", "--flow-only", str(tmp / "flow.json"), *sets]
         else:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from rlhflow.config import add_overrides_argument, set_args
+
 REPO = Path(__file__).resolve().parents[1]
 
 # name -> (what it is, its params overrides). LoRA trains adapters with a 5x learning rate, as LoRA usually needs.
@@ -63,7 +65,7 @@ def run_setting(name: str, overrides: list[str], work: Path, threads: int) -> di
         "tracking.log_models=false",
         "tracking.experiment=ppo-settings",
     ]
-    cmd = [sys.executable, "-m", "tasks.ppo"] + [a for o in paths + overrides for a in ("--set", o)]
+    cmd = [sys.executable, "-m", "tasks.ppo"] + set_args(paths + overrides)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -93,7 +95,7 @@ def run_setting(name: str, overrides: list[str], work: Path, threads: int) -> di
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, from {', '.join(SETTINGS)}")
-    parser.add_argument("--set", dest="extra", action="append", default=[], help="params override for every setting")
+    add_overrides_argument(parser, "params override for every setting", dest="extra")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--work-dir", default=str(REPO / "bench" / ".work" / "ppo_settings"))
     args = parser.parse_args(argv)

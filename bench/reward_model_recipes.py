@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as work:
             rm = train_reward_model(cfg, rows, backbone=backbone, out_dir=out, work_dir=work, seed=0)
-            held_out = evaluate_pairs(rm, test_rows)
+            held_out = evaluate_pairs(rm, test_rows).metrics
         print(
             f"RESULT {backbone} train_pairs={len(rows)} {recipe} acc={held_out['accuracy']:.3f} "
             f"+- {held_out['accuracy_se']:.3f} ({len(test_rows)} pairs) seconds={time.perf_counter() - start:.0f}",

@@ -39,10 +39,6 @@ from rlhflow import lineage, tracking
 from rlhflow.config import Config, apply_overrides, config_from_dict, load_config, parse_config_args
 from rlhflow.stages import STAGE_NAMES, STAGES, get_stage
 
-# params.yaml as read when the flows are imported: the defaults of the flow parameters, hence of the Prefect
-# UI's parameter form (a deployment's run started from the API without `config` re-reads it, in a new process).
-PARAMS = load_config()
-
 StageName = Literal[tuple(STAGE_NAMES)]  # an enum in the parameter form
 
 # Stages that load models on the accelerator (Stage.accelerator) hold one slot of this Prefect global concurrency
@@ -66,7 +62,9 @@ def selected_stages(cfg: Config, stages: list[str] | None) -> list[str]:
     return [n for n in STAGE_NAMES if n in names]  # pipeline order, whatever order they were given in
 
 
-def with_overrides(cfg: Config, overrides: list[str] | None) -> Config:
+def with_overrides(cfg: Config | None, overrides: list[str] | None) -> Config:
+    """A flow's `config` parameter (None: params.yaml, read now, as the run starts) with `overrides` applied."""
+    cfg = load_config() if cfg is None else cfg
     return config_from_dict(apply_overrides(cfg.to_params(), overrides)) if overrides else cfg
 
 
@@ -145,10 +143,20 @@ def record_stage(name: str, cfg: Config) -> None:
 
 
 @task(name="log-lineage", **TRANSIENT_RETRIES)
-def log_lineage(cfg: Config, names: list[str]) -> None:
+def log_lineage(cfg: Config, names: list[str]) -> dict:
     """The parent run's `dvc.lock`, `params.yaml` and uncached outputs (what `flows.restore` reads back); a run
     with overrides also becomes a DVC experiment."""
-    lineage.log_run_lineage(cfg, names)
+    return lineage.log_run_lineage(cfg, names)
+
+
+@task(name="push-outputs", **TRANSIENT_RETRIES)
+def push_outputs(lock: dict, cfg: Config, remote: str | None) -> None:
+    """The run's data and models to a DVC remote, for `flows.restore` on another machine."""
+    import mlflow
+
+    sent = lineage.push_run(lock, cfg, remote)
+    mlflow.set_tag("dvc.remote", remote or "default")
+    print(f"pushed {sent} new object(s) to the DVC remote {remote or '(default)'}")
 
 
 @task(name="publish-report", **TRANSIENT_RETRIES)
@@ -192,10 +200,15 @@ def run_or_skip(name: str, cfg: Config, parent_id: str, force: bool) -> tuple[re
     return report.StageOutcome(name, ran=True, seconds=seconds, reason=reasons[0]), metrics
 
 
-def run_pipeline(cfg: Config, stages: list[str] | None = None, force: bool = False) -> dict[str, float]:
-    """The body of every flow here: the selected stages, in order, in one MLflow parent run."""
+def run_pipeline(
+    cfg: Config, stages: list[str] | None = None, force: bool = False, push: bool = False, remote: str | None = None
+) -> dict[str, float]:
+    """The body of every flow here: the selected stages, in order, in one MLflow parent run; with `push`, their
+    outputs then go to the DVC remote `remote` (default: DVC's default remote)."""
     names = selected_stages(cfg, stages)
     tracking.preflight(cfg)  # an unreachable tracking server fails here, in seconds, not after training
+    if push:
+        lineage.check_remote(remote)  # so does a push with no DVC remote to go to
     if any(get_stage(n).accelerator for n in names):
         ensure_training_limit()
     results: dict[str, float] = {}
@@ -224,7 +237,9 @@ def run_pipeline(cfg: Config, stages: list[str] | None = None, force: bool = Fal
 
                 mlflow.set_tag("skipped_stages", ",".join(skipped))
             tracking.log_metrics({k: v for k, v in results.items() if k.startswith("time/")})
-            log_lineage(cfg, names)
+            lock = log_lineage(cfg, names)
+            if push:
+                push_outputs(lock, cfg, remote)
     except BaseException as err:
         error = tracking.redact(f"{type(err).__name__}: {err}")[:2000]
         raise
@@ -242,10 +257,12 @@ def run_pipeline(cfg: Config, stages: list[str] | None = None, force: bool = Fal
 
 @flow(name="rlhf-pipeline", log_prints=True)
 def rlhf_pipeline(
-    config: Config = PARAMS,
+    config: Config | None = None,
     stages: list[StageName] | None = None,
     force: bool = False,
     overrides: list[str] | None = None,
+    push: bool = False,
+    remote: str | None = None,
 ) -> dict[str, float]:
     """The RLHF pipeline: demo_data -> validate -> sft -> reward_model -> judge -> ppo -> evaluate.
 
@@ -254,8 +271,10 @@ def rlhf_pipeline(
         stages: run only these stages (in pipeline order), reading earlier outputs from disk; empty: all
         force: run every stage even when it is up to date
         overrides: params.yaml overrides applied on top of `config`, e.g. ["ppo.kl_coef=0.1"]
+        push: after the run, push its data and models to a DVC remote (restorable on another machine)
+        remote: the DVC remote to push to (`dvc remote list`); empty: DVC's default remote
     """
-    return run_pipeline(with_overrides(config, overrides), stages, force)
+    return run_pipeline(with_overrides(config, overrides), stages, force, push, remote)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -264,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--stages", default=None, help="comma-separated subset of stages to run")
     pre.add_argument("--force", action="store_true", help="run every stage even when it is up to date")
+    pre.add_argument("--push", action="store_true", help="push the run's data and models to a DVC remote after it")
+    pre.add_argument("--remote", default=None, help="the DVC remote for --push (default: DVC's default remote)")
     pre.add_argument(
         "--reset-training-limit",
         action="store_true",
@@ -282,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     start = time.perf_counter()
     stages = known.stages.split(",") if known.stages else None
-    rlhf_pipeline(config=cfg, stages=stages, force=known.force)
+    rlhf_pipeline(config=cfg, stages=stages, force=known.force, push=known.push, remote=known.remote)
     print(f"{'total wall time':44s} {time.perf_counter() - start:9.1f}s")
 
 

@@ -1,19 +1,42 @@
 """Put a pipeline run's data, models and metrics back into the workspace:
 
-    python -m flows.restore RUN_ID [--params params.yaml] [--set tracking.tracking_uri=...]
+    python -m flows.restore RUN_ID [--remote NAME] [--params params.yaml] [--set tracking.tracking_uri=...]
 
 RUN_ID is an MLflow parent run of the pipeline flow. Its artifact `dvc.lock` becomes the stages' entries in
-the repository's dvc.lock, DVC checks the cached outputs out (from the local cache, else pulled from the default
-remote), the metrics and plot data come from the run's artifacts, and each output's md5 is checked against the
-run's record (rlhflow/lineage.py). Exits 1 when any output differs or cannot be restored.
+the repository's dvc.lock; what the local DVC cache lacks is pulled from the DVC remote (--remote, else DVC's
+default remote); DVC checks the cached outputs out, the metrics and plot data come from the run's artifacts,
+user data files the run read are put back where it read them; and each md5 is checked against the run's record
+(rlhflow/lineage.py). Exits 1 when anything differs or cannot be restored. The Prefect deployment
+`restore-run/restore` (flows/serve.py) runs the same flow.
 """
 
 from __future__ import annotations
 
 import sys
 
+from prefect import flow
+
 from rlhflow import lineage
-from rlhflow.config import parse_config_args
+from rlhflow.config import Config, load_config, parse_config_args
+
+
+@flow(name="restore-run", log_prints=True)
+def restore_run(run_id: str, remote: str | None = None, config: Config | None = None) -> list[dict]:
+    """Put an MLflow parent run's data, models and metrics back into the workspace.
+
+    Args:
+        run_id: the pipeline's MLflow parent run
+        remote: the DVC remote to pull missing objects from; empty: DVC's default remote
+        config: params (the tracking store is read from them); empty: params.yaml
+    """
+    restored = lineage.restore(run_id, config or load_config(), remote)
+    for r in restored:
+        print(f"{'ok      ' if r.ok else 'MISMATCH'} {r.stage:14s} {r.path}  {r.md5}  ({r.source})")
+    bad = [r.path for r in restored if not r.ok]
+    if bad:
+        raise lineage.RestoreError(f"{len(bad)} output(s) differ from run {run_id}'s record: {bad}")
+    print(f"restored {len(restored)} output(s) of run {run_id}; dvc.lock holds its entries")
+    return [vars(r) for r in restored]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,20 +44,17 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0].startswith("-"):
         print(__doc__.strip(), file=sys.stderr)
         return 2
-    run_id, rest = argv[0], argv[1:]
+    import argparse
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--remote", default=None, help="DVC remote to pull from (default: DVC's default remote)")
+    known, rest = pre.parse_known_args(argv[1:])
     cfg, _ = parse_config_args(rest, "Restore a pipeline run's outputs (the tracking store is read from params).")
     try:
-        restored = lineage.restore(run_id, cfg)
+        restore_run(argv[0], known.remote, cfg)
     except lineage.RestoreError as err:
         print(f"restore failed: {err}", file=sys.stderr)
         return 1
-    for r in restored:
-        print(f"{'ok      ' if r.ok else 'MISMATCH'} {r.stage:14s} {r.path}  {r.md5}  ({r.source})")
-    bad = [r for r in restored if not r.ok]
-    if bad:
-        print(f"{len(bad)} output(s) differ from run {run_id}'s record", file=sys.stderr)
-        return 1
-    print(f"restored {len(restored)} output(s) of run {run_id}; dvc.lock holds its entries")
     return 0
 
 

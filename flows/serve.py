@@ -28,22 +28,49 @@ DEFAULT_HOST = "127.0.0.1"
 PIPELINE_DEPLOYMENT = "rlhf-pipeline/pipeline"
 
 
+def with_form_defaults(flow, params):
+    """A copy of `flow` whose parameter form (the schema Prefect builds from the flow's signature, for the
+    deployment) offers the typed config with `params`' values as the defaults of `config`. The flow itself
+    defaults `config` to None: a run started without one reads params.yaml as it starts."""
+    import inspect
+
+    from rlhflow.config import Config
+
+    signature = inspect.signature(flow.fn, eval_str=True)
+    form = flow.with_options()
+    form.__signature__ = signature.replace(
+        parameters=[
+            p.replace(annotation=Config, default=params) if p.name == "config" else p
+            for p in signature.parameters.values()
+        ]
+    )
+    return form
+
+
 def deployments() -> list:
     from prefect.types.entrypoint import EntrypointType
 
     from flows.pipeline import rlhf_pipeline
+    from flows.restore import restore_run
     from flows.stage_flows import STAGE_FLOWS
+    from rlhflow.config import load_config
 
+    params = load_config()  # params.yaml now: the defaults of every deployment's parameter form
     # flow runs import the flows by module (flows.pipeline.rlhf_pipeline), whatever the current directory
     common = dict(tags=["rlhf"], entrypoint_type=EntrypointType.MODULE_PATH)
     served = [
-        rlhf_pipeline.to_deployment(
+        with_form_defaults(rlhf_pipeline, params).to_deployment(
             name="pipeline", **common, description="The whole RLHF pipeline; up-to-date stages are skipped."
         )
     ]
+    served.append(
+        restore_run.to_deployment(
+            name="restore", **common, description="Put a pipeline run's data, models and metrics back (DVC cache)."
+        )
+    )
     for stage, stage_flow in STAGE_FLOWS.items():
         served.append(
-            stage_flow.to_deployment(
+            with_form_defaults(stage_flow, params).to_deployment(
                 name=stage, **common, description=f"The {stage} stage alone, on earlier stages' outputs."
             )
         )

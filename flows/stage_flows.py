@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.pipeline import PARAMS, run_pipeline, with_overrides
+from flows.pipeline import run_pipeline, with_overrides
 from rlhflow.config import Config
 from rlhflow.stages import STAGES, Stage
 from rlhflow.tracking import flatten
@@ -16,11 +16,13 @@ from rlhflow.tracking import flatten
 def stage_flow(stage: Stage):
     """The flow `rlhf-<stage>`: run_pipeline on that one stage. Its docstring describes the parameter form."""
 
-    def run_stage(config: Config = PARAMS, force: bool = False, overrides: list[str] | None = None) -> dict[str, float]:
+    def run_stage(
+        config: Config | None = None, force: bool = False, overrides: list[str] | None = None
+    ) -> dict[str, float]:
         return run_pipeline(with_overrides(config, overrides), [stage.name], force)
 
     section = next(p for p in stage.params if p.split(".")[0] == stage.name or p.startswith("data."))
-    example = next(f"{k}={v}" for k, v in flatten(PARAMS.to_params()).items() if k.startswith(section + "."))
+    example = next(f"{k}={v}" for k, v in flatten(Config().to_params()).items() if k.startswith(section + "."))
     run_stage.__name__ = run_stage.__qualname__ = stage.name
     run_stage.__module__ = __name__
     run_stage.__doc__ = f"""The {stage.name} stage alone: {stage.description}.

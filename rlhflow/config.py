@@ -405,18 +405,23 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     return config_from_dict(apply_overrides(params, overrides))
 
 
+def add_overrides_argument(parser: argparse.ArgumentParser, help: str, dest: str = "overrides") -> None:
+    """The repeatable `--set KEY=VALUE` option (params.yaml overrides), collected in a list."""
+    parser.add_argument("--set", dest=dest, action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
+def set_args(overrides: list[str]) -> list[str]:
+    """`overrides` as the `--set KEY=VALUE` arguments of a command line that takes them (`parse_config_args`)."""
+    return [arg for override in overrides for arg in ("--set", override)]
+
+
 def parse_config_args(argv: list[str] | None, description: str) -> tuple[Config, argparse.Namespace]:
     """The command line every entry point shares: `--params FILE` and repeatable `--set key=value` overrides,
     loaded and validated; a bad value exits with status 2 and the key named."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--params", default=None, help="params file (default: the repo's params.yaml)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one params.yaml value for this run, e.g. --set ppo.kl_coef=0.1 (repeatable)",
+    add_overrides_argument(
+        parser, "override one params.yaml value for this run, e.g. --set ppo.kl_coef=0.1 (repeatable)"
     )
     args = parser.parse_args(argv)
     try:

@@ -95,17 +95,10 @@ def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:
     write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True, default=float) + "\n")
 
 
-def file_stamps(paths: list[str | os.PathLike]) -> dict[str, list[int] | None]:
-    """Size and modification time of each file (None when missing): a cheap fingerprint of large inputs."""
-    stamps: dict[str, list[int] | None] = {}
-    for path in map(Path, paths):
-        stamps[str(path)] = [path.stat().st_size, path.stat().st_mtime_ns] if path.is_file() else None
-    return stamps
-
-
 def prepare_checkpoint_dir(ckpt_dir: str | os.PathLike, fingerprint: str) -> Path:
-    """Keep the checkpoints of an interrupted run made from the same inputs (`fingerprint`, any text) so it
-    can resume; drop anything else. The fingerprint is kept in `inputs.json` inside the dir."""
+    """Keep the checkpoints of an interrupted run made from the same inputs (`fingerprint`, any text: the
+    stages use `rlhflow.hashing.inputs_fingerprint`) so it can resume; drop anything else. The fingerprint is
+    kept in `inputs.json` inside the dir."""
     ckpt_dir = Path(ckpt_dir)
     marker = ckpt_dir / "inputs.json"
     if ckpt_dir.exists() and (not marker.exists() or marker.read_text() != fingerprint):

@@ -44,6 +44,7 @@ import yaml
 from rlhflow import tracking
 from rlhflow.config import REPO_ROOT, Config, load_config, write_params
 from rlhflow.fsutil import atomic_file
+from rlhflow.hashing import dvc_md5s
 from rlhflow.stages import STAGES, Stage, get_stage
 from rlhflow.tracking import redact  # URL passwords and secret environment values never reach MLflow
 
@@ -64,9 +65,10 @@ class Fingerprint:
     def to_lock_entry(self, stage: Stage) -> dict[str, Any]:
         return {
             "cmd": f"python -m {stage.module}",
-            "deps": [{"path": p, "md5": h} for p, h in self.deps.items()],
+            # `hash: md5` as DVC 3 writes it; without it DVC reads the md5 as a 2.x one and looks in the old cache
+            "deps": [{"path": p, "hash": "md5", "md5": h} for p, h in self.deps.items()],
             "params": {PARAMS_FILE: self.params},
-            "outs": [{"path": p, "md5": h} for p, h in self.outs.items()],
+            "outs": [{"path": p, "hash": "md5", "md5": h} for p, h in self.outs.items()],
         }
 
     @classmethod
@@ -102,38 +104,9 @@ def stage_outputs(stage: Stage) -> list[str]:
     return [*stage.outs, *stage.metrics, *stage.plots]
 
 
-@contextlib.contextmanager
-def _hasher(cfg: Config) -> Iterator[Any]:
-    """`md5(path)`: DVC's hash of a file or directory, None when it does not exist."""
-    from dvc.ignore import DvcIgnoreFilter
-    from dvc_data.hashfile.build import build
-    from dvc_data.hashfile.db import HashFileDB
-    from dvc_data.hashfile.state import State
-    from dvc_objects.fs import LocalFileSystem
-
-    fs = LocalFileSystem()
-    ignore = DvcIgnoreFilter(fs, str(REPO_ROOT))  # .dvcignore, as `dvc repro` applies it
-    cache_dir = state_dir(cfg) / "hash-state"
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    state = State(root_dir=str(REPO_ROOT), tmp_dir=str(cache_dir))
-    try:
-        with tempfile.TemporaryDirectory() as odb_dir:
-            odb = HashFileDB(fs, odb_dir, state=state)
-
-            def md5(path: Path) -> str | None:
-                if not path.exists():
-                    return None
-                _, _, obj = build(odb, str(path), fs, "md5", dry_run=True, ignore=ignore)
-                return obj.hash_info.value
-
-            yield md5
-    finally:
-        state.close()
-
-
 def fingerprint(stage: Stage, cfg: Config) -> Fingerprint:
     """The stage's deps, params and outs now, with paths as dvc.yaml resolves them (relative to the repo)."""
-    with _hasher(cfg) as md5:
+    with dvc_md5s(state_dir(cfg)) as md5:
         deps = {p: md5(cfg.path(p)) for p in (stage.resolve(cfg, t) for t in stage.deps)}
         outs = {p: md5(cfg.path(p)) for p in (stage.resolve(cfg, t) for t in stage_outputs(stage))}
     return Fingerprint(deps=deps, params=stage_params(stage, cfg), outs=outs)
@@ -330,8 +303,60 @@ def record_run(stage: Stage, cfg: Config) -> dict[str, Any]:
                     dstage.save(run_cache=not no_cache_outs)
                     dstage.commit()
                     dstage.dump(update_pipeline=False)
+                    cache_paths(repo, [cfg.path(p) for p in user_data(stage, cfg)])
                 return to_lockfile(dstage)[stage.name]
-    return record_flow_lock(stage, cfg).to_lock_entry(stage)
+    entry = record_flow_lock(stage, cfg).to_lock_entry(stage)
+    if is_dvc_project():  # DVC does not stand for the run, yet its outputs and data go into DVC's cache
+        cached = [o["path"] for o in entry["outs"] if o["md5"] and not _uncached(stage, cfg, o["path"])]
+        with dvc_repo() as repo, repo_lock(repo):
+            cache_paths(repo, [cfg.path(p) for p in [*cached, *user_data(stage, cfg)]])
+    return entry
+
+
+def _uncached(stage: Stage, cfg: Config, path: str) -> bool:
+    return path in {stage.resolve(cfg, t) for t in uncached_outputs(stage)}
+
+
+def _tracked_by_git(path: Path) -> bool:
+    """In the repository and in git. Without git (an exported tree) every file in the repository counts as the
+    project's own: only files outside it are user data then."""
+    import subprocess
+
+    try:
+        rel = path.resolve().relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        return False
+    try:
+        return bool(_git("ls-files", "--", rel))
+    except (OSError, subprocess.CalledProcessError):
+        return True
+
+
+def user_data(stage: Stage, cfg: Config) -> list[str]:
+    """The stage's deps that only the user holds: files outside the repository, or in it but neither tracked by
+    git nor made by a stage (a preference file passed as `data.preferences=/abs/path`). The flow copies them
+    into the DVC cache, so a run stays restorable after the file changes."""
+    made = {os.path.normpath(stage_.resolve(cfg, t)) for stage_ in STAGES for t in stage_outputs(stage_)}
+    found = []
+    for template in stage.deps:
+        rel = stage.resolve(cfg, template)
+        path = cfg.path(rel)
+        if path.exists() and os.path.normpath(rel) not in made and not _tracked_by_git(path):
+            found.append(rel)
+    return found
+
+
+def cache_paths(repo: Any, paths: list[Path]) -> None:
+    """Copy files or directories into the repository's DVC cache (as `Output.commit` does, the workspace left
+    as it is); objects already there are not copied again."""
+    from dvc_data.hashfile.build import build
+    from dvc_data.hashfile.transfer import transfer
+
+    odb = repo.cache.local
+    for path in paths:
+        inside = Path(path).resolve().is_relative_to(REPO_ROOT)
+        staging, _, obj = build(odb, str(path), repo.fs, "md5", ignore=repo.dvcignore if inside else None)
+        transfer(staging, odb, {obj.hash_info}, shallow=False, hardlink=False)
 
 
 def dvc_records(stage: Stage, cfg: Config) -> bool:
@@ -386,6 +411,7 @@ def log_run_lineage(cfg: Config, names: list[str]) -> dict[str, Any]:
             rel = stage.resolve(cfg, template)
             if cfg.path(rel).is_file():
                 mlflow.log_artifact(str(cfg.path(rel)), artifact_path=_artifact_dir(rel))
+    tracking.link_stage_runs(run.info.run_id)  # the stages' datasets and models, listed on the parent run
     mlflow.log_text(redact(yaml.safe_dump(lock, sort_keys=False)), LOCK_FILE)
     mlflow.log_text(redact(yaml.safe_dump(cfg.to_params(), sort_keys=False)), PARAMS_FILE)
     return lock
@@ -443,10 +469,12 @@ def run_lock(run_id: str, cfg: Config, dst: Path) -> tuple[dict[str, Any], Path 
     return lock, outputs
 
 
-def restore(run_id: str, cfg: Config) -> list[Restored]:
-    """Put a parent run's outputs back into the workspace: each stage's dvc.lock entry becomes the run's, DVC
-    checks its cached outputs out (from the local cache, else pulled from the default remote), the uncached ones
-    come from the run's artifacts; then every output's md5 is compared with the run's record."""
+def restore(run_id: str, cfg: Config, remote: str | None = None) -> list[Restored]:
+    """Put a parent run's outputs and user data back into the workspace: each stage's dvc.lock entry becomes the
+    run's, objects missing from the local DVC cache are pulled from `remote` (default: DVC's default remote),
+    DVC checks the cached outputs out, the uncached ones come from the run's artifacts, and user data files
+    (`user_data`) are put back where the run read them, a changed file kept beside as `<name>.before-restore`.
+    Then every output's and data file's md5 is compared with the run's record."""
     with tempfile.TemporaryDirectory() as tmp:
         lock, outputs = run_lock(run_id, cfg, Path(tmp))
         stages = lock.get("stages", {})
@@ -454,20 +482,130 @@ def restore(run_id: str, cfg: Config) -> list[Restored]:
             raise RestoreError(f"run {run_id}: its {LOCK_FILE} records no stage")
         if not is_dvc_project():
             raise RestoreError(f"{REPO_ROOT} is not a DVC project: nothing to restore from")
+        data = _recorded_user_data(stages, cfg)
         sources: dict[str, str] = {}
         with dvc_repo() as repo, repo_lock(repo):
             for name, entry in stages.items():
                 _write_lock_entry(repo, name, entry)
             repo._reset()  # DVC's index, if built, predates these entries
+            outs = [o for n in stages for o in repo.stage.load_one(name=n).outs if o.use_cache and o.hash_info]
+            cached = {o.def_path: o.hash_info.value for o in outs}
+            fetch(repo, {**cached, **{p: h for _, p, h in data}}, remote)
             for name in stages:
                 sources.update(_checkout_stage(repo, name, outputs))
-    with _hasher(cfg) as md5:
+            for _, path, md5 in data:
+                sources[path] = _put_back(repo, cfg, cfg.path(path), md5)
+    with dvc_md5s(state_dir(cfg)) as md5_of:
         results = [
-            Restored(name, o["path"], o.get("md5"), md5(cfg.path(o["path"])), sources.get(o["path"], ""))
+            Restored(name, o["path"], o.get("md5"), md5_of(cfg.path(o["path"])), sources.get(o["path"], ""))
             for name, entry in stages.items()
             for o in entry.get("outs", [])
         ]
+        results += [Restored(name, p, h, md5_of(cfg.path(p)), sources[p]) for name, p, h in data]
     return results
+
+
+def _recorded_user_data(stages: dict[str, Any], cfg: Config) -> list[tuple[str, str, str]]:
+    """(stage, path, md5) of the user data a run's lock records: deps neither tracked by git nor made by a
+    stage (`user_data`'s rule, applied to the recorded paths)."""
+    made = {os.path.normpath(o["path"]) for e in stages.values() for o in e.get("outs", [])}
+    made |= {os.path.normpath(s.resolve(cfg, t)) for s in STAGES for t in stage_outputs(s)}
+    return [
+        (name, d["path"], d["md5"])
+        for name, entry in stages.items()
+        for d in entry.get("deps", [])
+        if d.get("md5") and os.path.normpath(d["path"]) not in made and not _tracked_by_git(cfg.path(d["path"]))
+    ]
+
+
+def _entries(odb: Any, dirs: list[Any]) -> list[Any]:
+    """The file objects listed by directory objects (`.dir`) that are in `odb`: DVC's remotes move objects one
+    by one, so a directory goes with its files."""
+    from dvc_data.hashfile.tree import Tree
+
+    return [oid for h in dirs if odb.exists(h.value) for _, _, oid in Tree.load(odb, h)]
+
+
+def fetch(repo: Any, objects: dict[str, str], remote: str | None = None) -> None:
+    """Make sure every object (path -> DVC md5; a directory: its files too) is in the local DVC cache: pull the
+    missing ones from `remote` (default: DVC's default remote). Raises RestoreError naming what is nowhere."""
+    from dvc_data.hashfile.hash_info import HashInfo
+
+    odb = repo.cache.local
+    wanted = {p: HashInfo("md5", h) for p, h in objects.items()}
+
+    def missing() -> dict[str, list[Any]]:
+        found: dict[str, list[Any]] = {}
+        for path, h in wanted.items():
+            lacking = [o for o in [h, *_entries(odb, [h] if h.isdir else [])] if not odb.exists(o.value)]
+            if lacking:
+                found[path] = lacking
+        return found
+
+    lacking = missing()
+    if not lacking:
+        return
+    if not (remote or repo.config["core"].get("remote")):
+        raise RestoreError(
+            f"not in the local DVC cache and no DVC remote to pull from: {sorted(lacking)} "
+            "(configure one: `dvc remote add -d NAME URL`, or pass --remote)"
+        )
+    for _ in range(2):  # a directory's `.dir` first, then the files it lists
+        repo.cloud.pull({o for objs in lacking.values() for o in objs}, remote=remote)
+        lacking = missing()
+    if lacking:
+        raise RestoreError(f"not in the local DVC cache, and the DVC remote lacks them too: {sorted(lacking)}")
+
+
+def _put_back(repo: Any, cfg: Config, path: Path, md5: str) -> str:
+    """Check a cached file or directory out at `path`; a different file there is kept as `<name>.before-restore`."""
+    from dvc_data.hashfile import load
+    from dvc_data.hashfile.checkout import checkout
+    from dvc_data.hashfile.hash_info import HashInfo
+
+    with dvc_md5s(state_dir(cfg)) as md5_of:
+        if md5_of(path) == md5:
+            return "unchanged"
+    if path.exists():
+        path.rename(path.with_name(path.name + ".before-restore"))
+    odb = repo.cache.local
+    checkout(str(path), repo.fs, load(odb, HashInfo("md5", md5)), odb, force=True)
+    return "dvc cache"
+
+
+# ---- pushing a run to a DVC remote -------------------------------------------------------------------------------
+
+
+def check_remote(remote: str | None = None) -> str:
+    """The name of the DVC remote a push would go to; a clear error, before any training, when there is none."""
+    if not is_dvc_project():
+        raise RuntimeError(f"--push needs a DVC project: {REPO_ROOT} has no .dvc/ and dvc.yaml")
+    with dvc_repo() as repo:
+        name = remote or repo.config["core"].get("remote")
+        if not name:
+            raise RuntimeError("--push needs a DVC remote: `dvc remote add -d NAME URL`, or --remote NAME")
+        if name not in repo.config["remote"]:
+            raise RuntimeError(f"no DVC remote named {name!r} (`dvc remote list` shows the configured ones)")
+    return name
+
+
+def push_run(lock: dict[str, Any], cfg: Config, remote: str | None = None) -> int:
+    """Push what a run's lock records (cached outputs and user data) from the local DVC cache to `remote`
+    (default: DVC's default remote), so `restore` on another machine can pull it. Returns the number of
+    objects sent; raises RuntimeError when no remote is configured or an object could not be sent."""
+    from dvc_data.hashfile.hash_info import HashInfo
+
+    stages = lock.get("stages", {})
+    check_remote(remote)
+    with dvc_repo() as repo, repo_lock(repo):
+        odb = repo.cache.local
+        objects = {o["md5"] for e in stages.values() for o in e.get("outs", []) if o.get("md5")}
+        objects |= {h for _, _, h in _recorded_user_data(stages, cfg)}
+        present = [HashInfo("md5", h) for h in sorted(objects) if odb.exists(h)]  # metrics live in git and MLflow
+        result = repo.cloud.push({*present, *_entries(odb, [h for h in present if h.isdir])}, remote=remote)
+    if result.failed:
+        raise RuntimeError(f"could not push {len(result.failed)} object(s) to the DVC remote")
+    return len(result.transferred)
 
 
 def _write_lock_entry(repo: Any, name: str, entry: dict[str, Any]) -> None:
@@ -493,18 +631,11 @@ def _write_lock_entry(repo: Any, name: str, entry: dict[str, Any]) -> None:
 def _checkout_stage(repo: Any, name: str, outputs: Path | None) -> dict[str, str]:
     """DVC checks out the stage's cached outputs as its dvc.lock entry has them; the uncached ones are copied
     from the run's artifacts."""
-    from dvc.exceptions import CheckoutError
-
     dstage = repo.stage.load_one(name=name)
     sources = {}
     cached = [o for o in dstage.outs if o.use_cache]
     if cached:
-        try:
-            repo.checkout(targets=[name], force=True)
-        except CheckoutError:
-            if not repo.config["core"].get("remote"):
-                raise
-            repo.pull(targets=[name], force=True)  # not in the local cache: from the default remote
+        repo.checkout(targets=[name], force=True)  # `fetch` brought what was missing
         sources.update({o.def_path: "dvc cache" for o in cached})
     for out in dstage.outs:
         if out.use_cache:

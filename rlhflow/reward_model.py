@@ -18,6 +18,7 @@ import json
 import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -161,8 +162,12 @@ class RewardModel:
             scores[rows] = logits[:, 0].float().cpu()
         return scores
 
+    def normalise(self, raw: torch.Tensor) -> torch.Tensor:
+        """Raw scores to rewards: minus the mean, over the std of the training responses' scores."""
+        return (raw - self.mean) / self.std
+
     def score(self, prompt_messages: list[Messages], responses: list[str]) -> torch.Tensor:
-        return (self.raw_scores(prompt_messages, responses) - self.mean) / self.std
+        return self.normalise(self.raw_scores(prompt_messages, responses))
 
     __call__ = score
 
@@ -292,16 +297,31 @@ def accuracy_standard_error(accuracy: float, pairs: int) -> float:
     return math.sqrt(accuracy * (1 - accuracy) / pairs) if pairs else math.nan
 
 
-def evaluate_pairs(rm: RewardModel, rows: list[dict]) -> dict[str, float]:
-    chosen = rm.score([r["prompt_messages"] for r in rows], [r["chosen"] for r in rows])
-    rejected = rm.score([r["prompt_messages"] for r in rows], [r["rejected"] for r in rows])
-    margin = chosen - rejected
+@dataclass
+class PairEvaluation:
+    """A reward model on preference pairs, from one scoring pass. `chosen` and `rejected` are its raw scores
+    (the Bradley-Terry logits), one per pair. `metrics`: `accuracy` (of the raw scores, ties half),
+    `accuracy_se`, `pairs`, and `margin_mean`, `chosen_mean`, `rejected_mean` of the normalised scores (the
+    rewards PPO gets)."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    metrics: dict[str, float]
+
+
+def evaluate_pairs(rm: RewardModel, rows: list[dict]) -> PairEvaluation:
+    """Score each row's chosen and rejected response to its `prompt_messages` and measure the pairs."""
+    prompts = [r["prompt_messages"] for r in rows]
+    chosen = rm.raw_scores(prompts, [r["chosen"] for r in rows])
+    rejected = rm.raw_scores(prompts, [r["rejected"] for r in rows])
+    chosen_rewards, rejected_rewards = rm.normalise(chosen), rm.normalise(rejected)
     accuracy = pairwise_accuracy(chosen, rejected)
-    return {
+    metrics = {
         "accuracy": accuracy,
         "accuracy_se": accuracy_standard_error(accuracy, len(rows)),
-        "margin_mean": float(margin.mean()),
-        "chosen_mean": float(chosen.mean()),
-        "rejected_mean": float(rejected.mean()),
+        "margin_mean": float((chosen_rewards - rejected_rewards).mean()),
+        "chosen_mean": float(chosen_rewards.mean()),
+        "rejected_mean": float(rejected_rewards.mean()),
         "pairs": float(len(rows)),
     }
+    return PairEvaluation(chosen, rejected, metrics)

@@ -9,7 +9,6 @@ from __future__ import annotations
 # mlflow (and pandas) are imported inside the functions that use them: importing the flow and the stage modules
 # stays fast, and rlhflow.serving (imported by log_model_dir) is loaded only when a model is logged.
 import contextlib
-import hashlib
 import math
 import os
 import re
@@ -22,6 +21,7 @@ from typing import Any
 
 from rlhflow.config import REPO_ROOT, Config
 from rlhflow.fsutil import write_json_atomic
+from rlhflow.hashing import dir_md5, file_md5
 
 
 def tracking_uri(cfg: Config) -> str:
@@ -181,15 +181,6 @@ def git_commit() -> str | None:
         return None
 
 
-def file_md5(path: str | os.PathLike) -> str:
-    """The md5 DVC 3 records for a file output (plain md5 of the bytes)."""
-    h = hashlib.md5()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 @contextlib.contextmanager
 def start_run(
     cfg: Config, *, name: str, params: dict[str, Any], tags: dict[str, str], parent_run_id: str | None = None
@@ -250,20 +241,43 @@ def log_dataset(path: str | os.PathLike, *, name: str, context: str) -> str:
     return digest
 
 
+REGISTERED_MODELS_TAG = "registered_models"
+
+
+def link_stage_runs(parent_run_id: str) -> list[str]:
+    """The parent run lists what its stage runs used and made, so its page shows them: their datasets as its
+    inputs, their logged models as its outputs, and the registry versions they created as the tag
+    `registered_models` ("name/version, ..."). Returns those versions."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    parent = client.get_run(parent_run_id)
+    children = client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}'", order_by=["start_time ASC"]
+    )
+    seen = {(d.dataset.name, d.dataset.digest) for d in parent.inputs.dataset_inputs}
+    datasets, models, versions = [], [], []
+    for child in children:
+        for inp in child.inputs.dataset_inputs:
+            if (inp.dataset.name, inp.dataset.digest) not in seen:
+                seen.add((inp.dataset.name, inp.dataset.digest))
+                datasets.append(inp)
+        models += child.outputs.model_outputs if child.outputs else []
+        versions += [f"{v.name}/{v.version}" for v in client.search_model_versions(f"run_id = '{child.info.run_id}'")]
+    if datasets:
+        client.log_inputs(parent_run_id, datasets=datasets)
+    if models:
+        client.log_outputs(parent_run_id, models)
+    if versions:
+        client.set_tag(parent_run_id, REGISTERED_MODELS_TAG, ", ".join(versions))
+    return versions
+
+
 def write_stage_metrics(cfg: Config, stage: str, metrics: dict[str, float]) -> Path:
     """metrics/<stage>.json: what `dvc metrics show` lists; the same numbers MLflow has."""
     path = cfg.path(cfg.metrics_dir) / f"{stage}.json"
     write_json_atomic(path, {k: float(v) for k, v in metrics.items()})
     return path
-
-
-def dir_md5(path: str | os.PathLike) -> str:
-    """Content hash of a directory: md5 over its files' relative paths and md5s (names and bytes, not times)."""
-    root = Path(path)
-    h = hashlib.md5()
-    for file in sorted(p for p in root.rglob("*") if p.is_file()):
-        h.update(f"{file.relative_to(root).as_posix()}\0{file_md5(file)}\n".encode())
-    return h.hexdigest()
 
 
 CONTENT_TAG = "content_md5"

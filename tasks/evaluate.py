@@ -15,7 +15,6 @@ from __future__ import annotations
 # that importing the module (the flow does, to get its task; so does `--help`) stays fast.
 import math
 import tempfile
-from dataclasses import dataclass, field
 from typing import Any
 
 from rlhflow.config import Config
@@ -72,35 +71,26 @@ def text_metrics(texts: list[str], suffix: str = "") -> dict[str, float]:
     }
 
 
-@dataclass
-class PairEvaluation:
-    """The reward model on held-out preference pairs, from one scoring pass."""
-
-    metrics: dict[str, float]
-    buckets: list = field(default_factory=list)  # rlhflow.metrics.ConfidenceBucket
-
-
-def evaluate_reward_model(rm, rows: list[dict]) -> PairEvaluation:
+def reward_model_metrics(pairs, rows: list[dict]) -> tuple[dict[str, float], list]:
+    """The proxy on the held-out pairs (`rlhflow.reward_model.evaluate_pairs` of `rows`) as `rm/` metrics:
+    accuracy, calibration, and agreement of its scores with the human ranking of each prompt's responses; and
+    the confidence buckets (rlhflow.metrics.ConfidenceBucket) behind the calibration."""
     from rlhflow.metrics import confidence_buckets, expected_calibration_error, ranking_agreement
-    from rlhflow.reward_model import pairwise_accuracy
 
-    prompts = [r["prompt_messages"] for r in rows]
-    chosen = rm.raw_scores(prompts, [r["chosen"] for r in rows])
-    rejected = rm.raw_scores(prompts, [r["rejected"] for r in rows])
-    buckets = confidence_buckets(chosen - rejected)  # raw scores: the Bradley-Terry probability
+    buckets = confidence_buckets(pairs.chosen - pairs.rejected)  # raw scores: the Bradley-Terry probability
     scores = {}
-    for row, c, r in zip(rows, chosen.tolist(), rejected.tolist()):
+    for row, c, r in zip(rows, pairs.chosen.tolist(), pairs.rejected.tolist()):
         scores.setdefault((row["prompt"], row["chosen"]), c)
         scores.setdefault((row["prompt"], row["rejected"]), r)
     tau, ranked_prompts = ranking_agreement(rows, scores)
     metrics = {
-        "rm/accuracy": pairwise_accuracy(chosen, rejected),
+        "rm/accuracy": pairs.metrics["accuracy"],
         "rm/ece": expected_calibration_error(buckets),
         "rm/kendall_tau": tau,
         "rm/ranked_prompts": float(ranked_prompts),
     }
     metrics.update({f"rm/accuracy_conf_{b.label}": b.accuracy for b in buckets})
-    return PairEvaluation(metrics, buckets)
+    return metrics, buckets
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
@@ -113,7 +103,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.fsutil import atomic_dir, write_json_atomic, write_text_atomic
     from rlhflow.metrics import perplexity, response_kl, win_rate, win_rate_interval
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device
-    from rlhflow.reward_model import RewardModel
+    from rlhflow.reward_model import RewardModel, evaluate_pairs
 
     e = cfg.evaluate
     device = pick_device(cfg.device)
@@ -148,7 +138,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     ref_rows = test.drop_duplicates("prompt").head(e.perplexity_rows)
     ppl_args = (list(ref_rows["prompt_messages"]), list(ref_rows["chosen"]))
     pair_rows = test.to_dict("records")
-    pairs = evaluate_reward_model(rm, pair_rows)
+    rm_metrics, buckets = reward_model_metrics(evaluate_pairs(rm, pair_rows), pair_rows)
     metrics = {
         "eval/reward_mean": float(policy_scores.mean()),
         "eval/reward_mean_sft": float(sft_scores.mean()),
@@ -167,7 +157,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
         "eval/eos_fraction_sft": eos_fraction(sft_out),
         **text_metrics(policy_texts),
         **text_metrics(sft_texts, "_sft"),
-        **pairs.metrics,
+        **rm_metrics,
     }
     # reward hacking shows as a proxy win rate above the judge's
     metrics["eval/proxy_judge_gap"] = metrics["eval/win_rate_vs_sft"] - metrics["eval/judge_win_rate_vs_sft"]
@@ -199,7 +189,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = tracking.registered_model_dir(mlflow.MlflowClient(), REWARD_MODEL_NAME, version.version, tmp)
             champion = RewardModel.load(model_dir, batch_size=cfg.reward_model.eval_batch_size, device=device)
-            return evaluate_reward_model(champion, pair_rows).metrics["rm/accuracy"]
+            return evaluate_pairs(champion, pair_rows).metrics["accuracy"]
 
     decisions = []
     if cfg.tracking.log_models and cfg.tracking.register_models:
@@ -224,12 +214,12 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
         metrics_dir / REWARD_QUANTILES_CSV,
         reward_quantiles(samples["sft_reward"], samples["ppo_reward"]).to_csv(index=False),
     )
-    write_text_atomic(metrics_dir / CALIBRATION_CSV, calibration_table(pairs.buckets).to_csv(index=False))
+    write_text_atomic(metrics_dir / CALIBRATION_CSV, calibration_table(buckets).to_csv(index=False))
     with atomic_dir(cfg.path(e.report_dir)) as tmp:
         write_json_atomic(tmp / "samples.json", samples)
         figures = {
             "reward_distributions": plots.reward_distributions(samples["sft_reward"], samples["ppo_reward"]),
-            "rm_calibration": plots.calibration(pairs.buckets),
+            "rm_calibration": plots.calibration(buckets),
         }
         if history is not None and len(history):
             figures.update(ppo_curves=plots.ppo_curves(history), reward_vs_kl=plots.reward_vs_kl(history))
@@ -237,9 +227,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
         for fig_name, fig in figures.items():
             fig.savefig(tmp / "plots" / f"{fig_name}.png", dpi=110)
             plots.close(fig)
-        write_text_atomic(
-            tmp / "report.md", report_markdown(metrics, samples, pairs.buckets, decisions, sorted(figures))
-        )
+        write_text_atomic(tmp / "report.md", report_markdown(metrics, samples, buckets, decisions, sorted(figures)))
     mlflow.log_artifacts(str(cfg.path(e.report_dir)), artifact_path="evaluation")
 
     # Last, once everything else succeeded: a failed evaluation moves no alias.

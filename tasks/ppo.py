@@ -13,12 +13,10 @@ NAME = "ppo"
 REGISTERED_NAME = "rlhf-policy"
 
 
-def inputs_fingerprint(cfg: Config) -> str:
+def checkpoint_fingerprint(cfg: Config) -> str:
     """What a checkpoint must have been made from to be resumed: the same PPO settings (the run length aside),
     seed, SFT model, reward model and training prompts."""
-    import json
-
-    from rlhflow.fsutil import file_stamps
+    from rlhflow.hashing import inputs_fingerprint
 
     files = [
         cfg.path(cfg.sft.out_dir) / "model.safetensors",
@@ -26,14 +24,14 @@ def inputs_fingerprint(cfg: Config) -> str:
         cfg.path(cfg.validate_.out_dir) / "train.jsonl",
     ]
     settings = cfg.ppo.model_dump(exclude={"steps", "checkpoint_every", "checkpoint_dir", "out_dir"})
-    return json.dumps({"ppo": settings, "seed": cfg.seed, "inputs": file_stamps(files)}, sort_keys=True)
+    return inputs_fingerprint(files, ppo=settings, seed=cfg.seed)
 
 
 def prepare_checkpoint_dir(cfg: Config):
     """Keep the checkpoints of an interrupted run with the same inputs (to resume); drop anything else."""
     from rlhflow import fsutil
 
-    return fsutil.prepare_checkpoint_dir(cfg.path(cfg.ppo.checkpoint_dir), inputs_fingerprint(cfg))
+    return fsutil.prepare_checkpoint_dir(cfg.path(cfg.ppo.checkpoint_dir), checkpoint_fingerprint(cfg))
 
 
 def write_history(path, history: list[dict]) -> None:

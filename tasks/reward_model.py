@@ -22,25 +22,16 @@ def backbone_spec(cfg: Config, rm_cfg: RewardModelConfig) -> str:
 def checkpoint_fingerprint(cfg: Config, rm_cfg: RewardModelConfig, train_file: Path, seed: int) -> str:
     """What a Trainer checkpoint must have been made from to be resumed: the same reward-model settings (where
     checkpoints go and how often aside), seed, backbone, training data and number of processes."""
-    import json
-
     from rlhflow import distributed
-    from rlhflow.fsutil import file_stamps
+    from rlhflow.hashing import inputs_fingerprint
 
     backbone = backbone_spec(cfg, rm_cfg)
     files = [train_file]
     if Path(backbone).is_dir():
         files += sorted(Path(backbone).glob("*.safetensors"))
     settings = rm_cfg.model_dump(exclude={"out_dir", "checkpoint_dir", "checkpoint_every", "eval_batch_size"})
-    return json.dumps(
-        {
-            "reward_model": settings,
-            "backbone": backbone,
-            "seed": seed,
-            "inputs": file_stamps(files),
-            "processes": distributed.world_size(),
-        },
-        sort_keys=True,
+    return inputs_fingerprint(
+        files, reward_model=settings, backbone=backbone, seed=seed, processes=distributed.world_size()
     )
 
 
@@ -96,7 +87,7 @@ def train_pairwise_model(
         )
         if rm is None:  # not the main process: its part of the training is done
             return {}
-        held_out = evaluate_pairs(rm, test_rows)
+        held_out = evaluate_pairs(rm, test_rows).metrics
         metrics = {
             f"{prefix}/accuracy": held_out["accuracy"],
             f"{prefix}/accuracy_se": held_out["accuracy_se"],

@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import pytest
 
 from rlhflow.config import REPO_ROOT, Config, ConfigError, apply_overrides, load_config
@@ -73,3 +76,28 @@ def test_command_line_reads_params_and_overrides(tmp_path):
     with pytest.raises(SystemExit) as exit_:
         parse_config_args(["--set", "ppo.nope=1"], "test")
     assert exit_.value.code == 2
+
+
+def test_importing_the_flows_reads_no_params_yaml():
+    hook = "import sys; sys.addaudithook(lambda e, a: e == 'open' and 'params.yaml' in str(a[0]) and print(a[0]))"
+    code = f"{hook}; import flows.pipeline, flows.stage_flows, flows.serve"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ""
+
+
+def test_the_served_parameter_form_has_the_params_as_defaults():
+    """The deployments' form (flows/serve.py): the typed config with params.yaml's values as `config`'s default;
+    the flows themselves default to None, which reads params.yaml as the run starts."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.pipeline import rlhf_pipeline
+    from flows.serve import with_form_defaults
+    from flows.stage_flows import STAGE_FLOWS
+
+    params = load_config(overrides=["ppo.kl_coef=0.123"])
+    for flow in [rlhf_pipeline, STAGE_FLOWS["ppo"]]:
+        schema = parameter_schema(with_form_defaults(flow, params)).model_dump()
+        assert schema["properties"]["config"]["$ref"] == "#/definitions/Config"
+        assert schema["properties"]["config"]["default"]["ppo"]["kl_coef"] == 0.123
+        assert parameter_schema(flow).model_dump()["properties"]["config"]["default"] is None

@@ -15,6 +15,7 @@ from conftest import make_dvc_repo, tiny_pipeline_overrides
 
 from rlhflow import lineage
 from rlhflow.config import load_config
+from rlhflow.hashing import dvc_md5s
 from rlhflow.stages import get_stage
 
 
@@ -95,7 +96,7 @@ def test_hashes_are_dvcs_own(tmp_path):
     for cmd in ([dvc, "init", "--no-scm", "-q"], [dvc, "add", "-q", "data"]):
         subprocess.run(cmd, cwd=tmp_path, check=True, capture_output=True, timeout=120)
     dvc_md5 = yaml.safe_load((tmp_path / "data.dvc").read_text())["outs"][0]["md5"]
-    with lineage._hasher(load_config(overrides=[f"metrics_dir={tmp_path}/metrics"])) as md5:
+    with dvc_md5s(tmp_path / "metrics") as md5:
         assert md5(data) == dvc_md5
 
 

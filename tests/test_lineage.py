@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import make_dvc_repo
 
-from rlhflow import lineage, tracking
+from rlhflow import lineage
 from rlhflow.config import load_config
+from rlhflow.hashing import file_md5
 from rlhflow.stages import STAGES
 
 
@@ -63,11 +64,11 @@ def _workspace_md5s(repo: Path, lock: dict) -> dict[str, str]:
                 listing = _dir_listing(repo, out["md5"])
                 files = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
                 same = files == sorted(e["relpath"] for e in listing) and all(
-                    tracking.file_md5(path / e["relpath"]) == e["md5"] for e in listing
+                    file_md5(path / e["relpath"]) == e["md5"] for e in listing
                 )
                 found[os.path.normpath(out["path"])] = out["md5"] if same else "differs"
             else:
-                found[os.path.normpath(out["path"])] = tracking.file_md5(path)
+                found[os.path.normpath(out["path"])] = file_md5(path)
     return found
 
 
@@ -239,3 +240,58 @@ def test_flow_run_is_dvcs_record_and_its_parent_run_restores(tmp_path, tiny_mode
     # and the second one back
     out = ok(sys.executable, "-m", "flows.restore", second.info.run_id)
     assert _workspace_md5s(repo, lock2) == md5s2
+
+
+def _user_rows(seed: int) -> str:
+    from rlhflow.data.demo import generate_demo
+
+    return "".join(json.dumps(r) + "\n" for r in generate_demo(n_prompts=60, pairs_per_prompt=1, seed=seed))
+
+
+@pytest.mark.system
+def test_user_data_and_a_remote_keep_a_run_restorable(tmp_path, tiny_model_dir):
+    """A preference file outside the repository goes into the DVC cache; `--push` sends the run to a remote;
+    with the local cache gone and the file changed, restore pulls the run back, the file's old content too."""
+    import shutil
+
+    import mlflow
+
+    repo = tmp_path / "repo"
+    run = make_dvc_repo(repo, tiny_model_dir, timeout=600)
+
+    def ok(*cmd: str):
+        res = run(*cmd)
+        assert res.returncode == 0, f"{cmd}: {(res.stdout + res.stderr)[-4000:]}"
+        return res.stdout + res.stderr
+
+    user = tmp_path / "mine" / "prefs.jsonl"  # the user's own data, outside the repository
+    user.parent.mkdir()
+    user.write_text(first_rows := _user_rows(seed=1))
+    flow = [sys.executable, "-m", "flows.pipeline", "--stages", "validate", "--set", f"data.preferences={user}"]
+
+    res = run(*flow, "--push", "--remote", "nowhere")  # a push with no such remote fails before any stage runs
+    assert res.returncode != 0 and "no DVC remote named 'nowhere'" in res.stdout + res.stderr
+    assert not (repo / "data/validated").exists()
+
+    ok("dvc", "remote", "add", "-d", "store", str(tmp_path / "remote"))
+    ok(*flow, "--push")
+    first = _parent_runs(repo / "mlflow.db")[-1]
+    lock1 = lineage.load_lock((repo / "metrics/.flow/flow.lock").read_text())  # DVC cannot stand for a moved dep
+    validated1 = _workspace_md5s(repo, {"stages": {"validate": lock1["stages"]["validate"]}})
+    assert first.data.tags["dvc.remote"] == "default"
+
+    user.write_text(_user_rows(seed=2))  # the file changes, and a second run validates the new content
+    ok(*flow)
+    assert _workspace_md5s(repo, {"stages": {"validate": lock1["stages"]["validate"]}}) != validated1
+
+    shutil.rmtree(repo / ".dvc/cache")  # as on another machine: only the remote has the first run
+    out = ok(sys.executable, "-m", "flows.restore", first.info.run_id)
+    assert "MISMATCH" not in out and "restored" in out, out
+    assert user.read_text() == first_rows
+    assert (user.parent / "prefs.jsonl.before-restore").read_text() == _user_rows(seed=2)  # nothing is lost
+    assert _workspace_md5s(repo, {"stages": {"validate": lock1["stages"]["validate"]}}) == validated1
+
+    # the parent run lists its stage's datasets
+    parent = mlflow.MlflowClient(f"sqlite:///{repo}/mlflow.db").get_run(first.info.run_id)
+    names = {i.dataset.name for i in parent.inputs.dataset_inputs}
+    assert {"preferences-train", "preferences-test"} <= names

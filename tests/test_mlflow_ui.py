@@ -177,6 +177,8 @@ def test_mlflow_ui_shows_the_parent_run_its_stage_runs_and_the_eval_metrics(
         expect(parent_link).to_be_visible()
         expect(parent_link).to_have_attribute("href", f"#/experiments/{exp.experiment_id}/runs/{parent.info.run_id}")
         expect(page.get_by_text(f"{len(runs)} matching runs", exact=True)).to_be_visible()
+        # filed as model training (the experiment's mlflow.experimentKind), not as GenAI evaluation runs
+        expect(page.get_by_role("heading", name="Training runs")).to_be_visible()
         _close_assistant(page)
         for stage in STAGE_NAMES:  # collapsed: the stage runs are hidden under the parent
             expect(page.get_by_role("link", name=stage, exact=True)).to_have_count(0)
@@ -196,18 +198,22 @@ def test_mlflow_ui_shows_the_parent_run_its_stage_runs_and_the_eval_metrics(
         expect(page.get_by_text(f"Metrics ({len(parent.data.metrics)})", exact=True)).to_be_visible()
         expect(page.get_by_text("Finished", exact=True)).to_be_visible()
         _close_assistant(page)
-        for stage in STAGE_NAMES:  # "Child runs" in "About this run"
-            link = page.get_by_role("link", name=stage, exact=True)
+        child_runs = page.get_by_test_id("key-value-Child runs")  # in "About this run"
+        for stage in STAGE_NAMES:
+            link = child_runs.get_by_role("link", name=stage, exact=True)
             expect(link).to_be_visible()
             expect(link).to_have_attribute(
                 "href", f"#/experiments/{exp.experiment_id}/runs/{children[stage].info.run_id}"
             )
+        # the datasets and the registered models of its stages (the parent run lists them)
+        expect(page.get_by_text("preferences-train", exact=False).first).to_be_visible()
+        expect(page.get_by_role("link", name="rlhf-policy", exact=True).first).to_be_visible()
         rows = {}
         for key in EVAL_METRICS:
             row = page.get_by_role("row").filter(has=page.get_by_role("link", name=key, exact=True))
             expect(row).to_have_count(1)
             rows[key] = row
-            name, shown = row.get_by_role("cell").all_inner_texts()
+            name, shown = row.get_by_role("cell").all_inner_texts()[:2]  # then the "Models" column
             value = parent.data.metrics[key]
             as_js = page.evaluate("v => String(v)", value)  # the UI prints the number as JavaScript does, unrounded
             assert (name, shown) == (key, as_js), f"{key}: MLflow stored {value!r}, the UI shows {shown!r}"

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 from conftest import REPO, free_port, tiny_pipeline_overrides
 
-from flows.pipeline import PARAMS, TRAINING_LIMIT
+from flows.pipeline import TRAINING_LIMIT
 from flows.report import LINK_KEY, MLFLOW_UI_URL_ENV, REPORT_KEY
 from flows.serve import stop, wait_for
+from rlhflow.config import load_config
 from rlhflow.stages import STAGES
 
 pytestmark = pytest.mark.system  # a real Prefect server and served deployments
@@ -113,9 +114,11 @@ def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_
         deployment = _wait_for_deployment(client, "rlhf-pipeline/pipeline", home / "serve.log")
         for stage in ("validate", "ppo", "evaluate"):
             _wait_for_deployment(client, f"rlhf-{stage.replace('_', '-')}/{stage}", home / "serve.log")
+        restore = _wait_for_deployment(client, "restore-run/restore", home / "serve.log")
+        assert {"run_id", "remote"} <= set(restore.parameter_openapi_schema["properties"])
         # the UI's parameter form: the typed config, params.yaml's values as defaults
         schema = deployment.parameter_openapi_schema
-        assert schema["properties"]["config"]["default"]["ppo"]["kl_coef"] == PARAMS.ppo.kl_coef
+        assert schema["properties"]["config"]["default"]["ppo"]["kl_coef"] == load_config().ppo.kl_coef
         assert schema["definitions"]["PPOConfig"]["properties"]["kl_estimator"]["enum"] == ["k1", "k3"]
         assert {"config", "stages", "force", "overrides"} <= set(schema["properties"])
         assert client.read_global_concurrency_limit_by_name(TRAINING_LIMIT).limit == 1

@@ -64,7 +64,7 @@ def test_training_learns_a_separable_preference_and_reloads(tiny_model_dir, tmp_
         cfg, _pairs(32), backbone=str(tiny_model_dir), out_dir=tmp_path / "rm", work_dir=tmp_path / "work", seed=0
     )
     held_out = _pairs(16, offset=100)
-    assert evaluate_pairs(rm, held_out)["accuracy"] >= 0.9
+    assert evaluate_pairs(rm, held_out).metrics["accuracy"] >= 0.9
     # scores are normalised over the training responses
     train = _pairs(32)
     all_scores = torch.cat(

@@ -224,16 +224,13 @@ class PPOTrainer:
         with self.policy.disable_adapter():  # LoRA: the reference is the base weights
             return (sequence_logprobs(self.policy, q, a, ctx, t),)
 
-    @torch.no_grad()
-    def _rollout(self, update: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    def _sample(self, messages: list, *, stream: int, **outputs):
+        """The policy's responses to `messages`, sampled with the PPO settings, from the random stream `stream`
+        of this run and process (reproducible, and apart from every other stream); `outputs`: generate's
+        return_logits / return_hidden."""
         cfg, dev = self.cfg, self.device
-        idx = self._next_prompts()
-        messages = [self.prompts[i] for i in idx]
         input_ids, prompt_mask = encode_prompts(self.tokenizer, messages, cfg.max_prompt_length)
-
-        t0 = time.perf_counter()
-        shared = cfg.value_model == "shared"
-        gen = generate(
+        return generate(
             self.policy,
             self.tokenizer,
             input_ids.to(dev),
@@ -243,8 +240,21 @@ class PPOTrainer:
             top_k=cfg.top_k,
             top_p=cfg.top_p,
             stop_strings=cfg.stop_strings,
-            # a fresh, reproducible stream per update and process
-            generator_seed=(self.seed * 1_000_003 + update) * self.world_size + self.rank,
+            generator_seed=(self.seed * 1_000_003 + stream) * self.world_size + self.rank,
+            **outputs,
+        )
+
+    @torch.no_grad()
+    def _rollout(self, update: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        cfg, dev = self.cfg, self.device
+        idx = self._next_prompts()
+        messages = [self.prompts[i] for i in idx]
+
+        t0 = time.perf_counter()
+        shared = cfg.value_model == "shared"
+        gen = self._sample(
+            messages,
+            stream=update,  # a fresh, reproducible stream per update and process
             return_logits=self.logprobs_from_generation,
             return_hidden=self.logprobs_from_generation and shared,
         )
@@ -341,19 +351,7 @@ class PPOTrainer:
         scores = []
         for batch, start in enumerate(range(0, len(idx), self.local_batch_size)):
             messages = [self.prompts[i] for i in idx[start : start + self.local_batch_size]]
-            input_ids, prompt_mask = encode_prompts(self.tokenizer, messages, cfg.max_prompt_length)
-            gen = generate(
-                self.policy,
-                self.tokenizer,
-                input_ids.to(dev),
-                prompt_mask.to(dev),
-                max_new_tokens=cfg.max_new_tokens,
-                temperature=cfg.temperature,
-                top_k=cfg.top_k,
-                top_p=cfg.top_p,
-                stop_strings=cfg.stop_strings,
-                generator_seed=((self.seed * 1_000_003 + _SFT_SAMPLES_STREAM + batch) * self.world_size + self.rank),
-            )
+            gen = self._sample(messages, stream=_SFT_SAMPLES_STREAM + batch)
             raw = torch.as_tensor(self.score_fn(messages, gen.texts), dtype=torch.float32).to(dev).flatten()
             scores.append(core.penalize_missing_eos(raw, gen.ended, cfg.missing_eos_penalty))
         all_scores = distributed.gather(torch.cat(scores))
