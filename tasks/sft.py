@@ -54,17 +54,13 @@ def checked_demonstrations(cfg: Config, tokenizer, report_dir: Path):
 def checkpoint_fingerprint(cfg: Config) -> str:
     """What a Trainer checkpoint must have been made from to be resumed: the same model, training settings, seed
     and demonstrations."""
-    import json
-
-    from rlhflow.fsutil import file_stamps
+    from rlhflow.hashing import inputs_fingerprint
 
     s = cfg.sft
     settings = s.model_dump(
         exclude={"out_dir", "checkpoint_dir", "checkpoint_every", "n_samples", "max_new_tokens", "perplexity_rows"}
     )
-    return json.dumps(
-        {"sft": settings, "seed": cfg.seed, "inputs": file_stamps([cfg.path(s.train_data)])}, sort_keys=True
-    )
+    return inputs_fingerprint([cfg.path(s.train_data)], sft=settings, seed=cfg.seed)
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:

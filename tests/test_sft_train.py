@@ -63,8 +63,10 @@ def test_the_prefect_form_shows_the_sft_settings():
     from prefect.utilities.callables import parameter_schema
 
     from flows.pipeline import rlhf_pipeline
+    from flows.serve import with_form_defaults
+    from rlhflow.config import load_config
 
-    schema = parameter_schema(rlhf_pipeline.fn).model_dump_for_openapi()
+    schema = parameter_schema(with_form_defaults(rlhf_pipeline, load_config())).model_dump_for_openapi()
     fields = schema["definitions"]["SFTConfig"]["properties"]
     for key in ("train", "train_data", "epochs", "learning_rate", "max_length", "packing", "lora", "checkpoint_every"):
         assert fields[key]["description"], key
