@@ -39,6 +39,17 @@ def test_an_override_that_moves_an_output_leaves_the_stage_to_the_flows_own_reco
         assert lineage.dvc_stage(repo, sft, load_config(overrides=["sft.n_samples=3"])) is not None
 
 
+def succeeding(run):
+    """`ok(*cmd)`: `run(*cmd)` that must exit 0; returns its output."""
+
+    def ok(*cmd: str) -> str:
+        res = run(*cmd)
+        assert res.returncode == 0, f"{cmd}: {(res.stdout + res.stderr)[-4000:]}"
+        return res.stdout + res.stderr
+
+    return ok
+
+
 def _parent_runs(db: Path) -> list:
     import mlflow
 
@@ -137,11 +148,7 @@ LOCK_PROBE = textwrap.dedent("""
 def test_flow_run_is_dvcs_record_and_its_parent_run_restores(tmp_path, tiny_model_dir):
     repo = tmp_path / "repo"
     run = make_dvc_repo(repo, tiny_model_dir, timeout=900)
-
-    def ok(*cmd: str):
-        res = run(*cmd)
-        assert res.returncode == 0, f"{cmd}: {(res.stdout + res.stderr)[-4000:]}"
-        return res.stdout + res.stderr
+    ok = succeeding(run)
 
     out = ok(sys.executable, "-m", "flows.pipeline")
     names = [s.name for s in STAGES]
@@ -258,11 +265,7 @@ def test_user_data_and_a_remote_keep_a_run_restorable(tmp_path, tiny_model_dir):
 
     repo = tmp_path / "repo"
     run = make_dvc_repo(repo, tiny_model_dir, timeout=600)
-
-    def ok(*cmd: str):
-        res = run(*cmd)
-        assert res.returncode == 0, f"{cmd}: {(res.stdout + res.stderr)[-4000:]}"
-        return res.stdout + res.stderr
+    ok = succeeding(run)
 
     user = tmp_path / "mine" / "prefs.jsonl"  # the user's own data, outside the repository
     user.parent.mkdir()
