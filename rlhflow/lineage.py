@@ -332,18 +332,22 @@ def _tracked_by_git(path: Path) -> bool:
         return True
 
 
+def _made_by_stages(cfg: Config) -> set[str]:
+    return {os.path.normpath(s.resolve(cfg, t)) for s in STAGES for t in stage_outputs(s)}
+
+
+def _is_user_data(cfg: Config, rel: str, made: set[str]) -> bool:
+    """The one rule for user data: a dep neither made by a stage (`made`) nor tracked by git."""
+    return os.path.normpath(rel) not in made and not _tracked_by_git(cfg.path(rel))
+
+
 def user_data(stage: Stage, cfg: Config) -> list[str]:
     """The stage's deps that only the user holds: files outside the repository, or in it but neither tracked by
     git nor made by a stage (a preference file passed as `data.preferences=/abs/path`). The flow copies them
     into the DVC cache, so a run stays restorable after the file changes."""
-    made = {os.path.normpath(stage_.resolve(cfg, t)) for stage_ in STAGES for t in stage_outputs(stage_)}
-    found = []
-    for template in stage.deps:
-        rel = stage.resolve(cfg, template)
-        path = cfg.path(rel)
-        if path.exists() and os.path.normpath(rel) not in made and not _tracked_by_git(path):
-            found.append(rel)
-    return found
+    made = _made_by_stages(cfg)
+    deps = [stage.resolve(cfg, template) for template in stage.deps]
+    return [rel for rel in deps if cfg.path(rel).exists() and _is_user_data(cfg, rel, made)]
 
 
 def cache_paths(repo: Any, paths: list[Path]) -> None:
@@ -508,13 +512,12 @@ def restore(run_id: str, cfg: Config, remote: str | None = None) -> list[Restore
 def _recorded_user_data(stages: dict[str, Any], cfg: Config) -> list[tuple[str, str, str]]:
     """(stage, path, md5) of the user data a run's lock records: deps neither tracked by git nor made by a
     stage (`user_data`'s rule, applied to the recorded paths)."""
-    made = {os.path.normpath(o["path"]) for e in stages.values() for o in e.get("outs", [])}
-    made |= {os.path.normpath(s.resolve(cfg, t)) for s in STAGES for t in stage_outputs(s)}
+    made = _made_by_stages(cfg) | {os.path.normpath(o["path"]) for e in stages.values() for o in e.get("outs", [])}
     return [
         (name, d["path"], d["md5"])
         for name, entry in stages.items()
         for d in entry.get("deps", [])
-        if d.get("md5") and os.path.normpath(d["path"]) not in made and not _tracked_by_git(cfg.path(d["path"]))
+        if d.get("md5") and _is_user_data(cfg, d["path"], made)
     ]
 
 
