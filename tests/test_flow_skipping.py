@@ -27,6 +27,7 @@ def _config(root: Path, *extra: str):
             f"validate.out_dir={root}/validated",
             f"validate.report_dir={root}/report",
             f"sft.out_dir={root}/sft",
+            f"sft.train_data={root}/validated/train.jsonl",  # a dep of sft: here too, not the workspace's
             *extra,
         ]
     )
@@ -83,7 +84,10 @@ def test_new_upstream_output_makes_the_downstream_stage_stale(tmp_path):
     lineage.record_run(sft, cfg)
     assert lineage.why_stale(sft, cfg) == []
     (tmp_path / "validated/train.jsonl").write_text('{"prompt": "new"}\n')  # validate ran again, new split
-    assert lineage.why_stale(sft, cfg) == [f"dep {tmp_path}/validated changed"]
+    assert lineage.why_stale(sft, cfg) == [
+        f"dep {tmp_path}/validated changed",
+        f"dep {tmp_path}/validated/train.jsonl changed",  # sft.train_data, a file of the new split
+    ]
 
 
 def test_hashes_are_dvcs_own(tmp_path):
