@@ -36,7 +36,7 @@ from rlhflow.fsutil import write_text_atomic
 os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
 
 TEXT_COLUMNS = ("prompt", "chosen", "rejected")
-DEMONSTRATION_COLUMNS = ("prompt", "completion")  # demonstrations for supervised fine-tuning: the same checks
+DEMONSTRATION_TEXT_COLUMNS = ("prompt", "completion")  # demonstrations for supervised fine-tuning: the same checks
 SPLITS = ("train", "judge", "test")
 SNIPPET_CHARS = 60
 
@@ -466,7 +466,7 @@ def validate_preferences(
     """Run the suite on every split (e.g. train, judge, test), write the JSON and HTML reports, raise
     DataValidationError on failure. Rows dropped under the blank/over-long policies are in `result.dropped`;
     `result.kept(split, df)` gives what to write. `columns`: the text columns checked (the prompt first), by default
-    preference pairs'; demonstrations pass DEMONSTRATION_COLUMNS."""
+    preference pairs'; demonstrations pass DEMONSTRATION_TEXT_COLUMNS."""
     import great_expectations as gx
     from great_expectations.data_context.types.base import ProgressBarsConfig
 

@@ -26,7 +26,7 @@ def checked_demonstrations(cfg: Config, tokenizer, report_dir: Path):
     a ValueError (prompts of the test or judge split), each naming the rows."""
     from rlhflow.data.formats import load_demonstrations, read_jsonl
     from rlhflow.sft import held_out_prompt_rows
-    from rlhflow.validation import DEMONSTRATION_COLUMNS, validate_preferences
+    from rlhflow.validation import DEMONSTRATION_TEXT_COLUMNS, validate_preferences
 
     source = cfg.path(cfg.sft.train_data)
     validated = cfg.path(cfg.validate_.out_dir)
@@ -46,7 +46,7 @@ def checked_demonstrations(cfg: Config, tokenizer, report_dir: Path):
         cfg=cfg.validate_,
         tokenizer=tokenizer,
         report_dir=report_dir,
-        columns=DEMONSTRATION_COLUMNS,
+        columns=DEMONSTRATION_TEXT_COLUMNS,
     )
     return result.kept("demonstrations", demos), result
 
@@ -109,9 +109,8 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     with atomic_dir(out_dir) as tmp:
         save_plain(model, tokenizer, tmp)
         if s.train:
-            if (
-                getattr(model, "hf_quantizer", None) is not None
-            ):  # GGUF-loaded: the Trainer can neither train nor save it
+            # a GGUF-loaded model: the Trainer can neither train nor save it, so train the plain copy just saved
+            if getattr(model, "hf_quantizer", None) is not None:
                 model = load_causal_lm(str(tmp), pad_token_id=tokenizer.pad_token_id)
             metrics["sft/perplexity_before"] = held_out_perplexity(model)
             checkpoint_dir = prepare_checkpoint_dir(cfg.path(s.checkpoint_dir), checkpoint_fingerprint(cfg))

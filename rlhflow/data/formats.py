@@ -494,30 +494,26 @@ def _render_turns(messages: list[dict]) -> str:
 
 
 def _from_prompt_chosen_rejected(record: dict, row: int, problems: _TypeProblems) -> dict | None:
-    prompt_messages, prompt_text = _prompt(record.get("prompt"), row, problems)
     return {
-        "prompt": prompt_text,
-        "prompt_messages": prompt_messages,
+        **_prompt(record.get("prompt"), row, problems),
         "chosen": _response(record.get("chosen"), "chosen", row, problems),
         "rejected": _response(record.get("rejected"), "rejected", row, problems),
     }
 
 
-def _prompt(value: Any, row: int, problems: _TypeProblems) -> tuple[list[dict], str | None]:
-    """A prompt given as text or as messages: (prompt_messages, plain-text prompt); ([], None) when null."""
+def _prompt(value: Any, row: int, problems: _TypeProblems) -> dict:
+    """A prompt given as text or as messages: its `prompt` (plain text; None when null) and `prompt_messages`."""
     if _is_null(value):
-        return [], None
+        return {"prompt": None, "prompt_messages": []}
     if isinstance(value, str):
-        return [{"role": "user", "content": value}], value
+        return {"prompt": value, "prompt_messages": [{"role": "user", "content": value}]}
     messages = _messages(value, "prompt", row, problems)
-    return messages or [], render_prompt(messages) if messages else None
+    return {"prompt": render_prompt(messages) if messages else None, "prompt_messages": messages or []}
 
 
 def _from_prompt_completion(record: dict, row: int, problems: _TypeProblems) -> dict | None:
-    prompt_messages, prompt_text = _prompt(record.get("prompt"), row, problems)
     return {
-        "prompt": prompt_text,
-        "prompt_messages": prompt_messages,
+        **_prompt(record.get("prompt"), row, problems),
         "completion": _response(record.get("completion"), "completion", row, problems),
     }
 
