@@ -66,6 +66,12 @@ class ValidateConfig(Section):
         description="share of prompts held out to train the judge reward model, disjoint from "
         "the proxy reward model's and PPO's (with data.test_preferences: the share of the training file)",
     )
+    split_seed: int = Field(
+        0,
+        ge=0,
+        description="seed of the conversation hash that assigns train/judge/test; separate from `seed`, so a "
+        "training-seed sweep keeps the same test set and judge",
+    )
     min_tokens: int = Field(1, ge=1)
     max_prompt_tokens: int = Field(512, ge=1)
     max_response_tokens: int = Field(512, ge=1)
@@ -193,6 +199,12 @@ class JudgeConfig(RewardModelConfig):
     """The judge: a second reward model trained on the judge split (prompts disjoint from the proxy's and PPO's).
     PPO never optimises against it; evaluation's judge win rate and the champion decision use it."""
 
+    seed: int = Field(
+        1,
+        ge=0,
+        description="the judge's own training seed; the top-level `seed` does not move it, so runs with different "
+        "training seeds are judged by the same model",
+    )
     out_dir: str = "models/judge"
     checkpoint_dir: str = "checkpoints/judge"
 
@@ -307,6 +319,12 @@ class EvaluateConfig(Section):
     )
     batch_size: int = Field(16, ge=1)
     perplexity_rows: int = Field(64, ge=1)
+    promote: Literal["auto", "force", "never"] = Field(
+        "auto",
+        description="champion rule (docs/mlflow.md): auto promotes a challenger that beats a champion of the same "
+        "splits and judge head to head (lower bound of the 95% interval); force promotes it whatever the "
+        "comparison; never moves no alias",
+    )
     report_dir: str = "reports/evaluate"
 
 

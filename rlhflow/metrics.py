@@ -4,8 +4,8 @@
   after the chat-formatted prompt (temperature 1);
 - KL(policy || reference) per response: sum over the sampled response tokens of log pi(a_t) - log pi_ref(a_t)
   (the k1 estimator, unbiased under samples from the policy), averaged over responses, in nats;
-- win rate: fraction of prompts where the policy's response outscores the SFT response (ties count half), with
-  a percentile-bootstrap confidence interval over prompts;
+- win rate: fraction of prompts where the policy's response outscores the SFT response (ties count half); its
+  interval, the length-controlled win rate and paired differences are in rlhflow.stats;
 - pairwise accuracy (in rlhflow.reward_model): fraction of pairs where chosen outscores rejected;
 - drift and reward hacking: response length (words), distinct-n, repetition rate;
 - reward-model calibration: accuracy by confidence bucket, expected calibration error;
@@ -19,6 +19,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rlhflow.policy import encode_prompts, pad_sequences, sequence_logprobs
@@ -77,33 +78,16 @@ def response_kl(
     return (kl_per_token(logp, ref_logp, "k1") * response_mask).sum(dim=1)
 
 
-def _wins(policy_scores: torch.Tensor, baseline_scores: torch.Tensor) -> torch.Tensor:
-    """1 where the policy's response scores higher, 0.5 on a tie, 0 else: one value per prompt."""
-    return (policy_scores > baseline_scores).float() + 0.5 * (policy_scores == baseline_scores).float()
+def wins(policy_scores, baseline_scores) -> np.ndarray:
+    """Per prompt: 1 where the policy's response scores higher, 0.5 on a tie, 0 else."""
+    policy = torch.as_tensor(policy_scores, dtype=torch.float64)
+    baseline = torch.as_tensor(baseline_scores, dtype=torch.float64)
+    return ((policy > baseline).double() + 0.5 * (policy == baseline).double()).numpy()
 
 
-def win_rate(policy_scores: torch.Tensor, baseline_scores: torch.Tensor) -> float:
-    return float(_wins(policy_scores, baseline_scores).mean())
-
-
-def win_rate_interval(
-    policy_scores: torch.Tensor,
-    baseline_scores: torch.Tensor,
-    *,
-    confidence: float = 0.95,
-    resamples: int = 2000,
-    seed: int = 0,
-) -> tuple[float, float]:
-    """Percentile-bootstrap interval of the win rate: prompts are resampled with replacement (each with its pair of
-    scores), and the interval holds the central `confidence` share of the resampled win rates."""
-    wins = _wins(policy_scores, baseline_scores)
-    if len(wins) == 0:
-        return math.nan, math.nan
-    generator = torch.Generator().manual_seed(seed)
-    resampled = wins[torch.randint(0, len(wins), (resamples, len(wins)), generator=generator)].mean(dim=1)
-    tail = (1 - confidence) / 2
-    low, high = torch.quantile(resampled, torch.tensor([tail, 1 - tail]))
-    return float(low), float(high)
+def win_rate(policy_scores, baseline_scores) -> float:
+    per_prompt = wins(policy_scores, baseline_scores)
+    return float(per_prompt.mean()) if len(per_prompt) else math.nan
 
 
 def distinct_n(texts: list[str], n: int) -> float:

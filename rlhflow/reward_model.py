@@ -285,11 +285,16 @@ def write_normalization(model_dir: Path, *, mean: float, std: float, max_length:
     (model_dir / NORM_FILE).write_text(json.dumps({"mean": mean, "std": std, "max_length": max_length}, indent=2))
 
 
+def pair_correct(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """Per pair: 1 where the chosen response scores higher, 0.5 on a tie, 0 else."""
+    return (chosen > rejected).double() + 0.5 * (chosen == rejected).double()
+
+
 def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> float:
     """Fraction of pairs where the chosen response scores higher (ties count half)."""
     if len(chosen) == 0:
         return math.nan
-    return float(((chosen > rejected).float() + 0.5 * (chosen == rejected).float()).mean())
+    return float(pair_correct(chosen, rejected).mean())
 
 
 def accuracy_standard_error(accuracy: float, pairs: int) -> float:
@@ -300,13 +305,54 @@ def accuracy_standard_error(accuracy: float, pairs: int) -> float:
 @dataclass
 class PairEvaluation:
     """A reward model on preference pairs, from one scoring pass. `chosen` and `rejected` are its raw scores
-    (the Bradley-Terry logits), one per pair. `metrics`: `accuracy` (of the raw scores, ties half),
-    `accuracy_se`, `pairs`, and `margin_mean`, `chosen_mean`, `rejected_mean` of the normalised scores (the
-    rewards PPO gets)."""
+    (the Bradley-Terry logits), one per pair. `metrics`: `accuracy` (of the raw scores, ties half), its
+    `accuracy_se` and 95% Wilson interval; the length rule on the same pairs (`length_baseline_accuracy`, "the
+    shorter answer is chosen") with its Wilson interval, and the paired difference `accuracy_minus_length_baseline`
+    with a paired-bootstrap interval; `pairs`; and `margin_mean`, `chosen_mean`, `rejected_mean` of the normalised
+    scores (the rewards PPO gets)."""
 
     chosen: torch.Tensor
     rejected: torch.Tensor
     metrics: dict[str, float]
+
+    @property
+    def correct(self) -> torch.Tensor:
+        return pair_correct(self.chosen, self.rejected)
+
+
+# what `length_aware_pair_metrics` adds to a pair evaluation's metrics
+LENGTH_AWARE_METRICS = (
+    "accuracy_ci_low",
+    "accuracy_ci_high",
+    "length_baseline_accuracy",
+    "length_baseline_accuracy_ci_low",
+    "length_baseline_accuracy_ci_high",
+    "accuracy_minus_length_baseline",
+    "accuracy_minus_length_baseline_ci_low",
+    "accuracy_minus_length_baseline_ci_high",
+)
+
+
+def length_aware_pair_metrics(correct, rows: list[dict], seed: int = 0) -> dict[str, float]:
+    """A model's per-pair correctness next to the length rule's on the same pairs (rlhflow.stats)."""
+    from rlhflow import stats
+
+    correct = [float(c) for c in correct]
+    rule = stats.shorter_answer_correct([r["chosen"] for r in rows], [r["rejected"] for r in rows])
+    n = len(rows)
+    low, high = stats.wilson_interval(sum(correct), n)  # proportions: Wilson intervals
+    rule_low, rule_high = stats.wilson_interval(float(rule.sum()), n)
+    difference, diff_low, diff_high = stats.difference_interval(correct, rule, stats.resample_indices(n, seed=seed))
+    return {
+        "accuracy_ci_low": low,
+        "accuracy_ci_high": high,
+        "length_baseline_accuracy": float(rule.mean()) if n else math.nan,
+        "length_baseline_accuracy_ci_low": rule_low,
+        "length_baseline_accuracy_ci_high": rule_high,
+        "accuracy_minus_length_baseline": difference,
+        "accuracy_minus_length_baseline_ci_low": diff_low,
+        "accuracy_minus_length_baseline_ci_high": diff_high,
+    }
 
 
 def evaluate_pairs(rm: RewardModel, rows: list[dict]) -> PairEvaluation:
@@ -319,6 +365,7 @@ def evaluate_pairs(rm: RewardModel, rows: list[dict]) -> PairEvaluation:
     metrics = {
         "accuracy": accuracy,
         "accuracy_se": accuracy_standard_error(accuracy, len(rows)),
+        **length_aware_pair_metrics(pair_correct(chosen, rejected).tolist(), rows),
         "margin_mean": float((chosen_rewards - rejected_rewards).mean()),
         "chosen_mean": float(chosen_rewards.mean()),
         "rejected_mean": float(rejected_rewards.mean()),

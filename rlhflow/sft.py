@@ -25,18 +25,6 @@ from rlhflow.policy import prompt_text
 LOGGING_STEPS = 5
 
 
-def held_out_prompt_rows(demos: pd.DataFrame, held_out: dict[str, pd.DataFrame]) -> dict[str, list[int]]:
-    """Per held-out split (e.g. test, judge): the `source_row`s of demonstrations whose prompt is one of its
-    prompts. Training on them would leak the evaluation data (or the judge's) into the policy."""
-    found = {}
-    for split, df in held_out.items():
-        prompts = set(df["prompt"].astype(str))
-        rows = demos.loc[demos["prompt"].astype(str).isin(prompts), "source_row"].tolist()
-        if rows:
-            found[split] = rows
-    return found
-
-
 def demonstration_dataset(demos: pd.DataFrame, tokenizer):
     """TRL's prompt/completion dataset: conversational (messages, rendered by the chat template) when the
     tokenizer has a chat template, else the plain-text prompt the policy sees and the completion text."""

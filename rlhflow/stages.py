@@ -80,8 +80,14 @@ STAGES: list[Stage] = [
     Stage(
         name="validate",
         description="read preference data, run the Great Expectations suite, write train/judge/test splits",
-        params=["seed", "data", "validate", "sft.model"],
-        deps=["${data.preferences}", "rlhflow/data/formats.py", "rlhflow/validation.py", "tasks/validate.py"],
+        params=["data", "validate", "sft.model"],
+        deps=[
+            "${data.preferences}",
+            "rlhflow/data/formats.py",
+            "rlhflow/data/splits.py",
+            "rlhflow/validation.py",
+            "tasks/validate.py",
+        ],
         outs=[VALIDATED, "${validate.report_dir}"],
         metrics=[_metrics("validate")],
     ),
@@ -124,7 +130,7 @@ STAGES: list[Stage] = [
     Stage(
         name="judge",
         description="train the judge reward model on the judge split (prompts PPO and the proxy never see)",
-        params=["seed", "judge"],
+        params=["judge"],
         deps=[VALIDATED, "${sft.out_dir}", "rlhflow/reward_model.py", "tasks/reward_model.py", "tasks/judge.py"],
         outs=["${judge.out_dir}"],
         metrics=[_metrics("judge")],

@@ -9,16 +9,15 @@ from __future__ import annotations
 # mlflow (and pandas) are imported inside the functions that use them: importing the flow and the stage modules
 # stays fast, and rlhflow.serving (imported by log_model_dir) is loaded only when a model is logged.
 import contextlib
-import math
 import os
 import re
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlhflow.champion import BASIS_TAG_PREFIX, ChampionDecision, HeadToHead, basis_difference, decide
 from rlhflow.config import REPO_ROOT, Config
 from rlhflow.fsutil import write_json_atomic
 from rlhflow.hashing import dir_md5, file_md5
@@ -327,51 +326,10 @@ def log_model_dir(
 
 
 # ---- champion ----------------------------------------------------------------------------------------------
-# Every registered version gets alias `candidate`; alias `champion` moves to it only when its evaluation beats the
-# current champion's, both measured in the same evaluation (same data, same judge). The basis of each decision is
-# kept as tags `champion.*` on the candidate version.
+# Every registered version gets alias `candidate`; alias `champion` moves by the rule in rlhflow/champion.py. The
+# evaluation basis (`basis.*`) and the basis of each decision (`champion.*`) are kept as tags on the version.
 
 CHAMPION = "champion"
-
-
-@dataclass(frozen=True)
-class ChampionDecision:
-    model: str  # registered model name
-    candidate: str  # version evaluated in this run
-    previous: str | None  # champion version before this decision
-    metric: str  # what was compared (higher is better)
-    candidate_value: float
-    champion_value: float | None  # the previous champion's value in the same evaluation
-    promoted: bool  # the alias moved to the candidate
-
-    @property
-    def champion(self) -> str | None:
-        return self.candidate if self.promoted else self.previous
-
-    @property
-    def reason(self) -> str:
-        if self.previous is None:
-            return f"no champion yet: v{self.candidate} becomes champion ({self.metric} {self.candidate_value:.4f})"
-        if self.previous == self.candidate:
-            return f"v{self.candidate} is already the champion"
-        verdict = "beats" if self.promoted else "does not beat"
-        return (
-            f"v{self.candidate} {verdict} champion v{self.previous} on {self.metric}: "
-            f"{self.candidate_value:.4f} vs {self.champion_value:.4f}"
-        )
-
-
-def decide_champion(
-    model: str, candidate: str, metric: str, candidate_value: float, previous: str | None, champion_value: float | None
-) -> ChampionDecision:
-    """Promote when there is no champion, or when the candidate is strictly better (a NaN never wins)."""
-    if previous is None:
-        promoted = not math.isnan(candidate_value)
-    elif previous == candidate:
-        promoted = False
-    else:
-        promoted = champion_value is not None and candidate_value > champion_value
-    return ChampionDecision(model, candidate, previous, metric, candidate_value, champion_value, promoted)
 
 
 def version_by_alias(client, name: str, alias: str):
@@ -403,26 +361,48 @@ def registered_model_dir(client, name: str, version: str, dst: str | os.PathLike
     return local / flavor["artifacts"]["model_dir"]["path"]
 
 
+def evaluation_basis(client, name: str, version: str) -> dict[str, str]:
+    """The `basis.*` tags of a registered version: what it was trained and evaluated on."""
+    tags = client.get_model_version(name, version).tags
+    return {k.removeprefix(BASIS_TAG_PREFIX): v for k, v in tags.items() if k.startswith(BASIS_TAG_PREFIX)}
+
+
 def challenge_champion(
-    client, name: str, candidate: str, metric: str, candidate_value: float, champion_value: Callable[[Any], float]
+    client,
+    name: str,
+    candidate: str,
+    basis: dict[str, str],
+    head_to_head: Callable[[Any], HeadToHead],
+    promote: str = "auto",
 ) -> ChampionDecision:
-    """Decide whether `candidate` replaces the current champion; `champion_value(version)` measures the
-    champion in this run's evaluation (called only when there is another champion). Nothing is changed yet."""
+    """Decide whether `candidate` (evaluated on `basis`) replaces the current champion. `head_to_head(version)`
+    measures the candidate against the champion on the same items; it is called only for a champion of the same
+    basis. Records `basis` on the candidate; the alias is not moved yet (`apply_champion_decision`)."""
+    for key, value in basis.items():
+        client.set_model_version_tag(name, candidate, BASIS_TAG_PREFIX + key, value)
     current = version_by_alias(client, name, CHAMPION)
     previous = None if current is None else str(current.version)
-    value = champion_value(current) if previous not in (None, candidate) else None
-    return decide_champion(name, candidate, metric, candidate_value, previous, value)
+    difference = comparison = None
+    if previous not in (None, candidate) and promote != "never":
+        difference = basis_difference(basis, evaluation_basis(client, name, previous))
+        if difference is None:
+            comparison = head_to_head(current)
+    return decide(name, candidate, previous, not_comparable=difference, comparison=comparison, promote=promote)
 
 
 def apply_champion_decision(client, decision: ChampionDecision, run_id: str | None = None) -> None:
     """Record the decision basis as tags on the candidate version and move `champion` when it won."""
+    c = decision.comparison
     tags = {
-        "metric": decision.metric,
-        "candidate_value": f"{decision.candidate_value:.6g}",
         "compared_with": f"v{decision.previous}" if decision.previous else "none",
-        "champion_value": "" if decision.champion_value is None else f"{decision.champion_value:.6g}",
+        "verdict": decision.verdict,
         "decision": "promoted" if decision.promoted else "kept",
         "reason": decision.reason,
+        **(
+            {"metric": c.metric, "value": f"{c.value:.6g}", "ci_low": f"{c.low:.6g}", "ci_high": f"{c.high:.6g}"}
+            if c
+            else {}
+        ),
         **({"evaluation_run": run_id} if run_id else {}),
     }
     for key, value in tags.items():

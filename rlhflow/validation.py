@@ -1,7 +1,7 @@
 """The data-validation suite for preference pairs, run with Great Expectations.
 
-`split_by_prompt` splits pairs into train/test by a stable hash of the prompt (`assign_splits` also
-holds out the judge's share). `validate_preferences` runs one expectation suite on each split (an
+The splits themselves are made by `rlhflow.data.splits` (by conversation). `validate_preferences` runs one
+expectation suite on each split (an
 ephemeral GE context, a pandas dataframe batch), maps every failing row back to its `source_row` in
 the input, writes `validation.json` and `validation.html`, and raises `DataValidationError` naming the
 failed expectations and their rows.
@@ -13,13 +13,12 @@ when the dropped share exceeds `validate.max_dropped_fraction`. Every other fail
 Checks that GE has no single expectation for are expressed through helper columns or GE's
 multi-column expectations: token lengths go into `<column>_tokens` columns (computed with the
 tokenizer the models use), chosen != rejected is `expect_select_column_values_to_be_unique_within_record`,
-and a prompt leaking between splits is a boolean `prompt_in_other_split` column expected to be False.
+and a conversation leaking between splits is a boolean `conversation_in_other_split` column expected to be False.
 """
 
 from __future__ import annotations
 
 # great_expectations is heavy: it is imported inside the functions that run the suite.
-import hashlib
 import html
 import json
 import os
@@ -30,6 +29,7 @@ from typing import Any
 import pandas as pd
 
 from rlhflow.config import ValidateConfig
+from rlhflow.data.splits import conversation_keys
 from rlhflow.fsutil import write_text_atomic
 
 # GE reads these at import time: no usage analytics from a pipeline run.
@@ -166,50 +166,6 @@ class ValidationResult:
         }
 
 
-# ---- splitting ------------------------------------------------------------------------------------------
-
-
-def _prompt_hash(prompt: Any, seed: int) -> float:
-    """A number in [0, 1) that depends only on the prompt text and the seed (stable across runs)."""
-    digest = hashlib.sha256(f"{seed}\x00{prompt}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
-
-
-def assign_splits(
-    df: pd.DataFrame, *, test_fraction: float, judge_fraction: float, seed: int, test: pd.DataFrame | None = None
-) -> dict[str, pd.DataFrame]:
-    """train / judge / test splits by prompt. The judge's share is split off the training prompts by a second,
-    independent hash, so the judge reward model never sees a prompt the proxy reward model or PPO trains on.
-    With `test` given (a held-out file), `df` is split into train and judge only, and `judge_fraction` is the
-    judge's share of `df`; otherwise it is the judge's share of all prompts."""
-    held_out_file = test is not None
-    if test is None:
-        train, test = split_by_prompt(df, test_fraction, seed)
-    else:
-        train = df
-    splits = {"train": train}
-    if judge_fraction > 0:
-        share_of_train = judge_fraction if held_out_file else judge_fraction / (1 - test_fraction)
-        splits["train"], splits["judge"] = split_by_prompt(train, share_of_train, seed + 1)
-    splits["test"] = test
-    return splits
-
-
-def split_by_prompt(df: pd.DataFrame, test_fraction: float, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Split pairs by prompt: a prompt's pairs all go to one split, decided by a hash of its text."""
-    if not 0 < test_fraction < 1:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    hashes = {p: _prompt_hash(p, seed) for p in df["prompt"].astype(str).unique()}
-    test_prompts = {p for p, h in hashes.items() if h < test_fraction}
-    # With very few prompts the threshold can leave a split empty; move the closest prompt over.
-    if len(hashes) >= 2 and not test_prompts:
-        test_prompts = {min(hashes, key=hashes.get)}
-    elif len(hashes) >= 2 and len(test_prompts) == len(hashes):
-        test_prompts.discard(max(hashes, key=hashes.get))
-    in_test = df["prompt"].astype(str).isin(test_prompts)
-    return df[~in_test].reset_index(drop=True), df[in_test].reset_index(drop=True)
-
-
 # ---- the suite --------------------------------------------------------------------------------------
 
 
@@ -302,14 +258,14 @@ def _checks(df: pd.DataFrame, cfg: ValidateConfig, columns: tuple[str, ...] = TE
                 problem=f"a duplicate ({names}) {unit}",
             )
         )
-    if "prompt_in_other_split" in df.columns:
+    if "conversation_in_other_split" in df.columns:
         checks.append(
             _Check(
-                gxe.ExpectColumnValuesToBeInSet(column="prompt_in_other_split", value_set=[False]),
-                "prompt_in_other_split",
-                "no prompt is shared between splits",
+                gxe.ExpectColumnValuesToBeInSet(column="conversation_in_other_split", value_set=[False]),
+                "conversation_in_other_split",
+                "no conversation is shared between splits",
                 ("prompt",),
-                problem="a prompt that is also in another split",
+                problem="a conversation (first user turn) that is also in another split",
             )
         )
     return checks
@@ -326,15 +282,15 @@ def _with_helper_columns(df: pd.DataFrame, tokenizer, columns: tuple[str, ...] =
     return df
 
 
-def _mark_shared_prompts(frames: dict[str, pd.DataFrame]) -> None:
-    """Helper column `prompt_in_other_split`. (A GE value set of the other splits' prompts would be
-    re-serialised thousands of times inside GE, which gets slow for large datasets.)"""
-    if not all("prompt" in df.columns for df in frames.values()):
+def _mark_shared_conversations(frames: dict[str, pd.DataFrame]) -> None:
+    """Helper column `conversation_in_other_split` (rlhflow.data.splits.conversation_key). (A GE value set of the
+    other splits' keys would be re-serialised thousands of times inside GE, which gets slow for large datasets.)"""
+    if len(frames) < 2 or not all("prompt" in df.columns for df in frames.values()):
         return
-    prompts = {split: {p for p in df["prompt"] if isinstance(p, str)} for split, df in frames.items()}
+    keys = {split: conversation_keys(df) for split, df in frames.items()}
     for split, df in frames.items():
-        elsewhere = set().union(*(ps for other, ps in prompts.items() if other != split))
-        df["prompt_in_other_split"] = df["prompt"].isin(elsewhere)
+        elsewhere = set().union(*(set(k) for other, k in keys.items() if other != split))
+        df["conversation_in_other_split"] = keys[split].isin(elsewhere).to_numpy(dtype=bool)
 
 
 def _token_counts(values: pd.Series, tokenizer, batch_size: int = 4096) -> pd.Series:
@@ -447,6 +403,7 @@ def _statistics(df: pd.DataFrame, columns: tuple[str, ...] = TEXT_COLUMNS) -> di
     stats = {"rows": float(len(df))}
     if "prompt" in df.columns:
         stats["prompts"] = float(df["prompt"].astype(str).nunique())
+        stats["conversations"] = float(conversation_keys(df).nunique())
     for column in columns:
         tokens = df.get(f"{column}_tokens")
         if tokens is not None and tokens.notna().any():
@@ -474,7 +431,7 @@ def validate_preferences(
     context.variables.progress_bars = ProgressBarsConfig(globally=False)
 
     frames = {split: _with_helper_columns(df, tokenizer, columns) for split, df in splits.items()}
-    _mark_shared_prompts(frames)
+    _mark_shared_conversations(frames)
     outcomes: dict[str, ExpectationOutcome] = {}
     dropped: dict[str, set[int]] = {split: set() for split in frames}
     for split, df in frames.items():

@@ -5,20 +5,24 @@ stage run and the parent run; it is registered as `rlhf-judge`."""
 
 from __future__ import annotations
 
+from rlhflow import registered_models
 from rlhflow.config import Config
 from tasks._common import StageContext, cli, stage_task
 from tasks.reward_model import train_pairwise_model
 
 NAME = "judge"
-REGISTERED_NAME = "rlhf-judge"
+REGISTERED_NAME = registered_models.JUDGE
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
-    # another seed than the proxy's: a different score-head initialisation and data order as well as other data
+    from rlhflow.reward_model import LENGTH_AWARE_METRICS
+
+    # its own seed, not the training seed: runs of a seed sweep are judged by the same model
     metrics = train_pairwise_model(
-        cfg, ctx, cfg.judge, split="judge", prefix="judge", registered_name=REGISTERED_NAME, seed=cfg.seed + 1
+        cfg, ctx, cfg.judge, split="judge", prefix="judge", registered_name=REGISTERED_NAME, seed=cfg.judge.seed
     )
-    ctx.log_metrics({k: v for k, v in metrics.items() if k in ("judge/accuracy", "judge/accuracy_se")}, on_parent=True)
+    on_parent = {"judge/accuracy", "judge/accuracy_se"} | {f"judge/{k}" for k in LENGTH_AWARE_METRICS}
+    ctx.log_metrics({k: v for k, v in metrics.items() if k in on_parent}, on_parent=True)
     return metrics
 
 

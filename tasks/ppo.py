@@ -6,11 +6,12 @@ from __future__ import annotations
 
 # Heavy imports (torch, transformers, mlflow, the library's model code) are deferred into the stage body, so
 # that importing the module (the flow does, to get its task; so does `--help`) stays fast.
+from rlhflow import registered_models
 from rlhflow.config import Config
 from tasks._common import StageContext, cli, stage_task
 
 NAME = "ppo"
-REGISTERED_NAME = "rlhf-policy"
+REGISTERED_NAME = registered_models.POLICY
 
 
 def checkpoint_fingerprint(cfg: Config) -> str:

@@ -8,11 +8,22 @@ from __future__ import annotations
 # that importing the module (the flow does, to get its task; so does `--help`) stays fast.
 from pathlib import Path
 
+from rlhflow import registered_models
 from rlhflow.config import Config, RewardModelConfig
 from tasks._common import StageContext, cli, stage_task
 
 NAME = "reward_model"
-REGISTERED_NAME = "rlhf-reward-model"
+REGISTERED_NAME = registered_models.REWARD_MODEL
+LENGTH_AWARE_KEYS = (
+    "accuracy_ci_low",
+    "accuracy_ci_high",
+    "length_baseline_accuracy",
+    "length_baseline_accuracy_ci_low",
+    "length_baseline_accuracy_ci_high",
+    "accuracy_minus_length_baseline",
+    "accuracy_minus_length_baseline_ci_low",
+    "accuracy_minus_length_baseline_ci_high",
+)
 
 
 def backbone_spec(cfg: Config, rm_cfg: RewardModelConfig) -> str:
@@ -55,7 +66,7 @@ def train_pairwise_model(
     from rlhflow import distributed, tracking
     from rlhflow.data.formats import read_jsonl
     from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir
-    from rlhflow.reward_model import evaluate_pairs, train_reward_model
+    from rlhflow.reward_model import LENGTH_AWARE_METRICS, evaluate_pairs, train_reward_model
 
     validated = cfg.path(cfg.validate_.out_dir)
     train_file = validated / f"{split}.jsonl"
@@ -91,6 +102,7 @@ def train_pairwise_model(
         metrics = {
             f"{prefix}/accuracy": held_out["accuracy"],
             f"{prefix}/accuracy_se": held_out["accuracy_se"],
+            **{f"{prefix}/{key}": held_out[key] for key in LENGTH_AWARE_METRICS},
             f"{prefix}/margin": held_out["margin_mean"],
             f"{prefix}/eval_pairs": held_out["pairs"],
             f"{prefix}/train_pairs": float(len(train_rows)),

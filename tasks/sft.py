@@ -23,9 +23,9 @@ HELD_OUT_SPLITS = ("test", "judge")  # evaluation's prompts and the judge's: nev
 def checked_demonstrations(cfg: Config, tokenizer, report_dir: Path):
     """The validated demonstrations of `sft.train_data`. Raises a DataFormatError (unreadable file, missing
     columns, wrong types), a DataValidationError (blank or over-long rows beyond validate's policy, duplicates) or
-    a ValueError (prompts of the test or judge split), each naming the rows."""
+    a ValueError (conversations of the test or judge split), each naming the rows."""
     from rlhflow.data.formats import load_demonstrations, read_jsonl
-    from rlhflow.sft import held_out_prompt_rows
+    from rlhflow.data.splits import rows_sharing_conversations
     from rlhflow.validation import DEMONSTRATION_TEXT_COLUMNS, validate_preferences
 
     source = cfg.path(cfg.sft.train_data)
@@ -35,12 +35,12 @@ def checked_demonstrations(cfg: Config, tokenizer, report_dir: Path):
         raise ValueError(f"sft.train_data={cfg.sft.train_data} is a held-out split: train on the train split")
     demos = load_demonstrations(source, max_rows=cfg.validate_.max_rows)
     held_out = {split: read_jsonl(f) for split, f in held_out_files.items() if f.exists()}
-    leaked = held_out_prompt_rows(demos, held_out)
+    leaked = rows_sharing_conversations(demos, held_out)
     if leaked:
         where = "; ".join(
-            f"{len(rows)} with a prompt of the {split} split (rows {rows[:10]})" for split, rows in leaked.items()
+            f"{len(rows)} in a conversation of the {split} split (rows {rows[:10]})" for split, rows in leaked.items()
         )
-        raise ValueError(f"{source}: demonstrations must not share prompts with held-out data: {where}")
+        raise ValueError(f"{source}: demonstrations must not share conversations with held-out data: {where}")
     result = validate_preferences(
         {"demonstrations": demos},
         cfg=cfg.validate_,

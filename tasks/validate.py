@@ -1,5 +1,7 @@
 """Stage validate: read the preference data, run the Great Expectations suite, write the train, judge and test
-splits (by prompt: the judge's reward model trains on prompts that neither the proxy reward model nor PPO sees).
+splits (by conversation, rlhflow/data/splits.py: the judge's reward model trains on conversations that neither the
+proxy reward model nor PPO sees, and no branch of a test conversation is trained on). The split depends on
+validate.split_seed alone, not on the training seed.
 
 Blank and over-long rows are dropped and counted per reason (validate.blank / validate.overlong), up to
 validate.max_dropped_fraction of the rows. On any other failed expectation the stage raises with a message naming
@@ -30,9 +32,10 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
 
     from rlhflow import tracking
     from rlhflow.data.formats import load_preferences, write_jsonl
+    from rlhflow.data.splits import assign_splits, cross_split_prefix_pairs
     from rlhflow.fsutil import atomic_dir
     from rlhflow.models import load_tokenizer
-    from rlhflow.validation import DataValidationError, assign_splits, validate_preferences
+    from rlhflow.validation import DataValidationError, validate_preferences
 
     v = cfg.validate_
     data = load_preferences(_source(cfg, cfg.data.preferences), hf_split=cfg.data.hf_split, max_rows=v.max_rows)
@@ -42,8 +45,17 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
             _source(cfg, cfg.data.test_preferences), hf_split=cfg.data.hf_split, max_rows=v.max_rows
         )
     splits = assign_splits(
-        data, test_fraction=v.test_fraction, judge_fraction=v.judge_fraction, seed=cfg.seed, test=test
+        data, test_fraction=v.test_fraction, judge_fraction=v.judge_fraction, seed=v.split_seed, test=test
     )
+    # with a held-out file, training rows of a conversation that the test file holds are left out
+    shared_with_test = (
+        len(data) - sum(len(df) for split, df in splits.items() if split != "test") if test is not None else 0
+    )
+    if shared_with_test:
+        print(
+            f"validate: left out {shared_with_test} training row(s) whose conversation is in data.test_preferences",
+            flush=True,
+        )
     tokenizer = load_tokenizer(cfg.sft.model, trust_remote_code=cfg.sft.trust_remote_code)
 
     out_dir, report_dir = cfg.path(cfg.validate_.out_dir), cfg.path(cfg.validate_.report_dir)
@@ -72,7 +84,11 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
         tracking.log_dataset(out_dir / "judge.jsonl", name="preferences-judge", context="judge")
     for reason, count in sorted(result.dropped_per_reason.items()):
         print(f"validate: dropped {count} row(s): {reason}", flush=True)
-    summary = result.summary()
+    written = {split: result.kept(split, df) for split, df in splits.items()}
+    summary = result.summary() | {
+        "validate/cross_split_prefix_pairs": float(cross_split_prefix_pairs(written)),
+        "validate/rows_shared_with_test_file": float(shared_with_test),
+    }
     ctx.log_metrics(summary)
     return summary
 

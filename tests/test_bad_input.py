@@ -110,18 +110,6 @@ def too_many_over_long_texts(d):  # dropped by default, but 4 of 40 rows is more
     ]
 
 
-def prompt_leaking_into_test(d):
-    train = write_rows(d / "train.jsonl", [row(i) for i in range(N_ROWS)])
-    test_rows = [row(100 + i) for i in range(5)]
-    test_rows[1] = row(4, chosen="A different answer about plant 4.")  # test line 2 reuses train line 5's prompt
-    test = write_rows(d / "test.jsonl", test_rows)
-    return [f"data.preferences={train}", f"data.test_preferences={test}"], [
-        r"in_set\(prompt_in_other_split\): 2 rows",
-        r"(train|judge) row 5:",
-        r"test row 2:",
-    ]
-
-
 def wrong_types(d):
     rows = [row(i, chosen=42) if i == 3 else row(i, rejected=True) if i == 5 else row(i) for i in range(N_ROWS)]
     return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}"], [
@@ -171,7 +159,6 @@ CASES = [
     wrong_encoding,
     over_long_texts,
     too_many_over_long_texts,
-    prompt_leaking_into_test,
     wrong_types,
     empty_file,
     huge_file_over_max_rows,

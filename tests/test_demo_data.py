@@ -7,8 +7,9 @@ import pytest
 from rlhflow.config import DemoDataConfig, ValidateConfig
 from rlhflow.data.demo import REJECTION_KINDS, generate_demo, main, write_demo
 from rlhflow.data.formats import load_preferences
+from rlhflow.data.splits import split_by_conversation
 from rlhflow.testing import tiny_tokenizer
-from rlhflow.validation import split_by_prompt, validate_preferences
+from rlhflow.validation import validate_preferences
 
 
 def test_same_seed_same_data_other_seed_other_data():
@@ -49,7 +50,7 @@ def test_written_demo_reads_back_and_passes_validation(tmp_path):
     df = load_preferences(path)
     assert len(df) == 960 and df["source_row"].tolist() == list(range(1, 961))
     validate_cfg = ValidateConfig()
-    train, test = split_by_prompt(df, validate_cfg.test_fraction, seed=0)
+    train, test = split_by_conversation(df, validate_cfg.test_fraction, seed=0)
     result = validate_preferences(
         {"train": train, "test": test}, cfg=validate_cfg, tokenizer=tiny_tokenizer(), report_dir=tmp_path / "r"
     )

@@ -18,57 +18,88 @@ from rlhflow.stages import STAGES
 # ---- champion logic, real sqlite registry ---------------------------------------------------------------------
 
 
-def test_champion_moves_only_when_the_candidate_beats_it(tmp_path):
+def _register(client, name: str, tmp_path, version: str) -> None:
+    model_dir = tmp_path / f"model{version}"
+    model_dir.mkdir()
+    (model_dir / "weights.bin").write_text(version)
+    client.create_model_version(name, source=model_dir.as_uri())
+    client.set_registered_model_alias(name, "candidate", version)
+
+
+def test_the_champion_is_challenged_only_on_the_same_splits_and_judge(tmp_path):
     import mlflow
+
+    from rlhflow.champion import HeadToHead
 
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     name = "rlhf-policy"
     client.create_registered_model(name)
-    # what each version scores when measured in the same evaluation
-    score = {"1": 0.60, "2": 0.55, "3": 0.70}
-    decisions = []
-    for version in ["1", "2", "3"]:
-        model_dir = tmp_path / f"model{version}"
-        model_dir.mkdir()
-        (model_dir / "weights.bin").write_text(version)
-        client.create_model_version(name, source=model_dir.as_uri())
-        client.set_registered_model_alias(name, "candidate", version)
-        decision = tracking.challenge_champion(
-            client, name, version, "eval/win_rate_vs_sft", score[version], lambda champion: score[str(champion.version)]
-        )
-        tracking.apply_champion_decision(client, decision, run_id="run-" + version)
-        decisions.append(decision)
-        assert str(tracking.version_by_alias(client, name, "candidate").version) == version
+    basis = {"train_split_md5": "a" * 32, "test_split_md5": "b" * 32, "judge_md5": "c" * 32}
+    other_splits = basis | {"test_split_md5": "d" * 32}
+    # each version's head-to-head result against whichever champion it meets: (win rate, low, high)
+    measured = {"2": (0.58, 0.45, 0.70), "5": (0.66, 0.55, 0.77)}
+    calls = []
 
-    first, worse, better = decisions
-    assert (first.promoted, first.previous) == (True, None) and "no champion yet" in first.reason
-    assert (worse.promoted, worse.previous, worse.champion_value) == (False, "1", 0.60)
-    assert "v2 does not beat champion v1 on eval/win_rate_vs_sft: 0.5500 vs 0.6000" == worse.reason
-    assert (better.promoted, better.previous, better.champion_value) == (True, "1", 0.60)
-    assert str(client.get_model_version_by_alias(name, "champion").version) == "3"
+    def challenge(version, version_basis, promote="auto"):
+        _register(client, name, tmp_path, version)
 
-    tags = client.get_model_version(name, "2").tags  # the decision basis, kept on the version
+        def head_to_head(champion):
+            calls.append((version, str(champion.version)))
+            return HeadToHead("judge win rate over the champion", *measured[version], threshold=0.5)
+
+        decision = tracking.challenge_champion(client, name, version, version_basis, head_to_head, promote)
+        tracking.apply_champion_decision(client, decision, run_id=f"run-{version}")
+        return decision
+
+    first = challenge("1", basis)
+    assert first.promoted and first.verdict == "first champion" and "no champion yet" in first.reason
+    # same splits and judge: head to head; a win rate above 0.5 whose interval reaches below 0.5 does not promote
+    close = challenge("2", basis)
+    assert calls == [("2", "1")] and not close.promoted and close.verdict == "head to head"
+    assert "v2 does not beat champion v1 head to head: judge win rate over the champion 0.580" in close.reason
+    # other splits: not comparable, nothing measured, nothing promoted
+    other = challenge("3", other_splits)
+    assert len(calls) == 1 and not other.promoted and other.verdict == "not comparable"
+    assert "test_split_md5 bbbbbbbb vs dddddddd" in other.reason and "evaluate.promote=force" in other.reason
+    # ... unless the user asks
+    forced = challenge("4", other_splits, promote="force")
+    assert forced.promoted and len(calls) == 1 and "promoted by evaluate.promote=force" in forced.reason
+    assert str(client.get_model_version_by_alias(name, "champion").version) == "4"
+    # same basis as the new champion, and the interval's low end above 0.5: promoted
+    better = challenge("5", other_splits)
+    assert calls[-1] == ("5", "4") and better.promoted
+    assert str(client.get_model_version_by_alias(name, "champion").version) == "5"
+
+    tags = client.get_model_version(name, "2").tags  # the decision and its basis, kept on the version
     assert tags["champion.decision"] == "kept" and tags["champion.compared_with"] == "v1"
-    assert float(tags["champion.candidate_value"]) == 0.55 and float(tags["champion.champion_value"]) == 0.6
-    assert tags["champion.metric"] == "eval/win_rate_vs_sft" and tags["champion.evaluation_run"] == "run-2"
-    assert client.get_model_version(name, "3").tags["champion.decision"] == "promoted"
+    assert float(tags["champion.value"]) == 0.58 and float(tags["champion.ci_low"]) == 0.45
+    assert tags["champion.verdict"] == "head to head" and tags["champion.evaluation_run"] == "run-2"
+    assert tags["basis.test_split_md5"] == "b" * 32 and tags["basis.judge_md5"] == "c" * 32
+    assert client.get_model_version(name, "3").tags["champion.verdict"] == "not comparable"
 
     # the champion challenged by itself (evaluate re-run, model unchanged): nothing measured, nothing moves
     again = tracking.challenge_champion(
-        client,
-        name,
-        "3",
-        "eval/win_rate_vs_sft",
-        0.1,
-        lambda champion: pytest.fail("must not re-measure the champion itself"),
+        client, name, "5", other_splits, lambda champion: pytest.fail("must not measure the champion itself")
     )
-    assert not again.promoted and again.champion == "3"
+    assert not again.promoted and again.champion == "5"
+    # never: no alias moves and nothing is measured
+    _register(client, name, tmp_path, "6")
+    never = tracking.challenge_champion(client, name, "6", other_splits, lambda c: pytest.fail(), promote="never")
+    assert not never.promoted and never.champion == "5" and never.verdict == "never"
 
 
-def test_a_nan_evaluation_never_becomes_champion():
-    decision = tracking.decide_champion("m", "1", "rm/accuracy", math.nan, None, None)
-    assert not decision.promoted and decision.champion is None
-    assert not tracking.decide_champion("m", "2", "rm/accuracy", math.nan, "1", 0.5).promoted
+def test_a_champion_without_a_recorded_basis_is_not_comparable():
+    from rlhflow.champion import basis_difference
+
+    assert basis_difference({"test_split_md5": "b"}, {}) == "the champion records no evaluation basis"
+    assert basis_difference({"test_split_md5": "b"}, {"test_split_md5": "b"}) is None
+
+
+def test_a_nan_comparison_never_promotes():
+    from rlhflow.champion import HeadToHead, decide
+
+    nan = HeadToHead("m", math.nan, math.nan, math.nan, threshold=0.5)
+    assert not decide("m", "2", "1", not_comparable=None, comparison=nan).promoted
 
 
 # ---- sampling settings ------------------------------------------------------------------------------------------
@@ -79,7 +110,7 @@ def test_evaluation_samples_as_ppo_samples(monkeypatch, evaluate_temperature, ex
     """top-k / top-p are PPO's; the temperature is evaluate.temperature, by default the PPO temperature."""
     import rlhflow.policy
     from rlhflow.config import load_config
-    from tasks.evaluate import sample
+    from rlhflow.evaluation import sample
 
     calls = []
     monkeypatch.setattr(rlhflow.policy, "sample_responses", lambda *args, **kwargs: calls.append(kwargs))
@@ -232,17 +263,43 @@ def test_dvc_exp_run_with_another_kl_coef_is_compared_and_challenges_the_champio
     assert 0.2 in found and len(found) >= 2, found.keys()
     assert all("eval/win_rate_vs_sft" in m and "eval/kl" in m for m in found.values())
 
-    # the new policy version challenged the champion in the same evaluation; the reward model was unchanged
+    # the new policy version challenged the champion head to head (same splits, same judge); the reward model was
+    # unchanged
     candidate = client.get_model_version_by_alias("rlhf-policy", "candidate")
     assert str(candidate.version) != champion_before
     assert candidate.tags["champion.compared_with"] == f"v{champion_before}"
-    assert candidate.tags["champion.decision"] in {"promoted", "kept"}
-    champion_value = float(candidate.tags["champion.champion_value"])
-    promoted = float(candidate.tags["champion.candidate_value"]) > champion_value
+    assert candidate.tags["champion.verdict"] == "head to head"
+    assert candidate.tags["champion.metric"] == "judge win rate over the champion"  # the judge decides
+    promoted = float(candidate.tags["champion.ci_low"]) > 0.5
+    assert candidate.tags["champion.decision"] == ("promoted" if promoted else "kept")
     assert str(client.get_model_version_by_alias("rlhf-policy", "champion").version) == (
         str(candidate.version) if promoted else champion_before
     )
+    champion = client.get_model_version(  # the basis it was compared on is the champion's
+        "rlhf-policy", champion_before
+    ).tags
+    for key in ("train_split_md5", "test_split_md5", "judge_md5"):
+        assert candidate.tags[f"basis.{key}"] == champion[f"basis.{key}"]
     report = (repo / "reports/evaluate/report.md").read_text()
-    assert f"champion v{champion_before} on eval/judge_win_rate_vs_sft" in report  # the judge decides
-    assert candidate.tags["champion.metric"] == "eval/judge_win_rate_vs_sft"
+    assert f"champion v{champion_before} head to head: judge win rate over the champion" in report
     assert "is already the champion" in report  # the reward model
+
+
+@pytest.mark.system
+def test_a_run_on_other_splits_is_not_comparable_and_promotes_nothing(dvc_repo):
+    repo, run, _ = dvc_repo
+    client = _mlflow_client(repo)
+    champions = {
+        n: client.get_model_version_by_alias(n, "champion").version for n in ("rlhf-policy", "rlhf-reward-model")
+    }
+    exp = run("dvc", "exp", "run", "-S", "validate.split_seed=1")
+    assert exp.returncode == 0, exp.stdout[-3000:] + exp.stderr[-3000:]
+    assert "Running stage 'validate'" in exp.stdout
+    for name, before in champions.items():
+        candidate = client.get_model_version_by_alias(name, "candidate")
+        assert candidate.version != before
+        assert candidate.tags["champion.verdict"] == "not comparable", candidate.tags
+        assert candidate.tags["champion.decision"] == "kept" and "champion.value" not in candidate.tags
+        assert client.get_model_version_by_alias(name, "champion").version == before
+    report = (repo / "reports/evaluate/report.md").read_text()
+    assert report.count("not comparable (") == 2 and "test_split_md5" in report

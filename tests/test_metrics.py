@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -97,15 +98,63 @@ def test_ranking_agreement_uses_only_prompts_with_a_total_ranking_of_three_or_mo
 
 
 def test_win_rate_interval_on_known_cases():
-    from rlhflow.metrics import win_rate_interval
+    from rlhflow.metrics import wins
+    from rlhflow.stats import mean_interval, resample_indices, wilson_interval
 
     ones, zeros = torch.ones(50), torch.zeros(50)
-    assert win_rate_interval(ones, zeros) == (1.0, 1.0)  # every resample wins everywhere
-    assert win_rate_interval(zeros, zeros) == (0.5, 0.5)  # ties count half
+    indices = resample_indices(50)
+    # every prompt won: a percentile bootstrap would collapse to (1, 1); the Wilson interval stands in
+    assert mean_interval(wins(ones, zeros), indices) == (1.0, *wilson_interval(50, 50))
+    assert wilson_interval(50, 50)[0] == pytest.approx(0.929, abs=1e-3) and wilson_interval(50, 50)[1] == 1.0
+    assert mean_interval(wins(zeros, zeros), indices)[0] == 0.5  # ties count half
     # 400 prompts, half won: the binomial 95% interval is 0.5 +- 1.96 * sqrt(0.25 / 400) = 0.451 .. 0.549
     policy = torch.tensor([1.0, 0.0] * 200)
-    low, high = win_rate_interval(policy, torch.full((400,), 0.5), resamples=4000)
-    assert low == pytest.approx(0.451, abs=0.01) and high == pytest.approx(0.549, abs=0.01)
-    assert win_rate_interval(policy, torch.full((400,), 0.5), seed=3) == win_rate_interval(
-        policy, torch.full((400,), 0.5), seed=3
-    )  # seeded: the same interval every run
+    rate, low, high = mean_interval(wins(policy, torch.full((400,), 0.5)), resample_indices(400, 4000))
+    assert rate == 0.5 and low == pytest.approx(0.451, abs=0.01) and high == pytest.approx(0.549, abs=0.01)
+    assert resample_indices(400, seed=3).tolist() == resample_indices(400, seed=3).tolist()  # seeded
+
+
+def test_wilson_interval_matches_the_textbook_values():
+    from rlhflow.stats import wilson_interval
+
+    # 5 of 10 at 95%: 0.2366 .. 0.7634 (Wilson 1927; e.g. Brown, Cai, DasGupta 2001)
+    low, high = wilson_interval(5, 10)
+    assert low == pytest.approx(0.2366, abs=1e-4) and high == pytest.approx(0.7634, abs=1e-4)
+    assert wilson_interval(0, 20)[0] == pytest.approx(0.0, abs=1e-12) and 0 < wilson_interval(0, 20)[1] < 0.2
+    assert all(math.isnan(x) for x in wilson_interval(0, 0))
+
+
+def test_the_length_rule_and_the_paired_difference():
+    from rlhflow.stats import difference_interval, resample_indices, shorter_answer_correct
+
+    chosen = ["short", "a much longer chosen answer", "same length", "tiny"]
+    rejected = ["a longer rejected answer", "no", "equal words", "big one here"]
+    assert shorter_answer_correct(chosen, rejected).tolist() == [1.0, 0.0, 0.5, 1.0]
+    model = [1.0, 1.0, 1.0, 0.0]
+    diff, low, high = difference_interval(model, shorter_answer_correct(chosen, rejected), resample_indices(4))
+    assert diff == pytest.approx((3 - 2.5) / 4) and low <= diff <= high
+
+
+def test_the_length_controlled_win_rate_removes_a_pure_length_effect():
+    """A judge that prefers the longer answer, and nothing else: the raw win rate follows the lengths, the
+    length-controlled one stays near 0.5 whatever the share of longer answers."""
+    from rlhflow.stats import length_controlled_win_rate, resample_indices
+
+    rng = np.random.default_rng(0)
+    for longer_share in (0.3, 0.8):
+        n = 400
+        difference = np.where(rng.random(n) < longer_share, 1.0, -1.0) * rng.integers(1, 30, n)
+        p_win = 1 / (1 + np.exp(-3.0 * np.tanh(difference / difference.std())))  # no effect at zero difference
+        outcome = (rng.random(n) < p_win).astype(float)
+        lc, low, high = length_controlled_win_rate(outcome, difference, resample_indices(n, 300))
+        raw = outcome.mean()
+        assert abs(raw - 0.5) > 0.12  # the raw win rate is mostly length
+        assert low < 0.5 < high and abs(lc - 0.5) < 0.1
+    # a policy better at equal length keeps its edge
+    difference = rng.normal(0, 10, 400)
+    outcome = (rng.random(400) < 0.75).astype(float)
+    lc, low, _ = length_controlled_win_rate(outcome, difference, resample_indices(400, 300))
+    assert lc == pytest.approx(0.75, abs=0.06) and low > 0.6
+    # every prompt won: finite, near 1
+    lc, low, high = length_controlled_win_rate(np.ones(20), np.arange(20.0), resample_indices(20, 50))
+    assert 0.9 < lc < 1 and low <= lc <= high

@@ -13,6 +13,8 @@ from conftest import run_stage_cli, tiny_pipeline_overrides
 
 from rlhflow.config import DEFAULT_PREFERENCES
 from rlhflow.data.formats import read_jsonl
+from rlhflow.data.splits import conversation_keys
+from rlhflow.hashing import file_md5
 
 JUDGE_METRICS = [
     "eval/judge_win_rate_vs_sft",
@@ -23,6 +25,16 @@ JUDGE_METRICS = [
     "eval/judge_win_rate_ci_low",
     "eval/judge_win_rate_ci_high",
     "eval/proxy_judge_gap",
+    # length-aware: the length-controlled win rates, the gap's interval, the length rule beside each reward model
+    "eval/win_rate_lc",
+    "eval/win_rate_lc_ci_low",
+    "eval/judge_win_rate_lc",
+    "eval/judge_win_rate_lc_ci_high",
+    "eval/proxy_judge_gap_ci_low",
+    "eval/proxy_judge_gap_ci_high",
+    "rm/length_baseline_accuracy",
+    "rm/accuracy_minus_length_baseline",
+    "rm/accuracy_minus_length_baseline_ci_low",
 ]
 
 
@@ -45,14 +57,25 @@ def test_shipped_data_passes_validate_with_the_default_tokenizer(tmp_path):
     splits = {name: read_jsonl(tmp_path / "validated" / f"{name}.jsonl") for name in ("train", "judge", "test")}
     assert sum(len(df) for df in splits.values()) == 1500 - 23
     assert all(metrics[f"validate/{name}_rows"] == len(df) for name, df in splits.items())
-    prompts = {name: set(df["prompt"]) for name, df in splits.items()}
-    assert not prompts["train"] & prompts["judge"], "the judge trains on prompts the proxy reward model saw"
-    assert not prompts["judge"] & prompts["test"] and not prompts["train"] & prompts["test"]
+    conversations = {name: set(conversation_keys(df)) for name, df in splits.items()}
+    assert not conversations["train"] & conversations["judge"], "the judge trains on the proxy's conversations"
+    assert not conversations["judge"] & conversations["test"] and not conversations["train"] & conversations["test"]
+    assert metrics["validate/cross_split_prefix_pairs"] == 0
+    assert all(metrics[f"validate/{name}_conversations"] == len(c) for name, c in conversations.items())
     pairs = {name: set(zip(df["chosen"], df["rejected"])) for name, df in splits.items()}
     assert not pairs["train"] & pairs["judge"]
     assert len(splits["judge"]) > 300 and len(splits["train"]) > 2 * len(splits["judge"])
     report = json.loads((tmp_path / "report/validation.json").read_text())
     assert report["success"] and report["dropped"]["rows"] == 23
+
+    # the training seed does not move the split: every split file keeps its md5
+    again = [o.replace(str(tmp_path), str(tmp_path / "seed7")) for o in overrides] + ["seed=7"]
+    done = run_stage_cli("tasks.validate", again)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("train", "judge", "test"):
+        assert file_md5(tmp_path / "seed7/validated" / f"{name}.jsonl") == file_md5(
+            tmp_path / "validated" / f"{name}.jsonl"
+        ), name
 
 
 @pytest.mark.system
@@ -82,7 +105,7 @@ def test_flow_on_the_shipped_data_logs_the_judge_and_the_intervals(prefect_serve
     for key in JUDGE_METRICS:
         assert children["evaluate"].data.metrics[key] == pytest.approx(results[key]), key
         assert parent.data.metrics[key] == pytest.approx(results[key]), key
-    for key in ("judge/accuracy", "judge/accuracy_se"):
+    for key in ("judge/accuracy", "judge/accuracy_se", "judge/length_baseline_accuracy", "judge/accuracy_ci_low"):
         assert key in children["judge"].data.metrics and key in parent.data.metrics
     assert 0 <= parent.data.metrics["judge/accuracy"] <= 1 and "rm/accuracy_se" in children["reward_model"].data.metrics
     assert results["eval/win_rate_ci_low"] <= results["eval/win_rate_vs_sft"] <= results["eval/win_rate_ci_high"]
@@ -97,8 +120,8 @@ def test_flow_on_the_shipped_data_logs_the_judge_and_the_intervals(prefect_serve
     assert "validate/dropped_fraction" in children["validate"].data.metrics
     assert {d.dataset.name for d in children["judge"].inputs.dataset_inputs} == {"preferences-judge"}
 
-    # the judge is its own registered model, and the policy's champion decision is the judge's
+    # the judge is its own registered model; the report has the registry's decisions
     assert client.get_model_version_by_alias("rlhf-judge", "candidate").run_id == children["judge"].info.run_id
     report = (tmp_path / "reports/evaluate/report.md").read_text()
-    assert "eval/judge_win_rate_vs_sft" in report.split("## Metrics")[0]  # the registry table names it
+    assert "| rlhf-policy | v1 | v1 | promoted | no champion yet" in report  # the registry table
     assert "judge reward model (never optimised)" in report

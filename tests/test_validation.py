@@ -9,8 +9,9 @@ import pytest
 
 from rlhflow.config import ValidateConfig
 from rlhflow.data.formats import load_preferences
+from rlhflow.data.splits import assign_splits
 from rlhflow.testing import tiny_tokenizer
-from rlhflow.validation import DataValidationError, assign_splits, split_by_prompt, validate_preferences
+from rlhflow.validation import DataValidationError, validate_preferences
 
 
 @pytest.fixture(scope="module")
@@ -45,29 +46,6 @@ def failed_line(err: DataValidationError, name: str) -> str:
     lines = [line for line in str(err).splitlines() if line.strip().startswith(name)]
     assert lines, f"{name} not among the failures:\n{err}"
     return lines[0]
-
-
-# ---- splitting ----------------------------------------------------------------------------------------
-
-
-def test_split_by_prompt_is_deterministic_and_keeps_prompts_together():
-    df = pd.concat([pairs(200), pairs(200)], ignore_index=True)  # every prompt twice
-    train, test = split_by_prompt(df, 0.2, seed=0)
-    assert len(train) + len(test) == len(df)
-    assert not set(train["prompt"]) & set(test["prompt"])
-    assert 0.1 < len(test) / len(df) < 0.3
-    again_train, _ = split_by_prompt(df.sample(frac=1, random_state=1), 0.2, seed=0)
-    assert set(again_train["prompt"]) == set(train["prompt"])  # row order does not matter
-    other_train, _ = split_by_prompt(df, 0.2, seed=1)
-    assert set(other_train["prompt"]) != set(train["prompt"])
-    # A prompt's split depends on its text only, not on what else is in the data.
-    sub_train, sub_test = split_by_prompt(df.iloc[:50], 0.2, seed=0)
-    assert set(sub_train["prompt"]) <= set(train["prompt"]) and set(sub_test["prompt"]) <= set(test["prompt"])
-
-
-def test_split_never_leaves_a_split_empty():
-    train, test = split_by_prompt(pairs(2), 0.01, seed=0)
-    assert len(train) == 1 and len(test) == 1
 
 
 # ---- good data ----------------------------------------------------------------------------------------
@@ -199,20 +177,7 @@ def test_too_short_responses_are_no_over_long_rows_and_still_fail(tokenizer, tmp
     assert "1 row with a rejected shorter than 2 or longer than 512 tokens — train row 5:" in line
 
 
-def test_judge_split_is_disjoint_by_prompt_and_its_share_is_kept():
-    df = pd.concat([pairs(300), pairs(300)], ignore_index=True)  # every prompt twice
-    splits = assign_splits(df, test_fraction=0.2, judge_fraction=0.25, seed=0)
-    prompts = {name: set(split["prompt"]) for name, split in splits.items()}
-    assert sorted(splits) == ["judge", "test", "train"] and sum(map(len, splits.values())) == len(df)
-    assert not prompts["train"] & prompts["judge"] and not prompts["judge"] & prompts["test"]
-    assert not prompts["train"] & prompts["test"]
-    assert 0.18 < len(prompts["judge"]) / 300 < 0.32 and 0.14 < len(prompts["test"]) / 300 < 0.26
-    # the test split is the same as without a judge: adding the judge takes prompts from training only
-    _, test_alone = split_by_prompt(df, 0.2, seed=0)
-    assert prompts["test"] == set(test_alone["prompt"])
-
-
-def test_a_prompt_shared_by_the_judge_and_train_splits_fails(tokenizer, tmp_path):
+def test_a_conversation_shared_by_the_judge_and_train_splits_fails(tokenizer, tmp_path):
     train, judge, test = pairs(5), pairs(3, start_row=20, prefix="judge"), pairs(3, start_row=50, prefix="test")
     judge.loc[0, "prompt"] = train.loc[2, "prompt"]
     with pytest.raises(DataValidationError) as err:
@@ -222,15 +187,15 @@ def test_a_prompt_shared_by_the_judge_and_train_splits_fails(tokenizer, tmp_path
             tokenizer=tokenizer,
             report_dir=tmp_path,
         )
-    line = failed_line(err.value, "expect_column_values_to_be_in_set(prompt_in_other_split)")
+    line = failed_line(err.value, "expect_column_values_to_be_in_set(conversation_in_other_split)")
     assert "train row 3:" in line and "judge row 20:" in line
 
 
-def test_prompts_leaking_between_train_and_test(tokenizer, tmp_path):
+def test_conversations_leaking_between_train_and_test(tokenizer, tmp_path):
     train, test = pairs(5), pairs(3, start_row=50, prefix="test")
     test.loc[1, "prompt"] = train.loc[3, "prompt"]
     err = failure(train, test, tokenizer, tmp_path)
-    line = failed_line(err, "expect_column_values_to_be_in_set(prompt_in_other_split)")
+    line = failed_line(err, "expect_column_values_to_be_in_set(conversation_in_other_split)")
     assert "2 rows" in line and "train row 4:" in line and "test row 51:" in line
 
 

@@ -1,0 +1,144 @@
+"""Train / judge / test splits by conversation.
+
+A preference dataset can hold one conversation at several depths: hh-rlhf has a dialogue and its continuation
+as separate rows, and the rejected answer of one is often the next assistant turn of the other. Splitting by
+the exact prompt text would put branches of one conversation into different splits, so the test set would
+leak into training. Every row is therefore keyed by its conversation (`conversation_key`: the normalised first
+user turn; a prompt that is a message-prefix of another shares its first turn, so prefixes fall into the same
+group), and a conversation's rows all go to one split, decided by a hash of the key and `validate.split_seed`.
+The split seed is not the training seed: a seed sweep keeps the same test set and the same judge.
+
+`cross_split_prefix_pairs` counts, independently of the keys, the pairs of prompts in different splits where one
+is a message-prefix of the other (0 by construction); the validate stage logs it as a check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Sequence
+
+import pandas as pd
+
+from rlhflow.data.formats import parse_hh_dialogue
+
+Messages = list[dict[str, str]]
+_HH_MARKER = re.compile(r"(^|\n\n)(Human|Assistant):")
+
+
+def normalized_messages(prompt_messages: Messages) -> tuple[tuple[str, str], ...]:
+    """The conversation as (role, text) turns, as every input format gives it: an Anthropic-style transcript
+    passed as one user message ("Human: ...\\n\\nAssistant: ...") is split into its turns, system messages are
+    left out, and text is lower-cased with whitespace collapsed."""
+    messages = list(prompt_messages or [])
+    if len(messages) == 1 and messages[0].get("role") == "user" and _HH_MARKER.search(messages[0]["content"]):
+        messages = parse_hh_dialogue(messages[0]["content"])
+    return tuple(
+        (m["role"], " ".join(str(m.get("content", "")).lower().split())) for m in messages if m.get("role") != "system"
+    )
+
+
+def conversation_key(prompt_messages: Messages) -> str:
+    """What keeps a conversation's branches together: its first user turn, normalised."""
+    turns = normalized_messages(prompt_messages)
+    first_user = next((text for role, text in turns if role == "user"), None)
+    return first_user if first_user is not None else (turns[0][1] if turns else "")
+
+
+def conversation_keys(df: pd.DataFrame) -> pd.Series:
+    """`conversation_key` per row, from `prompt_messages` (or, in a frame without them, the prompt text)."""
+    return _messages(df).map(conversation_key).astype(object)
+
+
+def _messages(df: pd.DataFrame) -> pd.Series:
+    """Each row's prompt as messages: `prompt_messages`, or in a frame without them the prompt text as one turn."""
+    if "prompt_messages" in df.columns:
+        return df["prompt_messages"].map(lambda m: m if isinstance(m, list) else [])
+    return df["prompt"].map(lambda p: [{"role": "user", "content": p}] if isinstance(p, str) else [])
+
+
+def _key_hash(key: str, seed: int) -> float:
+    """A number in [0, 1) that depends only on the conversation key and the split seed (stable across runs)."""
+    digest = hashlib.sha256(f"{seed}\x00{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def split_by_conversation(df: pd.DataFrame, test_fraction: float, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Split pairs by conversation: all rows of a conversation go to one side, decided by a hash of its key."""
+    if not 0 < test_fraction < 1:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    keys = conversation_keys(df)
+    hashes = {k: _key_hash(k, seed) for k in keys.unique()}
+    held_out = {k for k, h in hashes.items() if h < test_fraction}
+    # With very few conversations the threshold can leave a side empty; move the closest conversation over.
+    if len(hashes) >= 2 and not held_out:
+        held_out = {min(hashes, key=hashes.get)}
+    elif len(hashes) >= 2 and len(held_out) == len(hashes):
+        held_out.discard(max(hashes, key=hashes.get))
+    in_held_out = keys.isin(held_out).to_numpy(dtype=bool)
+    return df[~in_held_out].reset_index(drop=True), df[in_held_out].reset_index(drop=True)
+
+
+def assign_splits(
+    df: pd.DataFrame, *, test_fraction: float, judge_fraction: float, seed: int, test: pd.DataFrame | None = None
+) -> dict[str, pd.DataFrame]:
+    """train / judge / test splits by conversation. The judge's share is split off the training conversations by a
+    second, independent hash, so the judge reward model never sees a conversation the proxy or PPO trains on.
+    With `test` given (a held-out file), `df` is split into train and judge only, `judge_fraction` is the judge's
+    share of `df`, and rows of `df` in a conversation the test file holds are left out (see `outside_conversations`)."""
+    held_out_file = test is not None
+    if test is None:
+        train, test = split_by_conversation(df, test_fraction, seed)
+    else:
+        train = outside_conversations(df, test)
+    splits = {"train": train}
+    if judge_fraction > 0:
+        share_of_train = judge_fraction if held_out_file else judge_fraction / (1 - test_fraction)
+        splits["train"], splits["judge"] = split_by_conversation(train, share_of_train, seed + 1)
+    splits["test"] = test
+    return splits
+
+
+def outside_conversations(df: pd.DataFrame, held_out: pd.DataFrame) -> pd.DataFrame:
+    """The rows of `df` whose conversation is not in `held_out`."""
+    if not len(df) or not len(held_out):
+        return df.reset_index(drop=True)
+    return df[~conversation_keys(df).isin(set(conversation_keys(held_out)))].reset_index(drop=True)
+
+
+def rows_sharing_conversations(df: pd.DataFrame, others: dict[str, pd.DataFrame]) -> dict[str, list[int]]:
+    """Per frame in `others`: the `source_row`s of `df` whose conversation is one of its conversations (e.g.
+    demonstrations that share a conversation with the test or judge split)."""
+    keys = conversation_keys(df)
+    found = {}
+    for name, other in others.items():
+        if not len(other):
+            continue
+        rows = df.loc[keys.isin(set(conversation_keys(other))).to_numpy(dtype=bool), "source_row"].tolist()
+        if rows:
+            found[name] = rows
+    return found
+
+
+def _prefixes(turns: Sequence) -> Iterable[tuple]:
+    return (tuple(turns[:i]) for i in range(1, len(turns) + 1))
+
+
+def cross_split_prefix_pairs(splits: dict[str, pd.DataFrame]) -> int:
+    """Pairs of distinct prompts in different splits where one prompt's turns are a prefix of the other's (equal
+    prompts included): what branch-aware splitting rules out."""
+    prompts = {split: set(_messages(df).map(normalized_messages)) for split, df in splits.items()}
+    # every prefix of every prompt, with the splits it occurs in
+    prefix_splits: dict[tuple, dict[str, int]] = {}
+    for split, turn_sets in prompts.items():
+        for turns in turn_sets:
+            for prefix in _prefixes(turns):
+                counts = prefix_splits.setdefault(prefix, {})
+                counts[split] = counts.get(split, 0) + 1
+    pairs = 0
+    for split, turn_sets in prompts.items():
+        for turns in turn_sets:  # turns is a prefix of how many prompts of other splits?
+            pairs += sum(n for other, n in prefix_splits.get(turns, {}).items() if other != split)
+    # an equal prompt in two splits was counted from both sides
+    equal = sum(1 for i, a in enumerate(prompts) for b in list(prompts)[i + 1 :] for _ in prompts[a] & prompts[b])
+    return pairs - equal

@@ -1,0 +1,267 @@
+"""Evaluation: a policy against the SFT model on held-out prompts, and reward models on held-out pairs.
+
+What the evaluate stage measures, and how (each figure computed here or in the one module named):
+- sampling: `sample`, the same settings for every model compared (PPO's top-k / top-p and stop strings, the
+  evaluation temperature, one seed stream);
+- win rates of the policy over the SFT model, by the proxy and by the judge, with 95% paired-bootstrap intervals
+  over prompts; the same resamples give the interval of the proxy-judge gap (rlhflow.stats);
+- length-controlled win rates (AlpacaEval LC): the win rate a logistic model of the preference on the length
+  difference predicts at zero difference, with its interval;
+- reward-model accuracy on held-out pairs beside the length rule ("the shorter answer is chosen"), with intervals
+  (rlhflow.reward_model.evaluate_pairs), calibration and ranking agreement (rlhflow.metrics);
+- drift: response length, EOS share, distinct-n, repetition;
+- head-to-head comparisons for the champion rule (rlhflow.champion).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from rlhflow import stats
+from rlhflow.champion import HeadToHead
+from rlhflow.config import Config
+from rlhflow.metrics import (
+    confidence_buckets,
+    distinct_n,
+    expected_calibration_error,
+    mean_length,
+    ranking_agreement,
+    repetition_rate,
+    wins,
+)
+
+# the bootstrap's seed: fixed, so every run's intervals are drawn the same way whatever its training seed
+BOOTSTRAP_SEED = 0
+
+
+def sample(model, tokenizer, prompt_messages, cfg: Config, *, max_new_tokens: int | None = None):
+    """Responses for all prompts, with the same sampling seed for every model compared; sampled as PPO samples
+    (top-k / top-p, stop strings) at the evaluation temperature."""
+    from rlhflow.policy import sample_responses
+
+    e = cfg.evaluate
+    return sample_responses(
+        model,
+        tokenizer,
+        prompt_messages,
+        batch_size=e.batch_size,
+        max_prompt_length=cfg.ppo.max_prompt_length,
+        max_new_tokens=e.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        temperature=cfg.eval_temperature,
+        top_k=cfg.ppo.top_k,
+        top_p=cfg.ppo.top_p,
+        stop_strings=cfg.ppo.stop_strings,
+        seed=cfg.seed,
+    )
+
+
+def texts_of(outputs) -> list[str]:
+    return [t for o in outputs for t in o.texts]
+
+
+def eos_fraction(outputs) -> float:
+    """Share of responses that ended by themselves (EOS or a stop string) rather than at max_new_tokens."""
+    ended = [bool(e) for o in outputs for e in o.ended]
+    return sum(ended) / len(ended) if ended else math.nan
+
+
+def text_metrics(texts: list[str], suffix: str = "") -> dict[str, float]:
+    """Drift and reward-hacking signals of a set of responses (suffix "_sft" for the SFT model's)."""
+    return {
+        f"eval/response_length{suffix}": mean_length(texts),
+        f"eval/distinct_1{suffix}": distinct_n(texts, 1),
+        f"eval/distinct_2{suffix}": distinct_n(texts, 2),
+        f"eval/repetition_rate{suffix}": repetition_rate(texts),
+    }
+
+
+def _with_interval(name: str, value_low_high: tuple[float, float, float], interval: str = "") -> dict[str, float]:
+    """`name` and its interval as `<interval or name>_ci_low` / `_ci_high`."""
+    value, low, high = value_low_high
+    return {name: value, f"{interval or name}_ci_low": low, f"{interval or name}_ci_high": high}
+
+
+def comparison_metrics(
+    policy_scores, sft_scores, policy_judged, sft_judged, policy_texts: list[str], sft_texts: list[str]
+) -> dict[str, float]:
+    """The policy against the SFT model on the same prompts, by the proxy and by the judge: win rates, their
+    length-controlled versions and the proxy-judge gap, each with a 95% interval from one set of resamples."""
+    proxy_wins, judge_wins = wins(policy_scores, sft_scores), wins(policy_judged, sft_judged)
+    length_difference = np.array([stats.word_count(p) - stats.word_count(s) for p, s in zip(policy_texts, sft_texts)])
+    indices = stats.resample_indices(len(proxy_wins), seed=BOOTSTRAP_SEED)
+    return {
+        **_with_interval("eval/win_rate_vs_sft", stats.mean_interval(proxy_wins, indices), "eval/win_rate"),
+        **_with_interval("eval/judge_win_rate_vs_sft", stats.mean_interval(judge_wins, indices), "eval/judge_win_rate"),
+        **_with_interval("eval/win_rate_lc", stats.length_controlled_win_rate(proxy_wins, length_difference, indices)),
+        **_with_interval(
+            "eval/judge_win_rate_lc", stats.length_controlled_win_rate(judge_wins, length_difference, indices)
+        ),
+        # reward hacking shows as a proxy win rate above the judge's
+        **_with_interval("eval/proxy_judge_gap", stats.difference_interval(proxy_wins, judge_wins, indices)),
+    }
+
+
+def reward_model_metrics(pairs, rows: list[dict]) -> tuple[dict[str, float], list]:
+    """The proxy on the held-out pairs (`rlhflow.reward_model.evaluate_pairs` of `rows`) as `rm/` metrics:
+    accuracy and the length rule beside it, calibration, and agreement of its scores with the human ranking of
+    each prompt's responses; and the confidence buckets (rlhflow.metrics.ConfidenceBucket) behind the calibration."""
+    from rlhflow.reward_model import LENGTH_AWARE_METRICS
+
+    buckets = confidence_buckets(pairs.chosen - pairs.rejected)  # raw scores: the Bradley-Terry probability
+    scores = {}
+    for row, c, r in zip(rows, pairs.chosen.tolist(), pairs.rejected.tolist()):
+        scores.setdefault((row["prompt"], row["chosen"]), c)
+        scores.setdefault((row["prompt"], row["rejected"]), r)
+    tau, ranked_prompts = ranking_agreement(rows, scores)
+    metrics = {
+        "rm/accuracy": pairs.metrics["accuracy"],
+        **{f"rm/{key}": pairs.metrics[key] for key in LENGTH_AWARE_METRICS},
+        "rm/ece": expected_calibration_error(buckets),
+        "rm/kendall_tau": tau,
+        "rm/ranked_prompts": float(ranked_prompts),
+    }
+    metrics.update({f"rm/accuracy_conf_{b.label}": b.accuracy for b in buckets})
+    return metrics, buckets
+
+
+# ---- head to head, for the champion rule ------------------------------------------------------------------------
+
+
+def policy_head_to_head(challenger_judged, champion_judged) -> HeadToHead:
+    """The challenger's win rate over the champion by the judge on the same prompts; it wins above 0.5."""
+    per_prompt = wins(challenger_judged, champion_judged)
+    indices = stats.resample_indices(len(per_prompt), seed=BOOTSTRAP_SEED)
+    return HeadToHead("judge win rate over the champion", *stats.mean_interval(per_prompt, indices), threshold=0.5)
+
+
+def reward_model_head_to_head(challenger_correct, champion_correct) -> HeadToHead:
+    """The challenger's accuracy minus the champion's on the same pairs; it wins above 0."""
+    indices = stats.resample_indices(len(challenger_correct), seed=BOOTSTRAP_SEED)
+    value = stats.difference_interval(challenger_correct, champion_correct, indices)
+    return HeadToHead("accuracy minus the champion's", *value, threshold=0.0)
+
+
+# ---- tables and the report --------------------------------------------------------------------------------------
+
+
+def reward_quantiles(sft_rewards: list[float], ppo_rewards: list[float]) -> Any:
+    """Sorted rewards of both models against their quantile: the two reward distributions as DVC line plots."""
+    import pandas as pd
+
+    n = len(sft_rewards)
+    return pd.DataFrame(
+        {
+            "quantile": [(i + 0.5) / n for i in range(n)],
+            "sft_reward": sorted(sft_rewards),
+            "ppo_reward": sorted(ppo_rewards),
+        }
+    )
+
+
+def calibration_table(buckets) -> Any:
+    import pandas as pd
+
+    return pd.DataFrame(
+        {
+            "confidence": [b.confidence for b in buckets],
+            "accuracy": [b.accuracy for b in buckets],
+            "perfect_calibration": [b.confidence for b in buckets],
+            "pairs": [b.pairs for b in buckets],
+        }
+    )
+
+
+def report_markdown(
+    metrics: dict[str, float],
+    samples: dict[str, list],
+    buckets=(),
+    decisions=(),
+    figures: list[str] = (),
+    n_examples: int = 5,
+) -> str:
+    def fmt(key: str) -> str:
+        return f"{metrics[key]:.4f}" if key in metrics else "n/a"
+
+    def interval(key: str) -> str:
+        return f"{fmt(key + '_ci_low')} - {fmt(key + '_ci_high')}"
+
+    lines = ["# Evaluation: policy vs SFT model", ""]
+    if "eval/judge_win_rate_vs_sft" in metrics:
+        lines += [
+            "## Win rate against the SFT model",
+            "",
+            "| judged by | win rate | 95% interval | length-controlled | 95% interval |",
+            "|---|---|---|---|---|",
+            f"| proxy reward model (optimised by the policy) | {fmt('eval/win_rate_vs_sft')} | "
+            f"{interval('eval/win_rate')} | {fmt('eval/win_rate_lc')} | {interval('eval/win_rate_lc')} |",
+            f"| judge reward model (never optimised) | {fmt('eval/judge_win_rate_vs_sft')} | "
+            f"{interval('eval/judge_win_rate')} | {fmt('eval/judge_win_rate_lc')} | "
+            f"{interval('eval/judge_win_rate_lc')} |",
+            "",
+            f"Proxy minus judge: {fmt('eval/proxy_judge_gap')} ({interval('eval/proxy_judge_gap')}; a large positive "
+            "gap is a sign of reward hacking: the policy pleases the model it was trained against more than an "
+            "independent one). The length-controlled win rate is what a logistic model of the preference on the "
+            "length difference predicts at equal length: a win rate that drops there came from answer length.",
+            "",
+        ]
+    if decisions:
+        lines += ["## Model registry", "", "| model | candidate | champion | decision | why |", "|---|---|---|---|---|"]
+        lines += [
+            f"| {d.model} | v{d.candidate} | {'v' + d.champion if d.champion else '-'} | "
+            f"{'promoted' if d.promoted else 'kept'} | {d.reason} |"
+            for d in decisions
+        ]
+        lines += [""]
+    lines += ["## Metrics", "", "| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {v:.4f} |" for k, v in sorted(metrics.items())]
+    lines += [
+        "",
+        "## Reward hacking and drift",
+        "",
+        "| | SFT | policy |",
+        "|---|---|---|",
+        f"| reward, proxy (optimised by the policy) | {fmt('eval/reward_mean_sft')} | {fmt('eval/reward_mean')} |",
+        f"| reward, judge (never optimised) | {fmt('eval/judge_reward_mean_sft')} | {fmt('eval/judge_reward_mean')} |",
+    ]
+    for key, label in [
+        ("response_length", "response length, words"),
+        ("eos_fraction", "responses ended by EOS"),
+        ("distinct_1", "distinct-1"),
+        ("distinct_2", "distinct-2"),
+        ("repetition_rate", "repetition rate (seq-rep-4)"),
+        ("perplexity", "perplexity of reference answers"),
+    ]:
+        lines.append(f"| {label} | {fmt(f'eval/{key}_sft')} | {fmt(f'eval/{key}')} |")
+    lines += [f"| KL to SFT, nats per response | 0 | {fmt('eval/kl')} |", ""]
+    if buckets:
+        lines += [
+            "## Reward model on held-out pairs",
+            "",
+            f"Accuracy {fmt('rm/accuracy')} ({interval('rm/accuracy')}); the length rule (the shorter answer is "
+            f"chosen) on the same pairs {fmt('rm/length_baseline_accuracy')} "
+            f"({interval('rm/length_baseline_accuracy')}), difference {fmt('rm/accuracy_minus_length_baseline')} "
+            f"({interval('rm/accuracy_minus_length_baseline')})."
+            f" Expected calibration error {fmt('rm/ece')}; Kendall's tau against the human ranking "
+            f"{fmt('rm/kendall_tau')} over {int(metrics.get('rm/ranked_prompts', 0))} prompts that rank more than "
+            "two responses.",
+            "",
+            "| confidence bucket | pairs | mean confidence | accuracy |",
+            "|---|---|---|---|",
+        ]
+        lines += [f"| {b.low:.1f}-{b.high:.1f} | {b.pairs} | {b.confidence:.3f} | {b.accuracy:.3f} |" for b in buckets]
+        lines += [""]
+    if figures:
+        lines += ["## Plots", ""] + [f"![{f}](plots/{f}.png)" for f in figures] + [""]
+    lines += ["## Samples", ""]
+    for i in range(min(n_examples, len(samples["prompt"]))):
+        lines += [
+            f"**Prompt:** {samples['prompt'][i]}",
+            "",
+            f"- SFT (reward {samples['sft_reward'][i]:+.2f}): {samples['sft_response'][i]}",
+            f"- policy (reward {samples['ppo_reward'][i]:+.2f}): {samples['ppo_response'][i]}",
+            "",
+        ]
+    return "\n".join(lines)
