@@ -13,8 +13,10 @@ FAILED and stops everything downstream.
 - The parent run is restorable: artifacts `dvc.lock` (its stages' lock entries), `params.yaml` and the uncached
   outputs; `python -m flows.restore RUN_ID` puts its outputs back (flows/restore.py). A run with overrides
   (`--set`, the Prefect form) is also saved as a DVC experiment, listed by `dvc exp show`. See docs/lineage.md.
-- Accelerator stages hold a slot of the Prefect global concurrency limit TRAINING_LIMIT (1 slot unless
-  changed with `prefect gcl update`), so two pipeline runs never train on the same GPU at once.
+- One run at a time per workspace (rlhflow/workspace.py): a second flow run started meanwhile waits for the whole
+  first run and says so in its log. Accelerator stages also hold a slot of the Prefect global concurrency limit
+  TRAINING_LIMIT (1 slot unless changed with `prefect gcl update`), so runs of several workspaces that share a
+  Prefect server never train on the same GPU at once.
 - Retries with exponential backoff for the steps that can fail transiently (hashing and recording, Prefect
   API calls); none for the stages themselves, which train and write MLflow runs.
 - Each flow run leaves a markdown report and a link to its MLflow run as Prefect artifacts (flows/report.py).
@@ -35,7 +37,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from flows import report
-from rlhflow import lineage, tracking
+from rlhflow import lineage, tracking, workspace
 from rlhflow.config import Config, apply_overrides, config_from_dict, load_config, parse_config_args
 from rlhflow.stages import STAGE_NAMES, STAGES, get_stage
 
@@ -209,6 +211,20 @@ def run_pipeline(
     tracking.preflight(cfg)  # an unreachable tracking server fails here, in seconds, not after training
     if push:
         lineage.check_remote(remote)  # so does a push with no DVC remote to go to
+    # one run at a time per workspace: a second run waits here for the whole first run (rlhflow/workspace.py)
+    with workspace.exclusive(this_run_name()):
+        return _run_stages(cfg, names, force, push, remote)
+
+
+def this_run_name() -> str:
+    """How other runs waiting for the workspace name this one: the Prefect flow run, else the command."""
+    from prefect.runtime import flow_run
+
+    name = flow_run.get_name() if flow_run.get_id() else None
+    return f"pipeline flow run {name!r}" if name else f"pipeline run ({' '.join(sys.argv[:1] + sys.argv[1:4])})"
+
+
+def _run_stages(cfg: Config, names: list[str], force: bool, push: bool, remote: str | None) -> dict[str, float]:
     if any(get_stage(n).accelerator for n in names):
         ensure_training_limit()
     results: dict[str, float] = {}

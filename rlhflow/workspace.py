@@ -1,0 +1,129 @@
+"""One pipeline run at a time per workspace.
+
+The stages of a run read and write fixed paths of the workspace (data/validated, models/..., metrics/, dvc.lock),
+so two runs in one workspace would read each other's outputs. A pipeline run therefore holds the workspace for its
+whole length: an exclusive `flock` on `.dvc/tmp/rlhflow-run.lock` under the repository root (released by the
+kernel when the process ends, even on SIGKILL). A second flow run started meanwhile (CLI, Prefect UI, a sweep)
+waits for it and says so in its log, naming the run it waits for; so does a flow run started while `dvc repro`
+holds DVC's repository lock. A stage run from its CLI (`python -m tasks.<stage>`, as `dvc repro` runs them) holds
+the workspace for the stage; under `dvc repro` it does not wait (DVC's lock would be held all the while) but stops
+at once, before reading anything, naming the run that holds the workspace.
+
+Runs that should go side by side go to workspaces of their own: `dvc exp run --temp` / `--queue` (each a copy of
+the repository under .dvc/tmp/exps/, with its own lock; their MLflow runs go to the project's store, see
+rlhflow.tracking), or another clone per Prefect worker (docs/scaling.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from rlhflow.config import REPO_ROOT
+
+LOCK_PATH = Path(".dvc") / "tmp" / "rlhflow-run.lock"
+# set in the environment of a process (and its children) while it holds the workspace
+HELD_ENV = "RLHFLOW_WORKSPACE_HELD"
+NOTICE_S = 300.0  # while waiting, say so this often
+POLL_S = 2.0
+
+
+class WorkspaceBusy(RuntimeError):
+    """Another run holds the workspace."""
+
+
+def lock_path(root: Path = REPO_ROOT) -> Path:
+    return root / LOCK_PATH
+
+
+def holder(root: Path = REPO_ROOT) -> dict:
+    """Who holds (or last held) the workspace: what its lock file says."""
+    try:
+        return json.loads(lock_path(root).read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def describe(owner: dict) -> str:
+    if not owner:
+        return "another run"
+    return f"{owner.get('run', 'a run')} (pid {owner.get('pid')} on {owner.get('host')}, since {owner.get('since')})"
+
+
+def dvc_is_busy(root: Path = REPO_ROOT) -> bool:
+    """Whether another process holds DVC's repository lock (`dvc repro`, `dvc exp run` in this workspace)."""
+    import zc.lockfile
+
+    path = root / ".dvc" / "tmp" / "lock"
+    if not path.parent.is_dir():
+        return False
+    try:
+        zc.lockfile.LockFile(str(path)).close()
+    except zc.lockfile.LockError:
+        return True
+    return False
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+@contextlib.contextmanager
+def exclusive(run: str, *, wait: bool = True, root: Path = REPO_ROOT, log=print) -> Iterator[None]:
+    """Hold the workspace while the block runs. `run` names this run in the messages others see. With `wait`, wait
+    for the run that holds it and for a DVC command holding DVC's lock, saying so every NOTICE_S; without (a stage
+    that DVC runs, under DVC's own lock), raise WorkspaceBusy at once. Re-entrant: a process (or a child of one)
+    that holds the workspace passes through."""
+    if os.environ.get(HELD_ENV) == str(root):
+        yield
+        return
+    path = lock_path(root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        started, noticed = time.monotonic(), -NOTICE_S
+        while True:
+            dvc_busy = wait and dvc_is_busy(root)
+            if not dvc_busy and _try_lock(fd):
+                break
+            busy = "a DVC command (dvc repro?) holding DVC's lock" if dvc_busy else describe(holder(root))
+            if not wait:
+                raise WorkspaceBusy(
+                    f"this workspace ({root}) is in use by {busy}: one pipeline run at a time per workspace. Start "
+                    "this one when that has finished, or run it apart with `dvc exp run --temp` (docs/prefect.md)"
+                )
+            waited = time.monotonic() - started
+            if waited - noticed >= NOTICE_S:
+                log(f"{run}: waiting for {busy} to finish with this workspace ({waited / 60:.0f} min so far)")
+                noticed = waited
+            time.sleep(POLL_S)
+        waited = time.monotonic() - started
+        if waited > POLL_S:
+            log(f"{run}: the workspace is free after {waited / 60:.1f} min; starting")
+        owner = {
+            "run": run,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(owner).encode(), 0)
+        os.environ[HELD_ENV] = str(root)
+        try:
+            yield
+        finally:
+            os.environ.pop(HELD_ENV, None)
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
