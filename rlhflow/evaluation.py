@@ -87,12 +87,19 @@ def _with_interval(name: str, value_low_high: tuple[float, float, float], interv
 def comparison_metrics(
     policy_scores, sft_scores, policy_judged, sft_judged, policy_texts: list[str], sft_texts: list[str]
 ) -> dict[str, float]:
-    """The policy against the SFT model on the same prompts, by the proxy and by the judge: win rates, their
-    length-controlled versions and the proxy-judge gap, each with a 95% interval from one set of resamples."""
+    """The policy against the SFT model on the same prompts, by the proxy and by the judge: mean rewards, win rates,
+    their length-controlled versions and the proxy-judge gap, each with a 95% interval from one set of resamples."""
     proxy_wins, judge_wins = wins(policy_scores, sft_scores), wins(policy_judged, sft_judged)
     length_difference = np.array([stats.word_count(p) - stats.word_count(s) for p, s in zip(policy_texts, sft_texts)])
     indices = stats.resample_indices(len(proxy_wins), seed=BOOTSTRAP_SEED)
+    policy_scores, sft_scores, policy_judged, sft_judged = (
+        np.asarray(x, dtype=float) for x in (policy_scores, sft_scores, policy_judged, sft_judged)
+    )
     return {
+        **_with_interval("eval/reward_mean", stats.mean_with_interval(policy_scores, indices)),
+        "eval/reward_mean_sft": float(sft_scores.mean()),
+        **_with_interval("eval/judge_reward_mean", stats.mean_with_interval(policy_judged, indices)),
+        "eval/judge_reward_mean_sft": float(sft_judged.mean()),
         **_with_interval("eval/win_rate_vs_sft", stats.mean_interval(proxy_wins, indices), "eval/win_rate"),
         **_with_interval("eval/judge_win_rate_vs_sft", stats.mean_interval(judge_wins, indices), "eval/judge_win_rate"),
         **_with_interval("eval/win_rate_lc", stats.length_controlled_win_rate(proxy_wins, length_difference, indices)),

@@ -121,3 +121,14 @@ def length_controlled_win_rate(
 
     resampled = np.array([at_zero(wins[i], diff[i]) for i in indices])
     return (at_zero(wins, diff), *percentile_interval(resampled, confidence))
+
+
+def mean_with_interval(
+    values: Sequence[float], indices: np.ndarray, confidence: float = CONFIDENCE
+) -> tuple[float, float, float]:
+    """Mean of per-item values on any scale (rewards) and its percentile-bootstrap interval on the shared
+    resamples."""
+    values = np.asarray(values, dtype=float)
+    if not len(values):
+        return math.nan, math.nan, math.nan
+    return (float(values.mean()), *percentile_interval(values[indices].mean(axis=1), confidence))

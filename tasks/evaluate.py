@@ -83,10 +83,6 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     pairs = evaluate_pairs(rm, pair_rows)
     rm_metrics, buckets = ev.reward_model_metrics(pairs, pair_rows)
     metrics = {
-        "eval/reward_mean": float(policy_scores.mean()),
-        "eval/reward_mean_sft": float(sft_scores.mean()),
-        "eval/judge_reward_mean": float(policy_judged.mean()),
-        "eval/judge_reward_mean_sft": float(sft_judged.mean()),
         **ev.comparison_metrics(policy_scores, sft_scores, policy_judged, sft_judged, policy_texts, sft_texts),
         "eval/kl": float(kl.mean()),
         "eval/perplexity": perplexity(policy, tokenizer, *ppl_args, batch_size=e.batch_size),

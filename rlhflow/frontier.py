@@ -1,0 +1,160 @@
+"""The reward-KL frontier: where a policy lands against best-of-n sampling from the SFT model.
+
+Best-of-n draws n responses from the SFT model and keeps the one the proxy scores highest. Its KL to the SFT model
+is known in closed form, KL(n) = log n - (n - 1) / n (Stiennon et al. 2020; Gao et al. 2022), so it draws a free
+baseline curve: an RL policy should reach a higher judge reward than best-of-n at the same KL. Against sqrt(KL),
+RL's proxy reward grows roughly linearly (Bai et al. 2022) while the judge's (the "gold" reward model, never
+optimised) bends down as the proxy is over-optimised (Gao et al. 2022).
+
+Per prompt, N responses are sampled once; for every n <= N the expected score of best-of-n is computed exactly over
+all n-subsets of the N samples (the order-statistics estimator: the i-th lowest proxy score is the best of a random
+n-subset with probability C(i-1, n-1) / C(N, n)), for the proxy and for the judge score of the proxy's pick.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from rlhflow import stats
+
+
+def best_of_n_kl(n: int) -> float:
+    """KL(best-of-n || SFT) in nats: log n - (n - 1) / n."""
+    return math.log(n) - (n - 1) / n
+
+
+def best_of_n_weights(n: int, samples: int) -> np.ndarray:
+    """Probability that the i-th lowest of `samples` values (i = 1..samples) is the highest of a random n-subset."""
+    if not 1 <= n <= samples:
+        raise ValueError(f"best-of-n needs 1 <= n <= samples, got n={n}, samples={samples}")
+    return np.array([math.comb(i - 1, n - 1) for i in range(1, samples + 1)], dtype=float) / math.comb(samples, n)
+
+
+def best_of_n_scores(proxy: np.ndarray, judge: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per prompt, the expected proxy score of best-of-n and the expected judge score of the response the proxy
+    picks. `proxy`, `judge`: [prompts, samples] scores of the same responses."""
+    order = np.argsort(proxy, axis=1, kind="stable")  # ascending by the proxy: the pick is the last
+    weights = best_of_n_weights(n, proxy.shape[1])
+    return (
+        (np.take_along_axis(proxy, order, axis=1) * weights).sum(axis=1),
+        (np.take_along_axis(judge, order, axis=1) * weights).sum(axis=1),
+    )
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """One point of the frontier: a policy (a sweep point) or best-of-n, with 95% intervals of its reward means."""
+
+    method: str  # "best-of-n" or the policy's algorithm
+    label: str  # "n=4", or the point's overrides
+    kl: float
+    proxy_reward: tuple[float, float, float]  # mean, low, high
+    judge_reward: tuple[float, float, float]
+    extra: dict[str, float] | None = None  # LC win rate, EOS share, length, ... for a policy
+
+    @property
+    def sqrt_kl(self) -> float:
+        return math.sqrt(max(self.kl, 0.0))
+
+    def row(self) -> dict[str, float | str]:
+        return {
+            "method": self.method,
+            "point": self.label,
+            "kl": self.kl,
+            "sqrt_kl": self.sqrt_kl,
+            "proxy_reward": self.proxy_reward[0],
+            "proxy_reward_ci_low": self.proxy_reward[1],
+            "proxy_reward_ci_high": self.proxy_reward[2],
+            "judge_reward": self.judge_reward[0],
+            "judge_reward_ci_low": self.judge_reward[1],
+            "judge_reward_ci_high": self.judge_reward[2],
+            **(self.extra or {}),
+        }
+
+
+def best_of_n_frontier(proxy: np.ndarray, judge: np.ndarray, ns: list[int], seed: int = 0) -> list[FrontierPoint]:
+    """Best-of-n for each n in `ns`, with bootstrap intervals over prompts."""
+    indices = stats.resample_indices(proxy.shape[0], seed=seed)
+    points = []
+    for n in ns:
+        proxy_n, judge_n = best_of_n_scores(proxy, judge, n)
+        points.append(
+            FrontierPoint(
+                "best-of-n",
+                f"n={n}",
+                best_of_n_kl(n),
+                stats.mean_with_interval(proxy_n, indices),
+                stats.mean_with_interval(judge_n, indices),
+            )
+        )
+    return points
+
+
+def frontier_table(points: list[FrontierPoint]) -> str:
+    """Markdown: the points, with KL, rewards and intervals, and each policy's extras."""
+    extras = sorted({k for p in points for k in (p.extra or {})})
+
+    def interval(v: tuple[float, float, float]) -> str:
+        return f"{v[0]:.3f} ({v[1]:.3f} to {v[2]:.3f})"
+
+    lines = [
+        "| method | point | KL (nats) | sqrt KL | proxy reward (95% CI) | judge reward (95% CI) | "
+        + " | ".join(extras)
+        + (" |" if extras else "|"),
+        "|---" * (6 + len(extras)) + "|",
+    ]
+    for p in points:
+        cells = [
+            p.method,
+            p.label,
+            f"{p.kl:.2f}",
+            f"{p.sqrt_kl:.2f}",
+            interval(p.proxy_reward),
+            interval(p.judge_reward),
+        ]
+        cells += [f"{p.extra[k]:.3f}" if p.extra and k in p.extra else "" for k in extras]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def frontier_plot(points: list[FrontierPoint]):
+    """Proxy and judge reward against sqrt(KL): best-of-n as lines, each policy point with its interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
+    for ax, which, title in [(axes[0], "proxy_reward", "proxy (optimised)"), (axes[1], "judge_reward", "judge")]:
+        bon = [p for p in points if p.method == "best-of-n"]
+        if bon:
+            ax.plot(
+                [p.sqrt_kl for p in bon], [getattr(p, which)[0] for p in bon], "o-", color="grey", label="best-of-n"
+            )
+            for p in bon:
+                ax.annotate(
+                    p.label, (p.sqrt_kl, getattr(p, which)[0]), fontsize=7, xytext=(3, -9), textcoords="offset points"
+                )
+        for method in sorted({p.method for p in points} - {"best-of-n"}):
+            mine = [p for p in points if p.method == method]
+            values = np.array([getattr(p, which) for p in mine])
+            ax.errorbar(
+                [p.sqrt_kl for p in mine],
+                values[:, 0],
+                yerr=[values[:, 0] - values[:, 1], values[:, 2] - values[:, 0]],
+                fmt="s",
+                capsize=3,
+                label=method,
+            )
+            for p, v in zip(mine, values[:, 0]):
+                ax.annotate(p.label, (p.sqrt_kl, v), fontsize=7, xytext=(3, 4), textcoords="offset points")
+        ax.set_title(f"{title} reward against sqrt(KL to SFT)")
+        ax.set_xlabel("sqrt(KL), sqrt(nats)")
+        ax.set_ylabel("mean normalised reward")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
