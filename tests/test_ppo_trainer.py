@@ -1,6 +1,7 @@
 """The PPO engine end to end on the tiny Llama with programmatic rewards (CPU, fixed seeds)."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -105,6 +106,17 @@ def test_missing_eos_penalty_in_the_rewards(tok, tmp_path):
     assert 0.0 < stats["ppo/eos_fraction"] < 1.0
     assert stats["ppo/reward_total_mean"] == pytest.approx(-(1.0 - stats["ppo/eos_fraction"]), abs=1e-6)
     assert stats["ppo/score_mean"] == 0.0  # the raw score is reported before the penalty
+
+
+@pytest.mark.parametrize(("top_k", "top_p", "warned"), [(0, 1.0, False), (5, 1.0, True), (0, 0.9, True)])
+def test_truncated_sampling_warns_that_rollouts_are_off_policy(tok, tmp_path, top_k, top_p, warned):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tok, tmp_path, top_k=top_k, top_p=top_p)
+    off_policy = [w for w in caught if "off-policy" in str(w.message)]
+    assert len(off_policy) == warned
+    if warned:
+        assert f"ppo.top_k={top_k}, ppo.top_p={top_p}" in str(off_policy[0].message)
 
 
 def test_an_eos_id_of_the_generation_config_ends_responses_without_penalty(tok, tmp_path):
