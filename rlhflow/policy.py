@@ -44,16 +44,20 @@ def prompt_text(tokenizer: PreTrainedTokenizerBase, messages: Messages | str) ->
     return "\n\n".join(turns) + "\n\nAssistant:", True
 
 
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Messages | str, max_prompt_length: int) -> list[int]:
+    """The prompt's token ids as the policy is prompted (`prompt_text`), its last `max_prompt_length` of them: PPO's
+    rollouts, evaluation and SFT's training sequences cut prompts alike."""
+    text, add_special = prompt_text(tokenizer, messages)
+    ids = tokenizer(text, add_special_tokens=add_special)["input_ids"]
+    return list(ids[-max_prompt_length:])  # truncate from the left: the end of the prompt matters most
+
+
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompt_messages: Sequence[Messages | str], max_prompt_length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokenize prompts (chat template + generation prompt when the tokenizer has one, plain text otherwise),
     keep the last `max_prompt_length` tokens of each, left-pad to the longest. Returns (input_ids, attention_mask)."""
-    rows = []
-    for messages in prompt_messages:
-        text, add_special = prompt_text(tokenizer, messages)
-        ids = tokenizer(text, add_special_tokens=add_special)["input_ids"]
-        rows.append(ids[-max_prompt_length:])  # truncate from the left: the end of the prompt matters most
+    rows = [prompt_ids(tokenizer, messages, max_prompt_length) for messages in prompt_messages]
     return pad_sequences(rows, tokenizer.pad_token_id, side="left")
 
 

@@ -4,7 +4,9 @@ starting point and the frozen reference), and record the baseline: perplexity on
 few sample generations. A trained model is registered as `rlhf-sft`.
 
 Demonstrations (`sft.train_data`) are read and validated (columns, blanks, token lengths: the preference data's
-suite) before any training; rows whose prompt is in the test or judge split are refused."""
+suite) before any training; rows whose prompt is in the test or judge split are refused. Prompts are cut as PPO cuts
+them (`ppo.max_prompt_length`); demonstrations still longer than `sft.max_length` are left out, printed and logged
+(`sft/dropped_overlong`), never cut."""
 
 from __future__ import annotations
 
@@ -76,7 +78,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.metrics import perplexity
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device, save_plain
     from rlhflow.policy import sample_responses
-    from rlhflow.sft import sft_trainer, train_sft
+    from rlhflow.sft import demonstration_dataset, sft_trainer, train_sft
 
     s = cfg.sft
     if s.train and distributed.world_size() > 1:  # the other processes do not run this stage: a Trainer would wait
@@ -101,6 +103,14 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
             finally:
                 mlflow.log_artifacts(report_dir, artifact_path="demonstrations_validation")
         metrics |= {"sft/demonstrations": float(len(demos)), "sft/demonstrations_dropped": float(checked.dropped_rows)}
+        dataset, overlong = demonstration_dataset(
+            demos, tokenizer, max_prompt_length=cfg.ppo.max_prompt_length, max_length=s.max_length
+        )
+        print(
+            f"sft: {overlong} of {len(demos)} demonstrations left out: longer than sft.max_length={s.max_length} "
+            f"tokens with the prompt cut to ppo.max_prompt_length={cfg.ppo.max_prompt_length}"
+        )
+        metrics["sft/dropped_overlong"] = float(overlong)
         if cfg.path(s.train_data).suffix in (".jsonl", ".parquet"):
             tracking.log_dataset(cfg.path(s.train_data), name="sft-demonstrations", context="training")
 
@@ -118,8 +128,10 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
             def log_fn(m: dict, step: int) -> None:
                 ctx.log_metrics({f"sft/{k}": v for k, v in m.items()}, step=step)
 
-            with prints_to_stdout():  # trl tokenizes the demonstrations here
-                trainer = sft_trainer(s, model, tokenizer, demos, work_dir=checkpoint_dir, seed=cfg.seed, log_fn=log_fn)
+            with prints_to_stdout():  # trl prepares the demonstrations here (labels, packing)
+                trainer = sft_trainer(
+                    s, model, tokenizer, dataset, work_dir=checkpoint_dir, seed=cfg.seed, log_fn=log_fn
+                )
             model = train_sft(trainer, log_fn=log_fn)
             save_plain(model, tokenizer, tmp)
     if s.train:
