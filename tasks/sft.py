@@ -54,15 +54,29 @@ def checked_demonstrations(cfg: Config, tokenizer, report_dir: Path):
 
 
 def checkpoint_fingerprint(cfg: Config) -> str:
-    """What a Trainer checkpoint must have been made from to be resumed: the same model, training settings, seed
-    and demonstrations."""
-    from rlhflow.hashing import inputs_fingerprint
+    """What a Trainer checkpoint must have been made from to be resumed: the same model (the md5 of its files when
+    `sft.model` is a local path, which can change under the same name), training settings, prompt cut, validation
+    settings (which demonstrations are kept), seed and demonstrations."""
+    import os
+
+    from rlhflow.hashing import dir_md5, file_md5, inputs_fingerprint
 
     s = cfg.sft
     settings = s.model_dump(
         exclude={"out_dir", "checkpoint_dir", "checkpoint_every", "n_samples", "max_new_tokens", "perplexity_rows"}
     )
-    return inputs_fingerprint([cfg.path(s.train_data)], sft=settings, seed=cfg.seed)
+    local = Path(os.path.expanduser(s.model))  # as rlhflow.models.resolve_model reads a local spec
+    model_md5 = None
+    if not s.model.startswith("pkg:") and local.exists():
+        model_md5 = dir_md5(local) if local.is_dir() else file_md5(local)
+    return inputs_fingerprint(
+        [cfg.path(s.train_data)],
+        sft=settings,
+        model_md5=model_md5,
+        max_prompt_length=cfg.ppo.max_prompt_length,
+        validate=cfg.validate_.model_dump(exclude={"report_dir", "examples_per_failure"}),
+        seed=cfg.seed,
+    )
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:

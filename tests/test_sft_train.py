@@ -225,6 +225,23 @@ def test_prompts_are_cut_as_ppo_cuts_them_and_completions_never(tok):
         demonstration_dataset(demos, tok, max_prompt_length=12, max_length=8)
 
 
+def test_the_checkpoint_fingerprint_follows_the_local_model_and_the_validate_settings(tmp_path):
+    from rlhflow.testing import write_tiny_model
+    from tasks.sft import checkpoint_fingerprint
+
+    model_dir = write_tiny_model(tmp_path / "model")
+
+    def fingerprint(*overrides: str) -> str:
+        return checkpoint_fingerprint(load_config(overrides=[f"sft.model={model_dir}", *overrides]))
+
+    before = fingerprint()
+    assert fingerprint("sft.n_samples=9") == before  # what only the report uses
+    assert fingerprint("validate.max_response_tokens=100") != before  # which demonstrations are kept
+    assert fingerprint("ppo.max_prompt_length=16") != before  # how prompts are cut
+    write_tiny_model(model_dir, seed=1)  # other weights under the same name
+    assert fingerprint() != before
+
+
 # ---- where demonstrations come from ---------------------------------------------------------------------
 
 
