@@ -147,7 +147,10 @@ class SFTConfig(Section):
     learning_rate: float = Field(2e-5, gt=0, description="AdamW learning rate, decaying linearly to 0")
     train_batch_size: int = Field(8, ge=1, description="demonstrations per optimisation step")
     max_length: int = Field(
-        512, ge=8, description="tokens per training sequence (prompt and completion); longer ones are cut at the end"
+        512,
+        ge=8,
+        description="tokens per demonstration (prompt cut to ppo.max_prompt_length, and completion); longer ones are "
+        "left out (sft/dropped_overlong), never cut",
     )
     packing: bool = Field(
         False, description="pack several demonstrations into each max_length sequence (less padding, same loss mask)"

@@ -39,15 +39,19 @@ def response_nll(
     max_prompt_length: int = 256,
     max_response_length: int = 256,
 ) -> tuple[float, int]:
-    """Summed negative log-likelihood of `responses` (each ended by EOS) given their prompts, and the token count."""
+    """Summed negative log-likelihood of `responses` given their prompts, and the token count. A response that fits
+    in `max_response_length` tokens with its EOS is scored with it; a longer one is cut to `max_response_length`
+    tokens without EOS (it does not end there)."""
     device = next(model.parameters()).device
     total_nll, total_tokens = 0.0, 0
     for i in range(0, len(responses), batch_size):
         query, query_mask = encode_prompts(tokenizer, prompt_messages[i : i + batch_size], max_prompt_length)
-        resp_ids = [
-            tokenizer(r, add_special_tokens=False)["input_ids"][: max_response_length - 1] + [tokenizer.eos_token_id]
-            for r in responses[i : i + batch_size]
-        ]
+        resp_ids = []
+        for r in responses[i : i + batch_size]:
+            ids = tokenizer(r, add_special_tokens=False)["input_ids"]
+            resp_ids.append(
+                ids + [tokenizer.eos_token_id] if len(ids) < max_response_length else ids[:max_response_length]
+            )
         resp, resp_mask = pad_sequences(resp_ids, tokenizer.pad_token_id, side="right")
         query_response = torch.cat([query, resp], dim=1).to(device)
         attention = torch.cat([query_mask, resp_mask], dim=1).to(device)

@@ -44,16 +44,20 @@ def prompt_text(tokenizer: PreTrainedTokenizerBase, messages: Messages | str) ->
     return "\n\n".join(turns) + "\n\nAssistant:", True
 
 
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Messages | str, max_prompt_length: int) -> list[int]:
+    """The prompt's token ids as the policy is prompted (`prompt_text`), its last `max_prompt_length` of them: PPO's
+    rollouts, evaluation and SFT's training sequences cut prompts alike."""
+    text, add_special = prompt_text(tokenizer, messages)
+    ids = tokenizer(text, add_special_tokens=add_special)["input_ids"]
+    return list(ids[-max_prompt_length:])  # truncate from the left: the end of the prompt matters most
+
+
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompt_messages: Sequence[Messages | str], max_prompt_length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokenize prompts (chat template + generation prompt when the tokenizer has one, plain text otherwise),
     keep the last `max_prompt_length` tokens of each, left-pad to the longest. Returns (input_ids, attention_mask)."""
-    rows = []
-    for messages in prompt_messages:
-        text, add_special = prompt_text(tokenizer, messages)
-        ids = tokenizer(text, add_special_tokens=add_special)["input_ids"]
-        rows.append(ids[-max_prompt_length:])  # truncate from the left: the end of the prompt matters most
+    rows = [prompt_ids(tokenizer, messages, max_prompt_length) for messages in prompt_messages]
     return pad_sequences(rows, tokenizer.pad_token_id, side="left")
 
 
@@ -91,9 +95,23 @@ class GenerationOutput:
         return self.query_response.shape[1] - self.response.shape[1]
 
 
-def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stop_strings: Sequence[str] = ()) -> list[int]:
-    """EOS plus the stop strings that are single tokens of the vocabulary (e.g. '<|eot_id|>')."""
-    ids = [tokenizer.eos_token_id]
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_or_generation_config=None) -> list[int]:
+    """Every token id that ends a response: the tokenizer's EOS and each EOS id the model's generation_config lists
+    (an int or a list; Llama-3 and Qwen instruct models list several, e.g. an end-of-turn besides end-of-text)."""
+    config = getattr(model_or_generation_config, "generation_config", model_or_generation_config)
+    listed = getattr(config, "eos_token_id", None)
+    listed = [listed] if isinstance(listed, int) else list(listed or [])
+    ids = []
+    for i in [tokenizer.eos_token_id, *listed]:
+        if i is not None and int(i) not in ids:
+            ids.append(int(i))
+    return ids
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model, stop_strings: Sequence[str] = ()) -> list[int]:
+    """The EOS ids (`eos_token_ids`) plus the stop strings that are single tokens of the vocabulary (e.g.
+    '<|eot_id|>')."""
+    ids = eos_token_ids(tokenizer, model)
     vocab = tokenizer.get_vocab()
     for s in stop_strings:
         if s in vocab and vocab[s] not in ids:
@@ -219,18 +237,19 @@ def generate(
 ) -> GenerationOutput:
     """Sample one response per prompt (do_sample, KV cache) from logits / temperature, then top-k / top-p.
 
-    A response ends at the first EOS (or a stop string that is a single vocabulary token) or at the token that
-    completes a stop string; that token is kept as the last real token (it carries the score) and everything
-    after it becomes pad. A stop string counts when it ends inside the response, also one that the prompt begins
-    (transformers stops such a row too); never one wholly inside the prompt. `texts` are decoded without special
-    tokens and cut before the stop string. Sampling uses only the settings given here, never the model's own
-    generation_config (its processors would change the distribution PPO's ratios assume).
+    A response ends at the first EOS (any of `eos_token_ids`: the tokenizer's and those the model's generation_config
+    lists), stop string that is a single vocabulary token, or token that completes a stop string; that token is
+    kept as the last real token (it carries the score) and everything after it becomes pad. A stop string counts
+    when it ends inside the response, also one that the prompt begins (transformers stops such a row too); never
+    one wholly inside the prompt. `texts` are decoded without special tokens and cut before the stop string.
+    Sampling uses only the settings given here, never the rest of the model's own generation_config (its
+    processors would change the distribution PPO's ratios assume).
     `generator_seed` makes the sampling reproducible without touching the global RNG.
     return_logits / return_hidden keep the sampling pass's raw logits and last hidden states (PPO's old
     log-probs and shared-head values without a second forward pass). On CPU in float32 the linear layers run on
     oneDNN-packed weights while sampling (`rlhflow.packed`)."""
     stop_strings = [s for s in stop_strings if s]
-    eos_ids = stop_token_ids(tokenizer, stop_strings)
+    eos_ids = stop_token_ids(tokenizer, model, stop_strings)  # before the model's generation_config is set aside
     # only what we set: the model's own generation defaults must not change the sampling distribution
     gen_config = GenerationConfig(
         do_sample=True,

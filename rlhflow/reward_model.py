@@ -44,16 +44,58 @@ def prepare_reward_tokenizer(tok: PreTrainedTokenizerBase) -> PreTrainedTokenize
 
 
 def encode_pair(tok: PreTrainedTokenizerBase, prompt_messages: Messages, response: str, max_length: int) -> list[int]:
-    """Token ids of (prompt, response) as the reward model sees them, at most `max_length` long."""
+    """Token ids of (prompt, response) as the reward model sees them, at most `max_length` long.
+
+    A pair too long loses the start of the prompt first (the end of the prompt stays next to the response); only a
+    response too long on its own loses its end. The tokens the tokenizer or the chat template adds around the texts
+    ([CLS]/[SEP], the end of the assistant turn) are always kept, so the score is read where it always is."""
     if tok.chat_template:
-        ids = tok.apply_chat_template(prompt_messages + [{"role": "assistant", "content": response}], tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)[-max_length:]  # keep the end: the score is read at the last token
-    prompt = "\n".join(m["content"] if m["role"] == "user" else f"{m['role']}: {m['content']}" for m in prompt_messages)
-    # Encoder pair encoding: [CLS] prompt [SEP] response [SEP]. When too long, the longer part is cut first,
-    # from its beginning (truncation_side="left"), so the end of the prompt stays next to the response.
-    return list(tok(prompt, response, truncation="longest_first", max_length=max_length)["input_ids"])
+        ids, parts = _chat_pair(tok, prompt_messages, response)
+    else:
+        prompt = "\n".join(
+            m["content"] if m["role"] == "user" else f"{m['role']}: {m['content']}" for m in prompt_messages
+        )
+        # the encoder's pair encoding: [CLS] prompt [SEP] response [SEP]; sequence_ids says which text a token is of
+        encoded = tok(prompt, response, verbose=False)
+        ids, parts = list(encoded["input_ids"]), encoded.sequence_ids()
+    return _fit_pair(ids, parts, max_length)
+
+
+def _chat_pair(tok: PreTrainedTokenizerBase, prompt_messages: Messages, response: str):
+    """The chat template's rendering of the prompt and the assistant's response, as (ids, parts): part 0 for the
+    prompt (the generation prompt included), 1 for the response, None for what the template adds after it."""
+    full = tok.apply_chat_template(prompt_messages + [{"role": "assistant", "content": response}], tokenize=False)
+    head = tok.apply_chat_template(prompt_messages, add_generation_prompt=True, tokenize=False)
+    start = len(os.path.commonprefix([head, full]))
+    at = full.find(response, start)
+    if at < 0:  # a template that rewrites the response: all that follows the prompt counts as the response
+        at, end = start, len(full)
+    else:
+        end = at + len(response)
+    ids, parts = [], []
+    for text, part in ((full[:at], 0), (full[at:end], 1), (full[end:], None)):
+        piece = tok(text, add_special_tokens=False)["input_ids"] if text else []
+        ids += piece
+        parts += [part] * len(piece)
+    return ids, parts
+
+
+def _fit_pair(ids: list[int], parts: list[int | None], max_length: int) -> list[int]:
+    """Cut (ids, parts) to `max_length`: every added token (part None) stays, then the start of the response
+    (part 1), then the end of the prompt (part 0)."""
+    if len(ids) <= max_length:
+        return ids
+    room = max(max_length - parts.count(None), 0)
+    keep_response = min(parts.count(1), room)
+    drop_prompt = parts.count(0) - (room - keep_response)  # from the prompt's start
+    kept, seen = [], {0: 0, 1: 0}
+    for token, part in zip(ids, parts):
+        if part is not None:
+            seen[part] += 1
+            if (part == 0 and seen[0] <= drop_prompt) or (part == 1 and seen[1] > keep_response):
+                continue
+        kept.append(token)
+    return kept
 
 
 class MaskedMeanPooler(torch.nn.Module):

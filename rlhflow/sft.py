@@ -3,8 +3,10 @@
 Loss (completion-only negative log-likelihood), over a batch of demonstrations (x, y):
     L = -(1 / sum |y|) * sum_(x, y) sum_t log pi(y_t | x, y_<t)
 Only completion tokens y_t carry loss: the prompt's tokens are labelled -100 (TRL's completion_only_loss on
-prompt/completion data). The prompt is rendered exactly as the policy is prompted later (rlhflow.policy): the
-chat template with the generation prompt when the tokenizer has one, else the plain-text prompt.
+prompt/completion data). The prompt is rendered and cut exactly as the policy is prompted later (rlhflow.policy):
+the chat template with the generation prompt when the tokenizer has one, else the plain-text prompt, cut to its last
+`ppo.max_prompt_length` tokens. No completion is cut: a demonstration longer than `sft.max_length` is left out (and
+counted), since a completion without its end would teach the model to stop mid-answer.
 
 With LoRA (`sft.lora.enabled`) only an adapter is trained; it is merged into the weights before the model is
 returned, so the saved model is a plain one of the loaded model's architecture.
@@ -20,36 +22,52 @@ import torch
 
 from rlhflow.config import SFTConfig
 from rlhflow.hf_trainer import LogFn, checkpoint_args, log_callback, train_resuming, use_bf16
-from rlhflow.policy import prompt_text
+from rlhflow.policy import prompt_ids, prompt_text
 
 LOGGING_STEPS = 5
 
 
-def demonstration_dataset(demos: pd.DataFrame, tokenizer):
-    """TRL's prompt/completion dataset: conversational (messages, rendered by the chat template) when the
-    tokenizer has a chat template, else the plain-text prompt the policy sees and the completion text."""
+def completion_text(tokenizer, prompt_messages: list[dict], completion: str) -> str:
+    """The text that follows the prompt (as `policy.prompt_text` renders it) in a demonstration: with a chat template
+    the assistant's turn as the template writes it (its end of turn included), else the completion and EOS."""
+    head, _ = prompt_text(tokenizer, prompt_messages)
+    if getattr(tokenizer, "chat_template", None):
+        full = tokenizer.apply_chat_template(
+            prompt_messages + [{"role": "assistant", "content": completion}], tokenize=False
+        )
+    else:
+        full = head + completion + (tokenizer.eos_token or "")
+    return full[len(os.path.commonprefix([head, full])) :]
+
+
+def demonstration_dataset(demos: pd.DataFrame, tokenizer, *, max_prompt_length: int, max_length: int):
+    """TRL's tokenized prompt/completion dataset (input_ids, completion_mask; the loss is on the completion) and the
+    number of demonstrations left out. The prompt is cut as PPO cuts it (`policy.prompt_ids`: its last
+    `max_prompt_length` tokens); a demonstration still longer than `max_length` is left out, never cut: a cut
+    completion would teach the model to stop without its end."""
     from datasets import Dataset
 
-    if getattr(tokenizer, "chat_template", None):
-        return Dataset.from_dict(
-            {
-                "prompt": list(demos["prompt_messages"]),
-                "completion": [[{"role": "assistant", "content": c}] for c in demos["completion"]],
-            }
+    rows: dict[str, list] = {"input_ids": [], "completion_mask": []}
+    dropped = 0
+    for messages, completion in zip(demos["prompt_messages"], demos["completion"]):
+        prompt = prompt_ids(tokenizer, messages, max_prompt_length)
+        answer = tokenizer(completion_text(tokenizer, messages, completion), add_special_tokens=False)["input_ids"]
+        if len(prompt) + len(answer) > max_length:
+            dropped += 1
+            continue
+        rows["input_ids"].append(prompt + list(answer))
+        rows["completion_mask"].append([0] * len(prompt) + [1] * len(answer))
+    if not rows["input_ids"]:
+        raise ValueError(
+            f"none of the {len(demos)} demonstrations fits sft.max_length={max_length} tokens "
+            f"(prompts cut to ppo.max_prompt_length={max_prompt_length})"
         )
-    return Dataset.from_dict(
-        {
-            "prompt": [prompt_text(tokenizer, m)[0] for m in demos["prompt_messages"]],
-            "completion": list(demos["completion"]),
-        }
-    )
+    return Dataset.from_dict(rows), dropped
 
 
-def sft_trainer(
-    cfg: SFTConfig, model, tokenizer, demos: pd.DataFrame, *, work_dir: str | os.PathLike, seed: int, log_fn=None
-):
-    """trl's SFTTrainer for `model` on the demonstrations (columns prompt_messages, completion), with the loss on
-    completion tokens only, checkpoints into `work_dir` every `cfg.checkpoint_every` steps."""
+def sft_trainer(cfg: SFTConfig, model, tokenizer, dataset, *, work_dir: str | os.PathLike, seed: int, log_fn=None):
+    """trl's SFTTrainer for `model` on a `demonstration_dataset`, with the loss on completion tokens only, checkpoints
+    into `work_dir` every `cfg.checkpoint_every` steps."""
     from trl import SFTConfig as TrainerConfig
     from trl import SFTTrainer
 
@@ -88,7 +106,7 @@ def sft_trainer(
     return SFTTrainer(
         model=model,
         args=args,
-        train_dataset=demonstration_dataset(demos, tokenizer),
+        train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=peft_config,
         callbacks=[log_callback(log_fn)],

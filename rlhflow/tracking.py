@@ -1,7 +1,8 @@
 """MLflow tracking: one parent run per pipeline run, one child run per stage (tag `stage=<name>`).
 
 The tracking URI is `tracking.tracking_uri` from params, else $MLFLOW_TRACKING_URI, else a sqlite store at
-the repository root (never relative to the cwd, so DVC stages and flows write to the same store).
+the repository root. A relative sqlite path is taken from the repository root too (never from the cwd, so DVC
+stages and flows write to the same store).
 """
 
 from __future__ import annotations
@@ -18,19 +19,36 @@ from pathlib import Path
 from typing import Any
 
 from rlhflow.champion import BASIS_TAG_PREFIX, ChampionDecision, HeadToHead, basis_difference, decide
-from rlhflow.config import REPO_ROOT, Config
+from rlhflow.config import REPO_ROOT, Config, project_root
 from rlhflow.fsutil import write_json_atomic
 from rlhflow.hashing import dir_md5, file_md5
 
 
 def tracking_uri(cfg: Config) -> str:
-    return cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO_ROOT / 'mlflow.db'}"
+    return absolute_sqlite_uri(
+        cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+    )
+
+
+def absolute_sqlite_uri(uri: str) -> str:
+    """A sqlite URI whose path is relative (`sqlite:///mlflow.db`, `sqlite:///./runs/mlflow.db`, as users write it) with
+    that path taken from the project's root, not the cwd: every stage and flow then opens the same store, and its
+    artifact root can be a file URI. In a DVC experiment's temporary copy of the repository (`dvc exp run --temp`,
+    queued experiments) that is the repository around the copy (config.project_root), so the runs outlive the
+    copy. Other URIs come back unchanged."""
+    if not uri.startswith("sqlite:///"):
+        return uri
+    path, query_sep, query = uri.removeprefix("sqlite:///").partition("?")
+    if path in ("", ":memory:") or Path(path).is_absolute():
+        return uri
+    return f"sqlite:///{os.path.normpath(project_root() / path)}{query_sep}{query}"
 
 
 def sqlite_artifact_root(uri: str) -> Path:
     """Where runs of a sqlite store keep their artifacts: next to the db file, not relative to the cwd
     (`make ui`'s MLflow server serves the same directory)."""
-    return Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts"
+    path = absolute_sqlite_uri(uri).removeprefix("sqlite:///").partition("?")[0]
+    return Path(path).parent / "mlartifacts"
 
 
 def setup(cfg: Config):

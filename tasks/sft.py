@@ -4,7 +4,9 @@ starting point and the frozen reference), and record the baseline: perplexity on
 few sample generations. A trained model is registered as `rlhf-sft`.
 
 Demonstrations (`sft.train_data`) are read and validated (columns, blanks, token lengths: the preference data's
-suite) before any training; rows whose prompt is in the test or judge split are refused."""
+suite) before any training; rows whose prompt is in the test or judge split are refused. Prompts are cut as PPO cuts
+them (`ppo.max_prompt_length`); demonstrations still longer than `sft.max_length` are left out, printed and logged
+(`sft/dropped_overlong`), never cut."""
 
 from __future__ import annotations
 
@@ -52,15 +54,29 @@ def checked_demonstrations(cfg: Config, tokenizer, report_dir: Path):
 
 
 def checkpoint_fingerprint(cfg: Config) -> str:
-    """What a Trainer checkpoint must have been made from to be resumed: the same model, training settings, seed
-    and demonstrations."""
-    from rlhflow.hashing import inputs_fingerprint
+    """What a Trainer checkpoint must have been made from to be resumed: the same model (the md5 of its files when
+    `sft.model` is a local path, which can change under the same name), training settings, prompt cut, validation
+    settings (which demonstrations are kept), seed and demonstrations."""
+    import os
+
+    from rlhflow.hashing import dir_md5, file_md5, inputs_fingerprint
 
     s = cfg.sft
     settings = s.model_dump(
         exclude={"out_dir", "checkpoint_dir", "checkpoint_every", "n_samples", "max_new_tokens", "perplexity_rows"}
     )
-    return inputs_fingerprint([cfg.path(s.train_data)], sft=settings, seed=cfg.seed)
+    local = Path(os.path.expanduser(s.model))  # as rlhflow.models.resolve_model reads a local spec
+    model_md5 = None
+    if not s.model.startswith("pkg:") and local.exists():
+        model_md5 = dir_md5(local) if local.is_dir() else file_md5(local)
+    return inputs_fingerprint(
+        [cfg.path(s.train_data)],
+        sft=settings,
+        model_md5=model_md5,
+        max_prompt_length=cfg.ppo.max_prompt_length,
+        validate=cfg.validate_.model_dump(exclude={"report_dir", "examples_per_failure"}),
+        seed=cfg.seed,
+    )
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
@@ -76,7 +92,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.metrics import perplexity
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device, save_plain
     from rlhflow.policy import sample_responses
-    from rlhflow.sft import sft_trainer, train_sft
+    from rlhflow.sft import demonstration_dataset, sft_trainer, train_sft
 
     s = cfg.sft
     if s.train and distributed.world_size() > 1:  # the other processes do not run this stage: a Trainer would wait
@@ -101,6 +117,14 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
             finally:
                 mlflow.log_artifacts(report_dir, artifact_path="demonstrations_validation")
         metrics |= {"sft/demonstrations": float(len(demos)), "sft/demonstrations_dropped": float(checked.dropped_rows)}
+        dataset, overlong = demonstration_dataset(
+            demos, tokenizer, max_prompt_length=cfg.ppo.max_prompt_length, max_length=s.max_length
+        )
+        print(
+            f"sft: {overlong} of {len(demos)} demonstrations left out: longer than sft.max_length={s.max_length} "
+            f"tokens with the prompt cut to ppo.max_prompt_length={cfg.ppo.max_prompt_length}"
+        )
+        metrics["sft/dropped_overlong"] = float(overlong)
         if cfg.path(s.train_data).suffix in (".jsonl", ".parquet"):
             tracking.log_dataset(cfg.path(s.train_data), name="sft-demonstrations", context="training")
 
@@ -118,8 +142,10 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
             def log_fn(m: dict, step: int) -> None:
                 ctx.log_metrics({f"sft/{k}": v for k, v in m.items()}, step=step)
 
-            with prints_to_stdout():  # trl tokenizes the demonstrations here
-                trainer = sft_trainer(s, model, tokenizer, demos, work_dir=checkpoint_dir, seed=cfg.seed, log_fn=log_fn)
+            with prints_to_stdout():  # trl prepares the demonstrations here (labels, packing)
+                trainer = sft_trainer(
+                    s, model, tokenizer, dataset, work_dir=checkpoint_dir, seed=cfg.seed, log_fn=log_fn
+                )
             model = train_sft(trainer, log_fn=log_fn)
             save_plain(model, tokenizer, tmp)
     if s.train:

@@ -286,6 +286,22 @@ def test_dvc_exp_run_with_another_kl_coef_is_compared_and_challenges_the_champio
 
 
 @pytest.mark.system
+def test_dvc_exp_run_in_a_temporary_workspace_logs_to_the_projects_store(dvc_repo):
+    """`dvc exp run --temp` (as queued experiments) works in a copy under .dvc/tmp/exps that DVC deletes after: its
+    MLflow runs must land in the project's store, not in the copy's."""
+    repo, run, _ = dvc_repo
+    client = _mlflow_client(repo)
+    before = {r.info.run_id for r in client.search_runs([client.get_experiment_by_name("rlhf").experiment_id])}
+    exp = run("dvc", "exp", "run", "--temp", "-S", "ppo.steps=1")
+    assert exp.returncode == 0, exp.stdout[-3000:] + exp.stderr[-3000:]
+    runs = client.search_runs([client.get_experiment_by_name("rlhf").experiment_id])
+    new = {r.data.tags.get("stage"): r for r in runs if r.info.run_id not in before}
+    assert {"ppo", "evaluate"} <= set(new), sorted(new)
+    assert new["ppo"].data.params["ppo.steps"] == "1" and "eval/judge_win_rate_vs_sft" in new["evaluate"].data.metrics
+    assert not list((repo / ".dvc/tmp/exps").glob("*/mlflow.db"))
+
+
+@pytest.mark.system
 def test_a_run_on_other_splits_is_not_comparable_and_promotes_nothing(dvc_repo):
     repo, run, _ = dvc_repo
     client = _mlflow_client(repo)

@@ -18,6 +18,7 @@ from rlhflow.metrics import (
     ranking_agreement,
     ranking_from_pairs,
     repetition_rate,
+    response_nll,
     win_rate,
 )
 
@@ -158,3 +159,27 @@ def test_the_length_controlled_win_rate_removes_a_pure_length_effect():
     # every prompt won: finite, near 1
     lc, low, high = length_controlled_win_rate(np.ones(20), np.arange(20.0), resample_indices(20, 50))
     assert 0.9 < lc < 1 and low <= lc <= high
+
+
+def test_response_nll_appends_eos_only_to_a_response_that_fits(tok):
+    """A reference response cut at max_response_length did not end there: it is scored without EOS. One that fits
+    is scored with its EOS."""
+    from rlhflow.policy import encode_prompts, sequence_logprobs
+    from rlhflow.testing import tiny_llama
+
+    model = tiny_llama(tok)
+    prompt = [[{"role": "user", "content": "hello"}]]
+    response = "Thank you for asking! I am happy to help."
+    ids = tok(response, add_special_tokens=False)["input_ids"]
+
+    def nll_of(tokens: list[int]) -> float:
+        query, mask = encode_prompts(tok, prompt, 256)
+        qr = torch.cat([query, torch.tensor([tokens])], dim=1)
+        am = torch.cat([mask, torch.ones(1, len(tokens), dtype=mask.dtype)], dim=1)
+        return -float(sequence_logprobs(model, qr, am, query.shape[1]).sum())
+
+    nll, n = response_nll(model, tok, prompt, [response], max_response_length=len(ids) + 1)
+    assert n == len(ids) + 1 and nll == pytest.approx(nll_of(ids + [tok.eos_token_id]), rel=1e-5)
+    for cut in (len(ids), 4):
+        nll, n = response_nll(model, tok, prompt, [response], max_response_length=cut)
+        assert n == cut and nll == pytest.approx(nll_of(ids[:cut]), rel=1e-5)

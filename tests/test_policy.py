@@ -13,6 +13,7 @@ from rlhflow.policy import (
     PolicyAndValue,
     _cut_response,
     encode_prompts,
+    eos_token_ids,
     generate,
     pad_sequences,
     sequence_logprobs,
@@ -266,6 +267,20 @@ def _forced_token_model(tok, model, token_id: int):
         head.bias[token_id] = 100.0
     forced.lm_head = head
     return forced
+
+
+def test_every_eos_id_of_the_generation_config_ends_a_response(tok, model):
+    """Instruct models list several EOS ids in generation_config (Llama-3: <|eot_id|> besides <|end_of_text|>): a
+    response ends at any of them, as at the tokenizer's EOS; the token is kept and counted as ended."""
+    newline = tok("\n", add_special_tokens=False)["input_ids"][0]
+    two_eos = _forced_token_model(tok, model, newline)
+    two_eos.generation_config.eos_token_id = [tok.eos_token_id, newline]
+    assert eos_token_ids(tok, two_eos) == eos_token_ids(tok, two_eos.generation_config) == [tok.eos_token_id, newline]
+    assert eos_token_ids(tok, model) == eos_token_ids(tok) == [tok.eos_token_id]  # an int, or nothing listed
+    ids, mask = encode_prompts(tok, MESSAGES, 64)
+    out = generate(two_eos, tok, ids, mask, max_new_tokens=4, generator_seed=0)
+    assert out.response.tolist() == [[newline]] * 2 and out.response_mask.tolist() == [[1]] * 2
+    assert out.ended.all()
 
 
 def test_stop_string_across_the_prompt_boundary_ends_the_response_without_keeping_padding(tok, model):

@@ -1,6 +1,7 @@
 """The PPO engine end to end on the tiny Llama with programmatic rewards (CPU, fixed seeds)."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -47,7 +48,7 @@ def vowel_fraction(prompts, texts):
     return torch.tensor([sum(ch in "aeiou" for ch in t) / max(len(t), 1) for t in texts])
 
 
-def make_trainer(tok, tmp_path, score_fn=vowel_fraction, seed=0, **overrides):
+def make_trainer(tok, tmp_path, score_fn=vowel_fraction, seed=0, policy=None, **overrides):
     params = dict(
         steps=4,
         batch_size=16,
@@ -65,7 +66,7 @@ def make_trainer(tok, tmp_path, score_fn=vowel_fraction, seed=0, **overrides):
     params.update(overrides)
     return PPOTrainer(
         PPOConfig(**params),
-        policy=tiny_llama(tok, seed=0),
+        policy=policy if policy is not None else tiny_llama(tok, seed=0),
         tokenizer=tok,
         score_fn=score_fn,
         prompts=PROMPTS,
@@ -105,6 +106,36 @@ def test_missing_eos_penalty_in_the_rewards(tok, tmp_path):
     assert 0.0 < stats["ppo/eos_fraction"] < 1.0
     assert stats["ppo/reward_total_mean"] == pytest.approx(-(1.0 - stats["ppo/eos_fraction"]), abs=1e-6)
     assert stats["ppo/score_mean"] == 0.0  # the raw score is reported before the penalty
+
+
+@pytest.mark.parametrize(("top_k", "top_p", "warned"), [(0, 1.0, False), (5, 1.0, True), (0, 0.9, True)])
+def test_truncated_sampling_warns_that_rollouts_are_off_policy(tok, tmp_path, top_k, top_p, warned):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tok, tmp_path, top_k=top_k, top_p=top_p)
+    off_policy = [w for w in caught if "off-policy" in str(w.message)]
+    assert len(off_policy) == warned
+    if warned:
+        assert f"ppo.top_k={top_k}, ppo.top_p={top_p}" in str(off_policy[0].message)
+
+
+def test_an_eos_id_of_the_generation_config_ends_responses_without_penalty(tok, tmp_path):
+    """A policy that always samples the second EOS id its generation_config lists: every response is that one
+    token, counted as ended (no missing-EOS penalty), and the score goes on it."""
+    newline = tok("\n", add_special_tokens=False)["input_ids"][0]
+    policy = tiny_llama(tok, seed=0)
+    policy.lm_head = torch.nn.Linear(policy.config.hidden_size, len(tok))
+    with torch.no_grad():
+        policy.lm_head.weight.zero_()
+        policy.lm_head.bias.fill_(-100.0)
+        policy.lm_head.bias[newline] = 100.0
+    policy.generation_config.eos_token_id = [tok.eos_token_id, newline]
+    trainer = make_trainer(
+        tok, tmp_path, policy=policy, score_fn=lambda p, t: torch.ones(len(t)), kl_coef=0.0, missing_eos_penalty=1.0
+    )
+    stats = trainer.update()
+    assert stats["ppo/eos_fraction"] == 1.0 and stats["ppo/response_length"] == 1.0
+    assert stats["ppo/reward_total_mean"] == pytest.approx(1.0)  # the score, not lowered by the penalty
 
 
 @pytest.mark.parametrize("normalization", ["whiten", "running"])

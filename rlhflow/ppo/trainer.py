@@ -116,6 +116,14 @@ class PPOTrainer:
             raise ValueError("PPOTrainer needs at least one prompt")
         if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
             raise ValueError("the tokenizer needs a pad token distinct from EOS (see rlhflow.models.prepare_tokenizer)")
+        if cfg.top_k > 0 or cfg.top_p < 1:
+            # generate samples from the truncated distribution, the log-probs are of the full one
+            warnings.warn(
+                f"ppo.top_k={cfg.top_k}, ppo.top_p={cfg.top_p}: sampling is truncated, but PPO's ratios and KL use the "
+                "full softmax(logits / temperature), so the rollouts are off-policy for them; use top_k=0, top_p=1.0 "
+                "for on-policy PPO",
+                stacklevel=2,
+            )
         self.cfg, self.tokenizer, self.score_fn, self.log_fn = cfg, tokenizer, score_fn, log_fn
         self.prompts = list(prompts)
         self.device = torch.device(device)
