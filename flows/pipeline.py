@@ -203,17 +203,23 @@ def run_or_skip(name: str, cfg: Config, parent_id: str, force: bool) -> tuple[re
 
 
 def run_pipeline(
-    cfg: Config, stages: list[str] | None = None, force: bool = False, push: bool = False, remote: str | None = None
+    cfg: Config,
+    stages: list[str] | None = None,
+    force: bool = False,
+    push: bool = False,
+    remote: str | None = None,
+    parent_run: str | None = None,
 ) -> dict[str, float]:
-    """The body of every flow here: the selected stages, in order, in one MLflow parent run; with `push`, their
-    outputs then go to the DVC remote `remote` (default: DVC's default remote)."""
+    """The body of every flow here: the selected stages, in order, in one MLflow parent run (nested under the
+    MLflow run `parent_run`, a sweep's, when given); with `push`, their outputs then go to the DVC remote `remote`
+    (default: DVC's default remote)."""
     names = selected_stages(cfg, stages)
     tracking.preflight(cfg)  # an unreachable tracking server fails here, in seconds, not after training
     if push:
         lineage.check_remote(remote)  # so does a push with no DVC remote to go to
     # one run at a time per workspace: a second run waits here for the whole first run (rlhflow/workspace.py)
     with workspace.exclusive(this_run_name()):
-        return _run_stages(cfg, names, force, push, remote)
+        return _run_stages(cfg, names, force, push, remote, parent_run)
 
 
 def this_run_name() -> str:
@@ -224,7 +230,9 @@ def this_run_name() -> str:
     return f"pipeline flow run {name!r}" if name else f"pipeline run ({' '.join(sys.argv[:1] + sys.argv[1:4])})"
 
 
-def _run_stages(cfg: Config, names: list[str], force: bool, push: bool, remote: str | None) -> dict[str, float]:
+def _run_stages(
+    cfg: Config, names: list[str], force: bool, push: bool, remote: str | None, parent_run: str | None
+) -> dict[str, float]:
     if any(get_stage(n).accelerator for n in names):
         ensure_training_limit()
     results: dict[str, float] = {}
@@ -232,7 +240,7 @@ def _run_stages(cfg: Config, names: list[str], force: bool, push: bool, remote: 
     run_url, error = None, None
     run_name = "pipeline" if names == selected_stages(cfg, None) else "stages: " + ",".join(names)
     try:
-        with tracking.pipeline_run(cfg, run_name=run_name) as parent:
+        with tracking.pipeline_run(cfg, run_name=run_name, parent_run_id=parent_run) as parent:
             uri = tracking.tracking_uri(cfg)
             run_url = report.mlflow_run_url(uri, parent.info.experiment_id, parent.info.run_id)
             print(
@@ -279,6 +287,7 @@ def rlhf_pipeline(
     overrides: list[str] | None = None,
     push: bool = False,
     remote: str | None = None,
+    parent_run: str | None = None,
 ) -> dict[str, float]:
     """The RLHF pipeline: demo_data -> validate -> sft -> reward_model -> judge -> ppo -> evaluate.
 
@@ -289,8 +298,9 @@ def rlhf_pipeline(
         overrides: params.yaml overrides applied on top of `config`, e.g. ["ppo.kl_coef=0.1"]
         push: after the run, push its data and models to a DVC remote (restorable on another machine)
         remote: the DVC remote to push to (`dvc remote list`); empty: DVC's default remote
+        parent_run: the MLflow run to nest this run's parent run under (a sweep's run); empty: none
     """
-    return run_pipeline(with_overrides(config, overrides), stages, force, push, remote)
+    return run_pipeline(with_overrides(config, overrides), stages, force, push, remote, parent_run)
 
 
 def main(argv: list[str] | None = None) -> None:

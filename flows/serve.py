@@ -3,7 +3,8 @@
     python -m flows.serve                  # serve against the Prefect server in $PREFECT_API_URL
     python -m flows.serve --start-servers  # what `make ui` runs: a Prefect server and an MLflow server, then serve
 
-Deployments: `rlhf-pipeline/pipeline` (every stage) and one per stage (`rlhf-ppo/ppo`, ...). Their parameter
+Deployments: `rlhf-pipeline/pipeline` (every stage), `rlhf-sweep/sweep` (a grid of pipeline runs),
+`restore-run/restore` and one per stage (`rlhf-ppo/ppo`, ...). Their parameter
 form is built from the typed config (rlhflow/config.py) with the values of params.yaml as defaults. Flow runs
 execute in subprocesses of this process, in the repository (so relative paths of params.yaml mean what they
 mean for `make run`). Ctrl-C stops the deployments and, with --start-servers, both servers.
@@ -53,6 +54,7 @@ def deployments() -> list:
     from flows.pipeline import rlhf_pipeline
     from flows.restore import restore_run
     from flows.stage_flows import STAGE_FLOWS
+    from flows.sweep import rlhf_sweep
     from rlhflow.config import load_config
 
     params = load_config()  # params.yaml now: the defaults of every deployment's parameter form
@@ -63,6 +65,13 @@ def deployments() -> list:
             name="pipeline", **common, description="The whole RLHF pipeline; up-to-date stages are skipped."
         )
     ]
+    served.append(
+        with_form_defaults(rlhf_sweep, params).to_deployment(
+            name="sweep",
+            **common,
+            description="A grid of pipeline runs and the reward-KL frontier against best-of-n from the SFT model.",
+        )
+    )
     served.append(
         restore_run.to_deployment(
             name="restore", **common, description="Put a pipeline run's data, models and metrics back (DVC cache)."

@@ -158,3 +158,15 @@ def frontier_plot(points: list[FrontierPoint]):
         ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def sample_best_of_n_scores(sft, tokenizer, prompts, proxy, judge, cfg, samples: int) -> tuple[np.ndarray, np.ndarray]:
+    """`samples` responses of the SFT model per prompt, sampled as the evaluation samples (rlhflow.evaluation), and
+    their proxy and judge scores: two [prompts, samples] arrays."""
+    from rlhflow.evaluation import sample, texts_of
+
+    repeated = [p for p in prompts for _ in range(samples)]  # each row of a batch draws its own sample
+    texts = texts_of(sample(sft, tokenizer, repeated, cfg))
+    proxy_scores = np.asarray(proxy.score(repeated, texts), dtype=float).reshape(len(prompts), samples)
+    judge_scores = np.asarray(judge.score(repeated, texts), dtype=float).reshape(len(prompts), samples)
+    return proxy_scores, judge_scores

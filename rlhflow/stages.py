@@ -222,6 +222,14 @@ PLOTS: list[dict[str, Any]] = [
             "y": {"${metrics_dir}/eval_reward_quantiles.csv": ["sft_reward", "ppo_reward"]},
         }
     },
+    {  # written by a sweep (flows/sweep.py), not by a stage: absent until the first sweep
+        "sweep_frontier": {
+            "title": "Sweep: proxy and judge reward against sqrt(KL to SFT), policies and best-of-n",
+            "template": "scatter",
+            "x": "sqrt_kl",
+            "y": {"${metrics_dir}/sweep_frontier.csv": ["proxy_reward", "judge_reward"]},
+        }
+    },
     {
         "eval_rm_calibration": {
             "title": "Reward-model calibration: confidence vs observed accuracy",

@@ -221,8 +221,21 @@ def start_run(
         mlflow.end_run(status="FINISHED")
 
 
-def pipeline_run(cfg: Config, *, run_name: str = "pipeline"):
-    return start_run(cfg, name=run_name, params=cfg.to_params(), tags={"pipeline": "rlhf"})
+PARAMS_DIGEST_TAG = "params_md5"
+
+
+def params_digest(cfg: Config) -> str:
+    """md5 of the run's fully resolved params: runs with the same digest were configured identically."""
+    import hashlib
+    import json
+
+    return hashlib.md5(json.dumps(cfg.to_params(), sort_keys=True, default=str).encode()).hexdigest()
+
+
+def pipeline_run(cfg: Config, *, run_name: str = "pipeline", parent_run_id: str | None = None, tags=None):
+    """The parent run of a pipeline run (nested under `parent_run_id`, a sweep's run, when given)."""
+    tags = {"pipeline": "rlhf", PARAMS_DIGEST_TAG: params_digest(cfg), **(tags or {})}
+    return start_run(cfg, name=run_name, params=cfg.to_params(), tags=tags, parent_run_id=parent_run_id)
 
 
 def stage_run(cfg: Config, stage: str, sections: list[str], parent_run_id: str | None = None):

@@ -70,6 +70,7 @@ def tiny_pipeline_overrides(root: Path | str, model_dir: Path, *, tracking: bool
         f"validate.report_dir={root}/reports/validation",
         f"sft.model={model_dir}",
         f"sft.out_dir={root}/models/sft",
+        f"sft.train_data={root}/data/validated/train.jsonl",
         "sft.n_samples=2",
         "sft.max_new_tokens=8",
         "sft.perplexity_rows=8",

@@ -116,6 +116,8 @@ def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_
             _wait_for_deployment(client, f"rlhf-{stage.replace('_', '-')}/{stage}", home / "serve.log")
         restore = _wait_for_deployment(client, "restore-run/restore", home / "serve.log")
         assert {"run_id", "remote"} <= set(restore.parameter_openapi_schema["properties"])
+        sweep = _wait_for_deployment(client, "rlhf-sweep/sweep", home / "serve.log")
+        assert {"grid", "overrides", "best_of_n", "config"} <= set(sweep.parameter_openapi_schema["properties"])
         # the UI's parameter form: the typed config, params.yaml's values as defaults
         schema = deployment.parameter_openapi_schema
         assert schema["properties"]["config"]["default"]["ppo"]["kl_coef"] == load_config().ppo.kl_coef

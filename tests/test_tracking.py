@@ -16,12 +16,19 @@ def repo_root(tmp_path, monkeypatch):
     root, elsewhere = tmp_path / "repo", tmp_path / "elsewhere"
     root.mkdir()
     elsewhere.mkdir()
-    monkeypatch.setattr(tracking, "REPO_ROOT", root)
+    monkeypatch.setattr(tracking, "project_root", lambda: root)
     monkeypatch.chdir(elsewhere)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # mlflow.set_tracking_uri exports it
     before = mlflow.get_tracking_uri()
     yield root
     mlflow.set_tracking_uri(before)
+
+
+def test_a_dvc_experiment_copy_belongs_to_the_repository_around_it(tmp_path):
+    from rlhflow.config import project_root
+
+    assert project_root(tmp_path / "proj" / ".dvc" / "tmp" / "exps" / "tmpa1b2c3") == tmp_path / "proj"
+    assert project_root(tmp_path / "proj") == tmp_path / "proj"
 
 
 def test_relative_sqlite_uris_resolve_against_the_repository_root(repo_root):
