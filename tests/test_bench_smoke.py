@@ -146,3 +146,43 @@ def test_orchestration_overhead_on_tiny_models():
     last = out.strip().splitlines()[-1]
     assert re.fullmatch(r"orchestration_overhead=-?\d\.\d{3}", last), last
     assert float(last.split("=")[1]) == pytest.approx(seconds / flow_wall, abs=2e-3)
+
+
+@pytest.mark.slow
+def test_stage_profile_on_tiny_models(tmp_path):
+    """Every stage ran and has a row; in each row (and outside the stages, and in total) the categories are
+    non-negative and with `other` add up to the wall time, in the JSON and in the printed table; generation in ppo
+    and evaluate, training in reward_model and ppo, and MLflow logging in every stage (each has its own run)."""
+    from bench.profile_run import CATEGORIES
+    from rlhflow.stages import STAGE_NAMES
+
+    out = tmp_path / "profile.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.profile_run", "--tiny", "--out", str(out)],
+        cwd=REPO,
+        env=ENV,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    profile = json.loads(out.read_text())
+    stages = profile["stages"]
+    assert list(stages) == STAGE_NAMES and all(row["ran"] for row in stages.values())
+    rows = {**stages, "outside stages": profile["outside_stages"], "total": profile["total"]}
+    for name, row in rows.items():
+        seconds = row["seconds"]
+        assert list(seconds) == CATEGORIES and min(seconds.values()) >= 0, (name, seconds)
+        # `other` is the wall time outside any timed call: this sum holds when no nested time is counted twice
+        assert sum(seconds.values()) == pytest.approx(row["wall_s"], abs=1e-3), (name, seconds, row["wall_s"])
+        line = re.search(rf"^\| {re.escape(name)} \|(.*)\|$", proc.stdout, re.M)
+        assert line, f"no table row for {name}:\n{proc.stdout}"
+        *cells, wall = map(float, line.group(1).split("|"))
+        assert wall == pytest.approx(row["wall_s"], abs=0.005) and sum(cells) == pytest.approx(wall, abs=0.05)
+    assert sum(row["wall_s"] for row in rows.values() if row is not profile["total"]) == pytest.approx(
+        profile["total"]["wall_s"]
+    )
+    for name in ("ppo", "evaluate"):
+        assert stages[name]["seconds"]["generation"] > 0 and stages[name]["calls"]["generation"] > 0, name
+    for name in ("reward_model", "ppo"):
+        assert stages[name]["seconds"]["training"] > 0 and stages[name]["calls"]["training"] > 0, name
+    assert all(row["seconds"]["mlflow"] > 0 for row in stages.values())
