@@ -230,3 +230,80 @@ def test_mlflow_ui_shows_the_parent_run_its_stage_runs_and_the_eval_metrics(
     finally:
         with capsys.disabled():
             print(f"\nMLflow UI screenshots: {', '.join(str(p) for p in shots)}")
+
+
+@pytest.fixture(scope="module")
+def sweep_points(finished_run, tiny_model_dir, one_thread):
+    """A two-point sweep over ppo.kl_coef in the same store as the finished run; (sweep run, point runs)."""
+    import mlflow
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.sweep import rlhf_sweep
+
+    with prefect_test_harness(server_startup_timeout=180):
+        rlhf_sweep(
+            grid={"ppo.kl_coef": ["0.01", "0.5"]},
+            overrides=tiny_pipeline_overrides(finished_run, tiny_model_dir),
+            best_of_n=[1, 2],
+        )
+    client = mlflow.MlflowClient(f"sqlite:///{finished_run}/mlflow.db")
+    exp = client.get_experiment_by_name("rlhf").experiment_id
+    sweep = client.search_runs([exp], "tags.sweep = 'rlhf'")[0]
+    points = client.search_runs([exp], f"tags.mlflow.parentRunId = '{sweep.info.run_id}'")
+    return sweep, sorted(points, key=lambda r: float(r.data.params["ppo.kl_coef"]))
+
+
+def test_mlflow_compare_view_shows_the_sweep_points_params_and_eval_metrics(
+    chromium, finished_run, sweep_points, mlflow_ui, page, capsys
+):
+    import json
+
+    from playwright.sync_api import expect
+
+    sweep, points = sweep_points
+    assert [p.data.params["ppo.kl_coef"] for p in points] == ["0.01", "0.5"]
+    exp_id = sweep.info.experiment_id
+    ARTIFACTS.mkdir(exist_ok=True)
+    shots: list[Path] = []
+
+    def screenshot(name: str) -> None:
+        path = ARTIFACTS / f"mlflow-ui-{name}.png"
+        page.screenshot(path=str(path), full_page=True)
+        shots.append(path)
+
+    try:
+        # the sweep run's page links its points (its child runs) and carries the frontier table as its description
+        page.goto(f"{mlflow_ui}/#/experiments/{exp_id}/runs/{sweep.info.run_id}")
+        expect(page.get_by_role("heading", name="sweep", exact=True)).to_be_visible()
+        _close_assistant(page)
+        child_runs = page.get_by_test_id("key-value-Child runs")
+        for point in points:
+            expect(child_runs.get_by_role("link", name=point.info.run_name, exact=True).first).to_be_visible()
+        expect(page.get_by_text("best-of-n", exact=False).first).to_be_visible()
+        screenshot("sweep-run")
+
+        # the compare view of the points: their params side by side, the swept one differing, and the eval metrics
+        runs, experiments = json.dumps([p.info.run_id for p in points]), json.dumps([exp_id])
+        page.goto(f"{mlflow_ui}/#/compare-runs?runs={runs}&experiments={experiments}")
+        expect(page.get_by_text("ppo.kl_coef", exact=True).first).to_be_visible()
+        _close_assistant(page)
+        kl_row = page.get_by_role("row").filter(has=page.get_by_text("ppo.kl_coef", exact=True))
+        expect(kl_row.first).to_contain_text("0.01")
+        expect(kl_row.first).to_contain_text("0.5")
+        for key in ("eval/judge_win_rate_vs_sft", "eval/kl", "eval/judge_win_rate_lc"):
+            row = page.get_by_role("row").filter(has=page.get_by_text(key, exact=True))
+            expect(row.first).to_be_visible()
+            shown = row.first.inner_text()
+            for point in points:
+                value = page.evaluate("v => String(v)", point.data.metrics[key])
+                assert value[:6] in shown, f"{key}: {value} not in {shown!r}"
+        screenshot("compare-points")
+    except BaseException:
+        try:
+            screenshot("compare-failure")
+        except Exception as err:
+            print(f"no failure screenshot: {err}")
+        raise
+    finally:
+        with capsys.disabled():
+            print(f"\nMLflow UI screenshots: {', '.join(str(p) for p in shots)}")
