@@ -318,10 +318,12 @@ def log_model_dir(
 
     from rlhflow.serving import PolicyPyfunc, RewardPyfunc
 
-    python_model = {"policy": PolicyPyfunc, "reward": RewardPyfunc}[kind]()
+    wrapper = {"policy": PolicyPyfunc, "reward": RewardPyfunc}[kind]
     info = mlflow.pyfunc.log_model(
         name=name,
-        python_model=python_model,
+        python_model=wrapper(),
+        signature=wrapper.SIGNATURE,
+        input_example=wrapper.INPUT_EXAMPLE,
         artifacts={"model_dir": str(model_dir)},
         pip_requirements=MODEL_PIP_REQUIREMENTS,
         registered_model_name=registered_name,
