@@ -143,3 +143,14 @@ def test_mkdocs_build_strict(tmp_path):
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
     assert (tmp_path / "site" / "index.html").is_file()
     assert (tmp_path / "site" / "ppo" / "index.html").is_file()
+
+
+def test_pipeline_help_names_every_stage_in_order(capsys):
+    from flows.pipeline import main
+    from rlhflow.stages import STAGE_NAMES
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert " -> ".join(STAGE_NAMES) in help_text
+    assert "--stages" in help_text and "--force" in help_text
