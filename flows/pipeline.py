@@ -307,7 +307,9 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--stages", default=None, help="comma-separated subset of stages to run")
+    pre.add_argument(
+        "--stages", default=None, help=f"comma-separated subset of stages to run: {', '.join(STAGE_NAMES)}"
+    )
     pre.add_argument("--force", action="store_true", help="run every stage even when it is up to date")
     pre.add_argument("--push", action="store_true", help="push the run's data and models to a DVC remote after it")
     pre.add_argument("--remote", default=None, help="the DVC remote for --push (default: DVC's default remote)")
@@ -317,19 +319,20 @@ def main(argv: list[str] | None = None) -> None:
         help=f"only mark every slot of the Prefect concurrency limit {TRAINING_LIMIT!r} free (a killed "
         "run left one taken) and exit",
     )
-    known, rest = pre.parse_known_args(argv)
-    if known.reset_training_limit:
+    known, _ = pre.parse_known_args(argv)
+    if known.reset_training_limit:  # before the config is read: it needs none
         before, after = reset_training_limit()
         print(f"{TRAINING_LIMIT}: {before} slot(s) taken before, {after} now")
         return
-    cfg, _ = parse_config_args(
-        rest,
-        "Run the RLHF pipeline flow (validate -> sft -> reward_model -> ppo -> evaluate); "
+    cfg, args = parse_config_args(
+        argv,
+        f"Run the RLHF pipeline flow ({' -> '.join(STAGE_NAMES)}); "
         "--stages a,b runs a subset, --force runs stages that are up to date too.",
+        parents=(pre,),
     )
     start = time.perf_counter()
-    stages = known.stages.split(",") if known.stages else None
-    rlhf_pipeline(config=cfg, stages=stages, force=known.force, push=known.push, remote=known.remote)
+    stages = args.stages.split(",") if args.stages else None
+    rlhf_pipeline(config=cfg, stages=stages, force=args.force, push=args.push, remote=args.remote)
     print(f"{'total wall time':44s} {time.perf_counter() - start:9.1f}s")
 
 

@@ -112,8 +112,18 @@ def wait_for(url: str, proc: subprocess.Popen, what: str, timeout: float = 180.0
     raise TimeoutError(f"{what} did not answer at {url} within {timeout:.0f} s")
 
 
+def launch(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """A child in its own session: a Ctrl-C in the terminal reaches only this process, which then stops the
+    children one by one (`stop`). Were they in the terminal's process group, all would get it at once and the
+    Prefect server could exit while the serve loop still talks to it (tracebacks on the way out)."""
+    return subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, start_new_session=True)
+
+
 def stop(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
-    """Interrupt each process in turn (as Ctrl-C would), killing it if it has not exited within `timeout`."""
+    """Interrupt each process in turn (as Ctrl-C would) and wait for it to exit before the next, killing it if
+    it has not exited within `timeout`. Only the process itself is interrupted: the MLflow server passes the
+    signal on to its web server, and its job runner exits when that does (interrupted too, it would print a
+    traceback)."""
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -155,19 +165,19 @@ def start_servers_and_serve(host: str, prefect_port: int, mlflow_port: int) -> i
     if uri.startswith("sqlite:"):
         artifacts = tracking.sqlite_artifact_root(uri)
         mlflow_cmd += ["--default-artifact-root", artifacts.as_uri(), "--artifacts-destination", artifacts.as_uri()]
+    # the children are in their own sessions (launch): a terminal that closes (SIGHUP) or a `kill` (SIGTERM)
+    # reaches only this process, which then stops them as it does on Ctrl-C
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
     procs: list[subprocess.Popen] = []
     try:
         procs.append(
-            subprocess.Popen(
-                [str(bin_dir / "prefect"), "server", "start", "--host", host, "--port", str(prefect_port)],
-                env=env,
-                cwd=REPO_ROOT,
-            )
+            launch([str(bin_dir / "prefect"), "server", "start", "--host", host, "--port", str(prefect_port)], env)
         )
-        procs.append(subprocess.Popen(mlflow_cmd, env=env, cwd=REPO_ROOT))
+        procs.append(launch(mlflow_cmd, env))
         wait_for(f"{prefect_url}/api/health", procs[0], "the Prefect server")
         wait_for(f"{mlflow_url}/health", procs[1], "the MLflow server")
-        procs.append(subprocess.Popen([sys.executable, "-m", "flows.serve"], env=env, cwd=REPO_ROOT))
+        procs.append(launch([sys.executable, "-m", "flows.serve"], env))
         print(f"\nPrefect UI: {prefect_url}   MLflow UI: {mlflow_url}   (Ctrl-C stops both)\n", flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(1)
@@ -175,6 +185,10 @@ def start_servers_and_serve(host: str, prefect_port: int, mlflow_port: int) -> i
     except KeyboardInterrupt:
         return 0
     finally:
+        # a second Ctrl-C must not cut the shutdown short: the children would outlive this process
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if any(p.poll() is None for p in procs):
+            print("\nStopping the deployments, then the servers ...", flush=True)
         stop(list(reversed(procs)))  # the deployments first, while the Prefect server can still answer them
 
 

@@ -449,10 +449,13 @@ def set_args(overrides: list[str]) -> list[str]:
     return [arg for override in overrides for arg in ("--set", override)]
 
 
-def parse_config_args(argv: list[str] | None, description: str) -> tuple[Config, argparse.Namespace]:
+def parse_config_args(
+    argv: list[str] | None, description: str, parents: tuple[argparse.ArgumentParser, ...] = ()
+) -> tuple[Config, argparse.Namespace]:
     """The command line every entry point shares: `--params FILE` and repeatable `--set key=value` overrides,
-    loaded and validated; a bad value exits with status 2 and the key named."""
-    parser = argparse.ArgumentParser(description=description)
+    loaded and validated; a bad value exits with status 2 and the key named. `parents`: the entry point's own
+    options (argparse parents, made with add_help=False), parsed and listed by --help with these."""
+    parser = argparse.ArgumentParser(description=description, parents=list(parents))
     parser.add_argument("--params", default=None, help="params file (default: the repo's params.yaml)")
     add_overrides_argument(
         parser, "override one params.yaml value for this run, e.g. --set ppo.kl_coef=0.1 (repeatable)"

@@ -4,6 +4,8 @@ policy = mlflow.pyfunc.load_model("models:/rlhf-policy@candidate")
 policy.predict(pd.DataFrame({"prompt": ["How do I boil an egg?"]}))           # -> list of responses
 rm = mlflow.pyfunc.load_model("models:/rlhf-reward-model@candidate")
 rm.predict(pd.DataFrame({"prompt": [...], "response": [...]}))                 # -> list of rewards
+
+Each wrapper carries the signature and input example it is logged with (`SIGNATURE`, `INPUT_EXAMPLE`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,12 @@ from __future__ import annotations
 # The model code (torch, transformers) is imported when MLflow loads a logged model (load_context, predict):
 # logging one imports this module and needs none of it.
 import mlflow.pyfunc
+import pandas as pd
+from mlflow.models import ModelSignature
+from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
+
+_PROMPT = "How do I boil an egg?"
+_RESPONSE = "Simmer it for nine minutes, then cool it in cold water."
 
 
 def _messages(prompt: str) -> list[dict[str, str]]:
@@ -18,7 +26,23 @@ def _messages(prompt: str) -> list[dict[str, str]]:
 
 
 class PolicyPyfunc(mlflow.pyfunc.PythonModel):
-    """Generates a response per prompt (params: max_new_tokens, temperature)."""
+    """Generates a response per prompt (params: max_new_tokens, temperature, ...: `PARAMS`)."""
+
+    # predict's params and their defaults: MLflow passes on only the params a signature declares
+    PARAMS = ParamSchema(
+        [
+            ParamSpec("batch_size", "long", 16),
+            ParamSpec("max_prompt_length", "long", 512),
+            ParamSpec("max_new_tokens", "long", 64),
+            ParamSpec("temperature", "double", 0.7),
+            ParamSpec("seed", "long", None),
+        ]
+    )
+    SIGNATURE = ModelSignature(
+        inputs=Schema([ColSpec("string", "prompt")]), outputs=Schema([ColSpec("string", "response")]), params=PARAMS
+    )
+    # MLflow runs the logged model on its example before registering it: a few tokens keep that short
+    INPUT_EXAMPLE = (pd.DataFrame({"prompt": [_PROMPT]}), {"max_new_tokens": 4})
 
     def load_context(self, context):
         from rlhflow.models import load_causal_lm, load_tokenizer
@@ -29,23 +53,29 @@ class PolicyPyfunc(mlflow.pyfunc.PythonModel):
     def predict(self, context, model_input, params=None):
         from rlhflow.policy import sample_responses
 
-        params = params or {}
+        params = {**{p.name: p.default for p in self.PARAMS.params}, **(params or {})}
         prompts = [_messages(p) for p in model_input["prompt"]]
         outs = sample_responses(
             self.model,
             self.tokenizer,
             prompts,
-            batch_size=int(params.get("batch_size", 16)),
-            max_prompt_length=int(params.get("max_prompt_length", 512)),
-            max_new_tokens=int(params.get("max_new_tokens", 64)),
-            temperature=float(params.get("temperature", 0.7)),
-            seed=params.get("seed"),
+            batch_size=int(params["batch_size"]),
+            max_prompt_length=int(params["max_prompt_length"]),
+            max_new_tokens=int(params["max_new_tokens"]),
+            temperature=float(params["temperature"]),
+            seed=None if params["seed"] is None else int(params["seed"]),
         )
         return [t for o in outs for t in o.texts]
 
 
 class RewardPyfunc(mlflow.pyfunc.PythonModel):
     """Normalised reward of each (prompt, response) row."""
+
+    SIGNATURE = ModelSignature(
+        inputs=Schema([ColSpec("string", "prompt"), ColSpec("string", "response")]),
+        outputs=Schema([ColSpec("double", "score")]),
+    )
+    INPUT_EXAMPLE = pd.DataFrame({"prompt": [_PROMPT], "response": [_RESPONSE]})
 
     def load_context(self, context):
         from rlhflow.reward_model import RewardModel

@@ -266,9 +266,22 @@ def log_dataset(path: str | os.PathLike, *, name: str, context: str) -> str:
     digest = file_md5(path)
     df = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_json(path, lines=True)
     df = df[[c for c in df.columns if df[c].map(lambda v: isinstance(v, (str, int, float))).all()]]
-    dataset = mlflow.data.from_pandas(df, source=str(path), name=name, digest=digest)
+    # integer columns (source_row) as doubles: MLflow warns that an inferred integer column cannot hold missing
+    # values; the schema only describes the file, whose digest is the md5 above
+    df = df.astype({c: "float64" for c in df.select_dtypes("integer").columns})
+    dataset = mlflow.data.from_pandas(df, source=_local_dataset_source(path), name=name, digest=digest)
     mlflow.log_input(dataset, context=context)
     return digest
+
+
+def _local_dataset_source(path: Path):
+    """MLflow's source for a local file. MLflow registers it twice (URI schemes "" and "file"), so resolving a
+    plain path warns that it "can be interpreted in multiple ways"; both are the same class: take the one MLflow
+    would (the last registered). A string (resolved by MLflow) when a later MLflow names it differently."""
+    from mlflow.data.dataset_source_registry import get_registered_sources
+
+    local = [s for s in get_registered_sources() if s.__name__ == "LocalArtifactDatasetSource"]
+    return local[-1](str(path)) if local else str(path)
 
 
 REGISTERED_MODELS_TAG = "registered_models"
@@ -335,10 +348,12 @@ def log_model_dir(
 
     from rlhflow.serving import PolicyPyfunc, RewardPyfunc
 
-    python_model = {"policy": PolicyPyfunc, "reward": RewardPyfunc}[kind]()
+    wrapper = {"policy": PolicyPyfunc, "reward": RewardPyfunc}[kind]
     info = mlflow.pyfunc.log_model(
         name=name,
-        python_model=python_model,
+        python_model=wrapper(),
+        signature=wrapper.SIGNATURE,
+        input_example=wrapper.INPUT_EXAMPLE,
         artifacts={"model_dir": str(model_dir)},
         pip_requirements=MODEL_PIP_REQUIREMENTS,
         registered_model_name=registered_name,

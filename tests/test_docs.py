@@ -1,5 +1,7 @@
 """The documentation: the MkDocs site builds with --strict, README.md stays short, relative links resolve, and every
 code reference `path::function Lstart-Lend` in docs/ppo.md names a function whose definition spans those lines.
+The lists the docs keep stay whole: the page table (docs/index.md, the README links to it), the test files
+(docs/testing.md), the served deployments (docs/prefect.md), the stages in `python -m flows.pipeline --help`.
 
 Code changes move line numbers. A stale reference fails with the corrected one in the message; to rewrite them all
 in place:
@@ -143,3 +145,59 @@ def test_mkdocs_build_strict(tmp_path):
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
     assert (tmp_path / "site" / "index.html").is_file()
     assert (tmp_path / "site" / "ppo" / "index.html").is_file()
+
+
+def _section(md: Path, heading: str) -> str:
+    """The text under `heading` (a `## ` line) up to the next `## ` heading."""
+    text = md.read_text()
+    start = text.index(f"\n{heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def test_index_page_table_lists_every_page_and_the_readme_links_to_it():
+    pages = {p.name for p in DOCS.glob("*.md")} - {"index.md"}
+    table = _section(DOCS / "index.md", "## Pages")
+    listed = {m["target"] for m in MD_LINK.finditer(table)}
+    assert listed == pages, f"docs/index.md's page table: missing {pages - listed}, unknown {listed - pages}"
+    # one page table: the README's section links to it and lists no page itself
+    readme = _section(README, "## Documentation")
+    assert [m["target"] for m in MD_LINK.finditer(readme)] == ["docs/index.md#pages"], readme
+
+
+def test_testing_page_lists_every_test_file():
+    files = {p.name for p in (REPO / "tests").glob("test_*.py")}
+    listed = set(re.findall(r"`(test_\w+\.py)`", (DOCS / "testing.md").read_text()))
+    assert files <= listed, f"docs/testing.md does not describe {sorted(files - listed)}"
+    assert listed <= files, f"docs/testing.md describes missing files {sorted(listed - files)}"
+
+
+def test_prefect_page_lists_every_served_deployment():
+    from flows.serve import deployments
+
+    served = {f"{d.flow_name}/{d.name}" for d in deployments()}
+    section = _section(DOCS / "prefect.md", "## `make ui`: start runs from the Prefect UI, compare them in MLflow")
+    first_cells = [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| `")]
+    listed = {name for cell in first_cells for name in re.findall(r"`([\w-]+/\w+)`", cell)}
+    assert served <= listed, f"docs/prefect.md's deployment table misses {sorted(served - listed)}"
+
+
+def test_pipeline_help_names_every_stage_in_order(capsys):
+    from flows.pipeline import main
+    from rlhflow.stages import STAGE_NAMES
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert " -> ".join(STAGE_NAMES) in help_text
+    assert "--stages" in help_text and "--force" in help_text
+
+
+def test_demo_data_runs_whatever_the_input():
+    """docs/configuration.md and the README: demo_data runs in every pipeline run, as under `dvc repro`."""
+    from flows.pipeline import selected_stages
+    from rlhflow.config import load_config
+
+    for preferences in ("data/hh-rlhf-harmless/harmless-base.jsonl.gz", "data/raw/demo/preferences.jsonl"):
+        cfg = load_config(overrides=[f"data.preferences={preferences}"])
+        assert selected_stages(cfg, None)[0] == "demo_data"

@@ -1,13 +1,16 @@
 """The deployments on a real Prefect server, as `make ui` serves them: a real `prefect server start` (its own
 PREFECT_HOME and database in a temp dir), `python -m flows.serve` in a subprocess, two pipeline runs
 triggered at once through the API on tiny models. They complete, leave their report and MLflow link as
-artifacts, and never hold the accelerator at the same time (the global concurrency limit)."""
+artifacts, and never hold the accelerator at the same time (the global concurrency limit). And `make ui` itself
+(`flows.serve --start-servers`): a Ctrl-C stops it without a traceback."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -221,3 +224,50 @@ def test_a_slot_left_taken_by_a_killed_run_is_announced_and_can_be_freed(served)
     assert "ppo: waited" in out and f"{TRAINING_LIMIT!r}" in out and "--reset-training-limit" in out
     with _client(api) as client:
         assert client.read_global_concurrency_limit_by_name(TRAINING_LIMIT).active_slots == 0
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_make_ui_stops_the_deployments_then_the_servers_without_a_traceback(tmp_path):
+    """`flows.serve --start-servers` (what `make ui` runs) in its own process group with SIGINT as a terminal
+    leaves it; once it serves, a Ctrl-C (SIGINT to the whole group) ends it with code 0, prints no traceback
+    (the serve loop stops before the Prefect server), and leaves neither port open."""
+    ports = {"prefect": free_port(), "mlflow": free_port()}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_SERVER_UI_ENABLED": "false",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db",
+    }
+    env.pop("PREFECT_API_URL", None)
+    cmd = [sys.executable, "-m", "flows.serve", "--start-servers"]
+    cmd += ["--prefect-port", str(ports["prefect"]), "--mlflow-port", str(ports["mlflow"])]
+    log = tmp_path / "ui.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's foreground job
+        )
+        try:
+            deadline = time.monotonic() + 240
+            while "deployments are being served" not in log.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-5000:]
+                time.sleep(1)
+            served = len(log.read_text())
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+            assert proc.wait(timeout=120) == 0, log.read_text()[-5000:]
+        finally:
+            if proc.poll() is None:  # SIGTERM: it stops its servers as on Ctrl-C
+                proc.terminate()
+                proc.wait(timeout=120)
+    after = log.read_text()[served:]
+    assert "Stopping the deployments" in after and "Traceback" not in after, after
+    for name, port in ports.items():
+        with socket.socket() as sock:
+            assert sock.connect_ex(("127.0.0.1", port)) != 0, f"the {name} server still listens on {port}"
