@@ -32,6 +32,34 @@ def ppo_curves(history: pd.DataFrame) -> Figure:
     return fig
 
 
+def align_curves(history: pd.DataFrame) -> Figure:
+    """Per step of a trl algorithm (align.algorithm grpo, rloo, dpo; metrics/ppo_history.csv): the reward source's
+    score and the reward it trained on (GRPO, RLOO) or DPO's implicit reward margin, and the loss."""
+    fig, (ax_reward, ax_loss) = plt.subplots(1, 2, figsize=(10, 3.8), constrained_layout=True)
+    curves = [
+        ("align/score_mean", "reward-model score"),
+        ("align/reward", "reward (score - missing-EOS penalty)"),
+        ("align/rewards/margins", "implicit reward margin, chosen - rejected"),
+    ]
+    for column, label in curves:
+        if column in history:
+            ax_reward.plot(history["step"], history[column], marker="o", label=label)
+    ax_reward.set(title="reward per step", xlabel="step", ylabel="mean")
+    if ax_reward.lines:
+        ax_reward.legend()
+    if "align/loss" in history:
+        ax_loss.plot(history["step"], history["align/loss"], marker="o", color="tab:red")
+    ax_loss.set(title="training loss per step", xlabel="step", ylabel="loss")
+    return fig
+
+
+def training_figures(history: pd.DataFrame) -> dict[str, Figure]:
+    """The figures of the policy-optimisation history: PPO's curves and reward against KL, else `align_curves`."""
+    if "ppo/score_mean" in history and "ppo/kl" in history:
+        return {"ppo_curves": ppo_curves(history), "reward_vs_kl": reward_vs_kl(history)}
+    return {"align_curves": align_curves(history)}
+
+
 def reward_vs_kl(history: pd.DataFrame) -> Figure:
     """Reward against KL, one point per update coloured by update: the price in drift paid for each gain."""
     fig, ax = plt.subplots(figsize=(5.5, 4.2), constrained_layout=True)

@@ -137,15 +137,20 @@ STAGES: list[Stage] = [
         accelerator=True,
         data_parallel=True,
     ),
+    # The policy-optimisation stage: align.algorithm picks PPO (the project's engine, rlhflow/ppo/) or trl's GRPO,
+    # RLOO or DPO (rlhflow/align.py). One stage whatever the algorithm: the policy always lands in ppo.out_dir, where
+    # evaluate reads it, and switching the algorithm (a param of this stage only) reruns this stage and evaluate.
     Stage(
         name="ppo",
-        description="PPO fine-tuning of the SFT policy against the reward model",
-        params=["seed", "ppo", "reward_model.eval_batch_size"],
+        description="policy optimisation of the SFT policy (align.algorithm: PPO against the reward model by default, "
+        "or trl's GRPO, RLOO or DPO)",
+        params=["seed", "ppo", "align", "reward_model.eval_batch_size"],
         deps=[
             VALIDATED,
             "${sft.out_dir}",
             "${reward_model.out_dir}",
             "rlhflow/ppo",
+            "rlhflow/align.py",
             "rlhflow/policy.py",
             "tasks/ppo.py",
         ],
@@ -162,6 +167,7 @@ STAGES: list[Stage] = [
         params=[
             "seed",
             "evaluate",
+            "align.algorithm",
             "ppo.max_prompt_length",
             "ppo.stop_strings",
             "ppo.temperature",
@@ -213,6 +219,13 @@ PLOTS: list[dict[str, Any]] = [
             "template": "scatter",
             "x": "ppo/kl",
             "y": {"${metrics_dir}/ppo_history.csv": ["ppo/score_mean"]},
+        }
+    },
+    {
+        "align_score": {
+            "title": "Policy optimisation: reward-model score per step (any align.algorithm but dpo)",
+            "x": "step",
+            "y": {"${metrics_dir}/ppo_history.csv": ["align/score_mean"]},
         }
     },
     {

@@ -96,6 +96,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     # NaN (e.g. Kendall's tau without ranked prompts) is left out: "no value", in MLflow and DVC alike
     metrics = {k: v for k, v in metrics.items() if not math.isnan(v)}
     ctx.log_metrics(metrics, on_parent=True)
+    mlflow.set_tag("algorithm", cfg.align.algorithm)  # what made the policy (align.algorithm, one of its params)
 
     samples = {
         "prompt": list(prompts_df["prompt"]),
@@ -159,7 +160,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
             "rm_calibration": plots.calibration(buckets),
         }
         if history is not None and len(history):
-            figures.update(ppo_curves=plots.ppo_curves(history), reward_vs_kl=plots.reward_vs_kl(history))
+            figures.update(plots.training_figures(history))
         (tmp / "plots").mkdir()
         for fig_name, fig in figures.items():
             fig.savefig(tmp / "plots" / f"{fig_name}.png", dpi=110)

@@ -1,6 +1,13 @@
-"""Stage ppo: PPO fine-tuning of the SFT policy against the reward model (or a programmatic reward named by
-`ppo.reward_fn`), with the frozen SFT model as the KL reference. Every update's statistics go to MLflow under
-`ppo/` and to metrics/ppo_history.csv (the DVC plot); the final policy is registered as `rlhf-policy`."""
+"""Stage ppo, the policy-optimisation stage: `align.algorithm` picks the algorithm.
+
+- `ppo` (the default): the project's PPO engine against the reward model (or a programmatic reward named by
+  `ppo.reward_fn`), with the frozen SFT model as the KL reference. Every update's statistics go to MLflow under
+  `ppo/` (and the shared ones under `align/` too) and to metrics/ppo_history.csv (the DVC plot).
+- `grpo`, `rloo`, `dpo`: trl's trainers (rlhflow/align.py); every step's statistics go to MLflow under `align/` and
+  to metrics/ppo_history.csv, what GRPO and RLOO sampled to an MLflow table (align_completions.json).
+
+Either way the policy is written to `ppo.out_dir` as a plain model dir and registered as `rlhf-policy`, the run and
+the version tagged `algorithm=<name>`."""
 
 from __future__ import annotations
 
@@ -35,6 +42,69 @@ def prepare_checkpoint_dir(cfg: Config):
     return fsutil.prepare_checkpoint_dir(cfg.path(cfg.ppo.checkpoint_dir), checkpoint_fingerprint(cfg))
 
 
+# PPO's statistics that every algorithm logs, under their shared names (rlhflow/align.py): the reward source's
+# score before the missing-EOS penalty, response length in tokens, the share of responses that ended
+PPO_ALIASES = {
+    "ppo/score_mean": "align/score_mean",
+    "ppo/response_length": "align/completion_length",
+    "ppo/eos_fraction": "align/eos_fraction",
+}
+# summarised over the final quarter of the steps (metrics/ppo.json) for the trl algorithms, where logged
+ALIGN_SUMMARY = (
+    "align/score_mean",
+    "align/reward",
+    "align/kl",
+    "align/entropy",
+    "align/completion_length",
+    "align/eos_fraction",
+    "align/loss",
+    "align/rewards/margins",
+    "align/rewards/accuracies",
+)
+
+
+def with_aliases(stats: dict[str, float]) -> dict[str, float]:
+    return {**stats, **{alias: stats[key] for key, alias in PPO_ALIASES.items() if key in stats}}
+
+
+def align_fingerprint(cfg: Config) -> str:
+    """What a trl algorithm's Trainer checkpoint must have been made from to be resumed: the same algorithm and
+    settings (its own sub-section, the shared ones, PPO's sampling and reward settings), seed, SFT model, reward
+    model (GRPO, RLOO), training pairs or prompts and number of processes. The run length counts only with a
+    linear learning-rate schedule, which spans it."""
+    from rlhflow import distributed
+    from rlhflow.hashing import inputs_fingerprint
+
+    a = cfg.align
+    files = [cfg.path(cfg.sft.out_dir) / "model.safetensors", cfg.path(cfg.validate_.out_dir) / "train.jsonl"]
+    sampling = {}
+    if a.algorithm in ("grpo", "rloo"):
+        if not cfg.ppo.reward_fn:
+            files.append(cfg.path(cfg.reward_model.out_dir) / "model.safetensors")
+        sampling = cfg.ppo.model_dump(
+            include={
+                "temperature",
+                "top_k",
+                "top_p",
+                "max_new_tokens",
+                "max_prompt_length",
+                "stop_strings",
+                "missing_eos_penalty",
+                "reward_fn",
+                "reward_fn_kwargs",
+            }
+        )
+    shared = a.model_dump(
+        exclude={"grpo", "rloo", "dpo", "checkpoint_every"} | ({"steps"} if a.lr_schedule == "constant" else set())
+    )
+    own = getattr(a, a.algorithm).model_dump()
+    if a.algorithm == "dpo":
+        own["max_prompt_length"] = cfg.ppo.max_prompt_length
+    return inputs_fingerprint(
+        files, align=shared, algorithm=own, sampling=sampling, seed=cfg.seed, processes=distributed.world_size()
+    )
+
+
 def write_history(path, history: list[dict]) -> None:
     import pandas as pd
 
@@ -44,11 +114,104 @@ def write_history(path, history: list[dict]) -> None:
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
+    if cfg.align.algorithm != "ppo":
+        return run_trl(cfg, ctx)
+    return run_ppo(cfg, ctx)
+
+
+def register_policy(cfg: Config, out_dir, algorithm: str) -> None:
+    """Log and register the policy (once the stage has succeeded); the run and the version say which algorithm made
+    it."""
+    import mlflow
+
+    from rlhflow import tracking
+
+    mlflow.set_tag("algorithm", algorithm)
+    version = tracking.log_model_dir(cfg, out_dir, name="policy", kind="policy", registered_name=REGISTERED_NAME)
+    if version is not None:
+        mlflow.MlflowClient().set_model_version_tag(REGISTERED_NAME, version, "algorithm", algorithm)
+
+
+def run_trl(cfg: Config, ctx: StageContext) -> dict[str, float]:
+    """GRPO, RLOO or DPO with trl (rlhflow/align.py), under the same contract as PPO: settings checked before any
+    model loads, Trainer checkpoints resumed after a kill, the policy in ppo.out_dir, metrics/ppo_history.csv."""
+    import math
+    import shutil
+
+    import mlflow
+    import torch
+
+    from rlhflow import align, distributed
+    from rlhflow.data.formats import read_jsonl
+    from rlhflow.fsutil import atomic_dir
+    from rlhflow.fsutil import prepare_checkpoint_dir as keep_or_clear
+    from rlhflow.models import load_causal_lm, load_tokenizer, pick_device, save_plain
+    from rlhflow.ppo.setup import load_reward_source
+
+    algorithm = cfg.align.algorithm
+    device = distributed.local_device(pick_device(cfg.device))
+    sft_dir = str(cfg.path(cfg.sft.out_dir))
+    train_file = cfg.path(cfg.validate_.out_dir) / "train.jsonl"
+    if not train_file.exists():
+        raise FileNotFoundError(f"{train_file}: no train split; run the validate stage first")
+    train_rows = read_jsonl(train_file).to_dict("records")
+    tokenizer = load_tokenizer(sft_dir)
+    align.check_settings(cfg, train_rows, tokenizer)  # bad settings fail here, before any model is loaded
+
+    checkpoint_dir = cfg.path(cfg.ppo.checkpoint_dir)
+    if ctx.main_process:  # checkpoints of an interrupted run with the same inputs are resumed from; others dropped
+        keep_or_clear(checkpoint_dir, align_fingerprint(cfg))
+    distributed.barrier()
+    torch.manual_seed(cfg.seed)
+    policy = load_causal_lm(sft_dir, pad_token_id=tokenizer.pad_token_id)
+    score_fn = ref_model = None
+    if algorithm in align.SAMPLING_ALGORITHMS:
+        score_fn, _ = load_reward_source(cfg, device)  # PPO's: the proxy's normalised score, or ppo.reward_fn
+    else:  # DPO's reference: the SFT model, frozen
+        ref_model = load_causal_lm(sft_dir, pad_token_id=tokenizer.pad_token_id)
+    policy, history = align.train_policy(
+        cfg,
+        policy=policy,
+        tokenizer=tokenizer,
+        train_rows=train_rows,
+        work_dir=checkpoint_dir,
+        device=device,
+        score_fn=score_fn,
+        ref_model=ref_model,
+        log_fn=lambda stats, step: ctx.log_metrics(stats, step=step),
+    )
+    if not ctx.main_process:  # another process of a multi-process run: rank 0 holds the same model and writes it
+        return {}
+    write_history(cfg.path(cfg.metrics_dir) / "ppo_history.csv", history)
+
+    out_dir = cfg.path(cfg.ppo.out_dir)
+    with atomic_dir(out_dir) as tmp:
+        save_plain(policy, tokenizer, tmp)
+    table = align.completions_table(checkpoint_dir, algorithm)
+    if table is not None:
+        mlflow.log_table(table, artifact_file="align_completions.json")
+    shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
+
+    last = history[-max(1, len(history) // 4) :]  # the final quarter of the steps, smoothed
+    metrics = {}
+    for key in ALIGN_SUMMARY:
+        values = [h[key] for h in last if key in h and math.isfinite(h[key])]
+        if values:
+            metrics[f"{key}_final"] = sum(values) / len(values)
+    if history and "align/score_mean" in history[0]:
+        metrics["align/score_mean_first"] = history[0]["align/score_mean"]
+    metrics["align/steps"] = float(len(history))
+    ctx.log_metrics(metrics)
+    register_policy(cfg, out_dir, algorithm)
+    return metrics
+
+
+def run_ppo(cfg: Config, ctx: StageContext) -> dict[str, float]:
     import shutil
 
     import torch
 
-    from rlhflow import distributed, tracking
+    from rlhflow import distributed
     from rlhflow.data.formats import read_jsonl
     from rlhflow.fsutil import atomic_dir
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device
@@ -76,17 +239,20 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
         seed=cfg.seed,
         checkpoint_dir=checkpoint_dir,
         critic=make_critic(cfg, reward_model, tokenizer),
-        log_fn=lambda stats, step: ctx.log_metrics(stats, step=step),
+        log_fn=lambda stats, step: ctx.log_metrics(with_aliases(stats), step=step),
     )
     if trainer.load_checkpoint():  # an interrupted run of the same inputs left a checkpoint
         print(f"ppo: resuming from the checkpoint of update {trainer.step} in {checkpoint_dir}", flush=True)
         ctx.log_metrics({"ppo/resumed_from_update": float(trainer.step)})
         for step, stats in enumerate(trainer.history, start=1):  # this run's curves start at update 1 too
-            ctx.log_metrics(stats, step=step)
+            ctx.log_metrics(with_aliases(stats), step=step)
     history = trainer.train()
     if not ctx.main_process:  # another process of a multi-process run: rank 0 holds the same model and writes it
         return {}
-    write_history(cfg.path(cfg.metrics_dir) / "ppo_history.csv", [{"step": i + 1, **h} for i, h in enumerate(history)])
+    write_history(
+        cfg.path(cfg.metrics_dir) / "ppo_history.csv",
+        [{"step": i + 1, **with_aliases(h)} for i, h in enumerate(history)],
+    )
 
     out_dir = cfg.path(cfg.ppo.out_dir)
     with atomic_dir(out_dir) as tmp:
@@ -101,7 +267,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     metrics["ppo/score_mean_first"] = history[0].get("ppo/score_mean", float("nan"))
     metrics["ppo/updates"] = float(len(history))
     ctx.log_metrics(metrics)
-    tracking.log_model_dir(cfg, out_dir, name="policy", kind="policy", registered_name=REGISTERED_NAME)
+    register_policy(cfg, out_dir, "ppo")
     return metrics
 
 
