@@ -64,19 +64,19 @@ class DataConfig(Section):
         "option",
     )
     test_preferences: str | None = Field(
-        None, description="optional held-out pairs; when unset, validate splits `preferences` by prompt"
+        None, description="optional held-out pairs; when unset, validate splits `preferences` by conversation"
     )
     hf_split: str = Field("train", description="split used when `preferences` is a Hugging Face dataset")
     demo: DemoDataConfig = DemoDataConfig()
 
 
 class ValidateConfig(Section):
-    test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="share of prompts held out for evaluation")
+    test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="share of conversations held out for evaluation")
     judge_fraction: float = Field(
         0.25,
         gt=0.0,
         lt=1.0,
-        description="share of prompts held out to train the judge reward model, disjoint from "
+        description="share of conversations held out to train the judge reward model, disjoint from "
         "the proxy reward model's and PPO's (with data.test_preferences: the share of the training file)",
     )
     split_seed: int = Field(
@@ -212,7 +212,7 @@ class RewardModelConfig(Section):
 
 
 class JudgeConfig(RewardModelConfig):
-    """The judge: a second reward model trained on the judge split (prompts disjoint from the proxy's and PPO's).
+    """The judge: a second reward model trained on the judge split (conversations disjoint from the proxy's and PPO's).
     PPO never optimises against it; evaluation's judge win rate and the champion decision use it."""
 
     seed: int = Field(

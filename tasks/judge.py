@@ -1,4 +1,4 @@
-"""Stage judge: train the judge, a second Bradley-Terry reward model, on the judge split: prompts disjoint from
+"""Stage judge: train the judge, a second Bradley-Terry reward model, on the judge split: conversations disjoint from
 the ones the proxy reward model and PPO train on. PPO never optimises against it, so evaluate's judge win rate is
 a second opinion that reward hacking of the proxy does not inflate. Its accuracy on the test pairs goes to the
 stage run and the parent run; it is registered as `rlhf-judge`."""
