@@ -8,7 +8,8 @@ stages and flows write to the same store).
 from __future__ import annotations
 
 # mlflow (and pandas) are imported inside the functions that use them: importing the flow and the stage modules
-# stays fast, and rlhflow.serving (imported by log_model_dir) is loaded only when a model is logged.
+# stays fast. No model code is imported here: a stage that logs a model hands log_model_dir its pyfunc wrapper
+# class (rlhflow/serving/), so what every stage imports through this module stays small.
 import contextlib
 import os
 import re
@@ -319,11 +320,12 @@ def log_model_dir(
     model_dir: str | os.PathLike,
     *,
     name: str,
-    kind: str,
+    wrapper: type,
     registered_name: str | None = None,
     alias: str = "candidate",
 ) -> str | None:
-    """Log a saved model dir as an MLflow pyfunc model (`kind`: "policy" or "reward") when
+    """Log a saved model dir as an MLflow pyfunc model, an instance of `wrapper` (a `mlflow.pyfunc.PythonModel`
+    subclass: rlhflow.serving.policy.PolicyPyfunc or rlhflow.serving.reward.RewardPyfunc), when
     `tracking.log_models` is on; register it (when `tracking.register_models` is on) and point `alias` at the
     new version. Call this only once the stage has succeeded: a failed run registers nothing."""
     import mlflow
@@ -333,12 +335,9 @@ def log_model_dir(
     if not cfg.tracking.register_models:
         registered_name = None
 
-    from rlhflow.serving import PolicyPyfunc, RewardPyfunc
-
-    python_model = {"policy": PolicyPyfunc, "reward": RewardPyfunc}[kind]()
     info = mlflow.pyfunc.log_model(
         name=name,
-        python_model=python_model,
+        python_model=wrapper(),
         artifacts={"model_dir": str(model_dir)},
         pip_requirements=MODEL_PIP_REQUIREMENTS,
         registered_model_name=registered_name,

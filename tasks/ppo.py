@@ -54,6 +54,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device
     from rlhflow.ppo.setup import load_reward_source, make_critic
     from rlhflow.ppo.trainer import PPOTrainer
+    from rlhflow.serving.policy import PolicyPyfunc
 
     device = distributed.local_device(pick_device(cfg.device))
     sft_dir = str(cfg.path(cfg.sft.out_dir))
@@ -101,7 +102,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     metrics["ppo/score_mean_first"] = history[0].get("ppo/score_mean", float("nan"))
     metrics["ppo/updates"] = float(len(history))
     ctx.log_metrics(metrics)
-    tracking.log_model_dir(cfg, out_dir, name="policy", kind="policy", registered_name=REGISTERED_NAME)
+    tracking.log_model_dir(cfg, out_dir, name="policy", wrapper=PolicyPyfunc, registered_name=REGISTERED_NAME)
     return metrics
 
 

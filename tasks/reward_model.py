@@ -67,6 +67,7 @@ def train_pairwise_model(
     from rlhflow.data.formats import read_jsonl
     from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir
     from rlhflow.reward_model import LENGTH_AWARE_METRICS, evaluate_pairs, train_reward_model
+    from rlhflow.serving.reward import RewardPyfunc
 
     validated = cfg.path(cfg.validate_.out_dir)
     train_file = validated / f"{split}.jsonl"
@@ -113,7 +114,7 @@ def train_pairwise_model(
     ctx.log_metrics(metrics)
     mlflow.log_dict({"normalization": {"mean": rm.mean, "std": rm.std}}, "reward_normalization.json")
     tracking.log_model_dir(
-        cfg, out_dir, name=NAME if prefix == "rm" else prefix, kind="reward", registered_name=registered_name
+        cfg, out_dir, name=NAME if prefix == "rm" else prefix, wrapper=RewardPyfunc, registered_name=registered_name
     )
     return metrics
 

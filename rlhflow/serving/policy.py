@@ -1,10 +1,4 @@
-"""MLflow pyfunc wrappers, so the logged models load and predict anywhere with `mlflow.pyfunc.load_model`:
-
-policy = mlflow.pyfunc.load_model("models:/rlhf-policy@candidate")
-policy.predict(pd.DataFrame({"prompt": ["How do I boil an egg?"]}))           # -> list of responses
-rm = mlflow.pyfunc.load_model("models:/rlhf-reward-model@candidate")
-rm.predict(pd.DataFrame({"prompt": [...], "response": [...]}))                 # -> list of rewards
-"""
+"""The policy's MLflow pyfunc wrapper (rlhflow/serving/__init__.py): generates a response per prompt."""
 
 from __future__ import annotations
 
@@ -12,9 +6,7 @@ from __future__ import annotations
 # logging one imports this module and needs none of it.
 import mlflow.pyfunc
 
-
-def _messages(prompt: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": prompt}]
+from rlhflow.serving import chat_messages
 
 
 class PolicyPyfunc(mlflow.pyfunc.PythonModel):
@@ -30,7 +22,7 @@ class PolicyPyfunc(mlflow.pyfunc.PythonModel):
         from rlhflow.policy import sample_responses
 
         params = params or {}
-        prompts = [_messages(p) for p in model_input["prompt"]]
+        prompts = [chat_messages(p) for p in model_input["prompt"]]
         outs = sample_responses(
             self.model,
             self.tokenizer,
@@ -42,16 +34,3 @@ class PolicyPyfunc(mlflow.pyfunc.PythonModel):
             seed=params.get("seed"),
         )
         return [t for o in outs for t in o.texts]
-
-
-class RewardPyfunc(mlflow.pyfunc.PythonModel):
-    """Normalised reward of each (prompt, response) row."""
-
-    def load_context(self, context):
-        from rlhflow.reward_model import RewardModel
-
-        self.rm = RewardModel.load(context.artifacts["model_dir"])
-
-    def predict(self, context, model_input, params=None):
-        prompts = [_messages(p) for p in model_input["prompt"]]
-        return [float(x) for x in self.rm.score(prompts, list(model_input["response"]))]
