@@ -6,11 +6,13 @@ file is restored (`git checkout`)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from conftest import make_dvc_repo
 
 from rlhflow.codedeps import import_closure
+from rlhflow.config import REPO_ROOT
 from rlhflow.stages import STAGE_NAMES, STAGES
 
 # ---- the import closures ---------------------------------------------------------------------------------------
@@ -52,6 +54,42 @@ def test_the_per_token_kl_and_the_figures_do_not_load_ppo():
     assert import_closure("rlhflow.plots") == ("rlhflow/__init__.py", "rlhflow/plots.py")
     assert "rlhflow/policy.py" not in import_closure("rlhflow.serving.reward")
     assert "rlhflow/reward_model.py" not in import_closure("rlhflow.serving.policy")
+
+
+def code_files(stage) -> set[str]:
+    """The project .py files a stage's deps cover (a listed directory, `rlhflow/ppo`, counts as its files)."""
+    files: set[str] = set()
+    for dep in stage.deps:
+        path = REPO_ROOT / dep
+        if "${" in dep:
+            continue
+        if path.is_dir():
+            files |= {f.relative_to(REPO_ROOT).as_posix() for f in path.rglob("*.py") if "__pycache__" not in f.parts}
+        elif dep.endswith(".py"):
+            files.add(dep)
+    return files
+
+
+def test_docs_state_each_stages_code_files():
+    """docs/dvc.md's table (stage, code files, those besides the shared ones) is what the stage list says."""
+    text = (REPO_ROOT / "docs/dvc.md").read_text()
+    shared = set(import_closure("tasks._common"))
+    section = text[text.index("## Code deps: what an edit reruns") :]
+    section = section[: section.index("\n## ")]
+    stated_shared = re.search(
+        r"the same (\d+) files through\s+`tasks/_common.py` \([^)]*\):(.*?)\. An edit", section, re.S
+    )
+    assert stated_shared, "docs/dvc.md does not state the files every stage imports"
+    assert int(stated_shared[1]) == len(shared) and set(re.findall(r"`([^`]+)`", stated_shared[2])) == shared
+    rows = {
+        m[1]: (int(m[2]), set(re.findall(r"`([^`]+)`", m[3])))
+        for m in re.finditer(r"^\| `(\w+)` \| (\d+) \| (.*) \|$", section, re.M)
+    }
+    assert set(rows) == set(STAGE_NAMES)
+    for s in STAGES:
+        files = code_files(s)
+        assert shared <= files, s.name
+        assert rows[s.name] == (len(files), files - shared), f"docs/dvc.md: {s.name} has {len(files)} code files"
 
 
 # ---- dvc status after an edit, in a real git+DVC repo ----------------------------------------------------------
