@@ -1,4 +1,4 @@
-"""Our engine (rlhflow.ppo.PPOTrainer) on a prepared workload; runs in the project venv.
+"""Our engine (rlhflow.ppo.trainer.PPOTrainer) on a prepared workload; runs in the project venv.
 
     .venv/bin/python -m bench.run_ours --workload-dir bench/.work/tiny --out ours.json --threads 2
 
@@ -23,7 +23,7 @@ def main() -> None:
 
     from rlhflow.config import PPOConfig
     from rlhflow.models import load_causal_lm
-    from rlhflow.ppo import PPOTrainer
+    from rlhflow.ppo.trainer import PPOTrainer
     from rlhflow.reward_model import RewardModel
 
     tokenizer = AutoTokenizer.from_pretrained(root / "policy")

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rlhflow.logits import kl_per_token
 from rlhflow.policy import encode_prompts, pad_sequences, sequence_logprobs
-from rlhflow.ppo.core import kl_per_token
 
 Messages = list[dict[str, str]]
 

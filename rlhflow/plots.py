@@ -5,6 +5,7 @@ metrics/*.csv for `dvc plots show` (see rlhflow/stages.py PLOTS)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import matplotlib
 
@@ -14,9 +15,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from rlhflow.metrics import ConfidenceBucket  # noqa: E402
-
 SFT_COLOR, PPO_COLOR = "tab:gray", "tab:blue"
+
+
+class CalibrationBucket(Protocol):
+    """What `calibration` reads of a confidence bucket (rlhflow.metrics.ConfidenceBucket): described by its
+    fields, so that drawing a figure does not load the model code behind the metrics."""
+
+    pairs: int
+    confidence: float
+    accuracy: float
 
 
 def ppo_curves(history: pd.DataFrame) -> Figure:
@@ -83,7 +91,7 @@ def reward_distributions(sft_rewards: Sequence[float], ppo_rewards: Sequence[flo
     return fig
 
 
-def calibration(buckets: list[ConfidenceBucket]) -> Figure:
+def calibration(buckets: Sequence[CalibrationBucket]) -> Figure:
     """Reliability diagram of the reward model: confidence sigmoid(|margin|) against observed pairwise accuracy."""
     fig, ax = plt.subplots(figsize=(5.5, 4.2), constrained_layout=True)
     ax.plot([0.5, 1.0], [0.5, 1.0], linestyle="--", color="gray", label="perfectly calibrated")

@@ -8,7 +8,8 @@ stages and flows write to the same store).
 from __future__ import annotations
 
 # mlflow (and pandas) are imported inside the functions that use them: importing the flow and the stage modules
-# stays fast, and rlhflow.serving (imported by log_model_dir) is loaded only when a model is logged.
+# stays fast. No model code is imported here: a stage that logs a model hands log_model_dir its pyfunc wrapper
+# class (rlhflow/serving/), so what every stage imports through this module stays small.
 import contextlib
 import os
 import re
@@ -332,11 +333,12 @@ def log_model_dir(
     model_dir: str | os.PathLike,
     *,
     name: str,
-    kind: str,
+    wrapper: type,
     registered_name: str | None = None,
     alias: str = "candidate",
 ) -> str | None:
-    """Log a saved model dir as an MLflow pyfunc model (`kind`: "policy" or "reward") when
+    """Log a saved model dir as an MLflow pyfunc model, an instance of `wrapper` (a `mlflow.pyfunc.PythonModel`
+    subclass: rlhflow.serving.policy.PolicyPyfunc or rlhflow.serving.reward.RewardPyfunc), when
     `tracking.log_models` is on; register it (when `tracking.register_models` is on) and point `alias` at the
     new version. Call this only once the stage has succeeded: a failed run registers nothing."""
     import mlflow
@@ -346,9 +348,6 @@ def log_model_dir(
     if not cfg.tracking.register_models:
         registered_name = None
 
-    from rlhflow.serving import PolicyPyfunc, RewardPyfunc
-
-    wrapper = {"policy": PolicyPyfunc, "reward": RewardPyfunc}[kind]
     info = mlflow.pyfunc.log_model(
         name=name,
         python_model=wrapper(),

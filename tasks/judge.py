@@ -8,7 +8,6 @@ from __future__ import annotations
 from rlhflow import registered_models
 from rlhflow.config import Config
 from tasks._common import StageContext, cli, stage_task
-from tasks.reward_model import train_pairwise_model
 
 NAME = "judge"
 REGISTERED_NAME = registered_models.JUDGE
@@ -16,10 +15,18 @@ REGISTERED_NAME = registered_models.JUDGE
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.reward_model import LENGTH_AWARE_METRICS
+    from rlhflow.reward_training import train_pairwise_model
 
     # its own seed, not the training seed: runs of a seed sweep are judged by the same model
     metrics = train_pairwise_model(
-        cfg, ctx, cfg.judge, split="judge", prefix="judge", registered_name=REGISTERED_NAME, seed=cfg.judge.seed
+        cfg,
+        ctx,
+        cfg.judge,
+        split="judge",
+        prefix="judge",
+        model_name=NAME,
+        registered_name=REGISTERED_NAME,
+        seed=cfg.judge.seed,
     )
     on_parent = {"judge/accuracy", "judge/accuracy_se"} | {f"judge/{k}" for k in LENGTH_AWARE_METRICS}
     ctx.log_metrics({k: v for k, v in metrics.items() if k in on_parent}, on_parent=True)

@@ -125,9 +125,10 @@ def register_policy(cfg: Config, out_dir, algorithm: str) -> None:
     import mlflow
 
     from rlhflow import tracking
+    from rlhflow.serving.policy import PolicyPyfunc
 
     mlflow.set_tag("algorithm", algorithm)
-    version = tracking.log_model_dir(cfg, out_dir, name="policy", kind="policy", registered_name=REGISTERED_NAME)
+    version = tracking.log_model_dir(cfg, out_dir, name="policy", wrapper=PolicyPyfunc, registered_name=REGISTERED_NAME)
     if version is not None:
         mlflow.MlflowClient().set_model_version_tag(REGISTERED_NAME, version, "algorithm", algorithm)
 

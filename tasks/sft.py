@@ -92,6 +92,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.metrics import perplexity
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device, save_plain
     from rlhflow.policy import sample_responses
+    from rlhflow.serving.policy import PolicyPyfunc
     from rlhflow.sft import demonstration_dataset, sft_trainer, train_sft
 
     s = cfg.sft
@@ -173,7 +174,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
         mlflow.log_table({"prompt": list(rows["prompt"]), "response": responses}, artifact_file="sft_samples.json")
     ctx.log_metrics(metrics)
     tracking.log_model_dir(
-        cfg, out_dir, name="sft_model", kind="policy", registered_name=REGISTERED_NAME if s.train else None
+        cfg, out_dir, name="sft_model", wrapper=PolicyPyfunc, registered_name=REGISTERED_NAME if s.train else None
     )
     return metrics
 

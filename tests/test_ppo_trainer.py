@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from rlhflow.config import PPOConfig
 from rlhflow.policy import sequence_logprobs
-from rlhflow.ppo import NonFiniteError, PPOTrainer, core
+from rlhflow.ppo import core
+from rlhflow.ppo.trainer import NonFiniteError, PPOTrainer
 from rlhflow.testing import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -121,10 +121,15 @@ def test_logged_models_carry_signatures(cfg, tmp_path, tiny_model_dir):
     import mlflow
     import pandas as pd
 
+    from rlhflow.serving.policy import PolicyPyfunc
+    from rlhflow.serving.reward import RewardPyfunc
+
     reward_dir = _tiny_reward_model_dir(tiny_model_dir, tmp_path / "reward_model")
     with mlflow.start_run():
-        tracking.log_model_dir(cfg, tiny_model_dir, name="policy", kind="policy", registered_name="rlhf-policy")
-        tracking.log_model_dir(cfg, reward_dir, name="reward_model", kind="reward", registered_name="rlhf-reward")
+        tracking.log_model_dir(cfg, tiny_model_dir, name="policy", wrapper=PolicyPyfunc, registered_name="rlhf-policy")
+        tracking.log_model_dir(
+            cfg, reward_dir, name="reward_model", wrapper=RewardPyfunc, registered_name="rlhf-reward"
+        )
 
     policy = mlflow.pyfunc.load_model("models:/rlhf-policy@candidate")
     assert _columns(policy.metadata.get_input_schema()) == [("prompt", "string")]

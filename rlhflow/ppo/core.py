@@ -16,6 +16,9 @@ from collections.abc import Callable
 
 import torch
 
+# the per-token KL estimators live with the other logit math (evaluation measures KL too); PPO uses them from here
+from rlhflow.logits import kl_per_token as kl_per_token
+
 # ---- masked statistics ---------------------------------------------------------------------------
 
 
@@ -72,21 +75,6 @@ def masked_whiten(
 
 
 # ---- KL to the reference and per-token rewards ---------------------------------------------------
-
-
-def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from the sampled token's log-probabilities.
-
-    k1 = log p - log p_ref                 (unbiased, can be negative)
-    k3 = (r - 1) - log r, r = p_ref / p    (unbiased, always >= 0, lower variance)
-    """
-    log_ratio = logprobs - ref_logprobs  # log p - log p_ref
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k3":
-        log_r = -log_ratio  # log(p_ref / p)
-        return torch.expm1(log_r) - log_r  # (r - 1) - log r, expm1 for precision near r = 1
-    raise ValueError(f"unknown KL estimator {estimator!r} (expected 'k1' or 'k3')")
 
 
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:

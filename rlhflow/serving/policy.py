@@ -1,12 +1,4 @@
-"""MLflow pyfunc wrappers, so the logged models load and predict anywhere with `mlflow.pyfunc.load_model`:
-
-policy = mlflow.pyfunc.load_model("models:/rlhf-policy@candidate")
-policy.predict(pd.DataFrame({"prompt": ["How do I boil an egg?"]}))           # -> list of responses
-rm = mlflow.pyfunc.load_model("models:/rlhf-reward-model@candidate")
-rm.predict(pd.DataFrame({"prompt": [...], "response": [...]}))                 # -> list of rewards
-
-Each wrapper carries the signature and input example it is logged with (`SIGNATURE`, `INPUT_EXAMPLE`).
-"""
+"""The policy's MLflow pyfunc wrapper (rlhflow/serving/__init__.py): generates a response per prompt."""
 
 from __future__ import annotations
 
@@ -17,12 +9,7 @@ import pandas as pd
 from mlflow.models import ModelSignature
 from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
-_PROMPT = "How do I boil an egg?"
-_RESPONSE = "Simmer it for nine minutes, then cool it in cold water."
-
-
-def _messages(prompt: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": prompt}]
+from rlhflow.serving import EXAMPLE_PROMPT, chat_messages
 
 
 class PolicyPyfunc(mlflow.pyfunc.PythonModel):
@@ -42,7 +29,7 @@ class PolicyPyfunc(mlflow.pyfunc.PythonModel):
         inputs=Schema([ColSpec("string", "prompt")]), outputs=Schema([ColSpec("string", "response")]), params=PARAMS
     )
     # MLflow runs the logged model on its example before registering it: a few tokens keep that short
-    INPUT_EXAMPLE = (pd.DataFrame({"prompt": [_PROMPT]}), {"max_new_tokens": 4})
+    INPUT_EXAMPLE = (pd.DataFrame({"prompt": [EXAMPLE_PROMPT]}), {"max_new_tokens": 4})
 
     def load_context(self, context):
         from rlhflow.models import load_causal_lm, load_tokenizer
@@ -54,7 +41,7 @@ class PolicyPyfunc(mlflow.pyfunc.PythonModel):
         from rlhflow.policy import sample_responses
 
         params = {**{p.name: p.default for p in self.PARAMS.params}, **(params or {})}
-        prompts = [_messages(p) for p in model_input["prompt"]]
+        prompts = [chat_messages(p) for p in model_input["prompt"]]
         outs = sample_responses(
             self.model,
             self.tokenizer,
@@ -66,22 +53,3 @@ class PolicyPyfunc(mlflow.pyfunc.PythonModel):
             seed=None if params["seed"] is None else int(params["seed"]),
         )
         return [t for o in outs for t in o.texts]
-
-
-class RewardPyfunc(mlflow.pyfunc.PythonModel):
-    """Normalised reward of each (prompt, response) row."""
-
-    SIGNATURE = ModelSignature(
-        inputs=Schema([ColSpec("string", "prompt"), ColSpec("string", "response")]),
-        outputs=Schema([ColSpec("double", "score")]),
-    )
-    INPUT_EXAMPLE = pd.DataFrame({"prompt": [_PROMPT], "response": [_RESPONSE]})
-
-    def load_context(self, context):
-        from rlhflow.reward_model import RewardModel
-
-        self.rm = RewardModel.load(context.artifacts["model_dir"])
-
-    def predict(self, context, model_input, params=None):
-        prompts = [_messages(p) for p in model_input["prompt"]]
-        return [float(x) for x in self.rm.score(prompts, list(model_input["response"]))]

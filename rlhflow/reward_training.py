@@ -1,0 +1,112 @@
+"""The training body the reward_model and judge stages share (tasks/reward_model.py, tasks/judge.py): train a
+Bradley-Terry reward model on one validated split, score the held-out test pairs, log and register it. It lives
+here, not in a stage module, so that neither stage module imports the other."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from rlhflow.config import Config, RewardModelConfig
+
+
+class StageLog(Protocol):
+    """What the body needs of the stage context (tasks/_common.py StageContext): whether this process logs and
+    writes (rank 0), and where its metrics go."""
+
+    main_process: bool
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
+
+
+def backbone_spec(cfg: Config, rm_cfg: RewardModelConfig) -> str:
+    return str(cfg.path(cfg.sft.out_dir)) if rm_cfg.backbone == "sft" else rm_cfg.backbone
+
+
+def checkpoint_fingerprint(cfg: Config, rm_cfg: RewardModelConfig, train_file: Path, seed: int) -> str:
+    """What a Trainer checkpoint must have been made from to be resumed: the same reward-model settings (where
+    checkpoints go and how often aside), seed, backbone, training data and number of processes."""
+    from rlhflow import distributed
+    from rlhflow.hashing import inputs_fingerprint
+
+    backbone = backbone_spec(cfg, rm_cfg)
+    files = [train_file]
+    if Path(backbone).is_dir():
+        files += sorted(Path(backbone).glob("*.safetensors"))
+    settings = rm_cfg.model_dump(exclude={"out_dir", "checkpoint_dir", "checkpoint_every", "eval_batch_size"})
+    return inputs_fingerprint(
+        files, reward_model=settings, backbone=backbone, seed=seed, processes=distributed.world_size()
+    )
+
+
+def train_pairwise_model(
+    cfg: Config,
+    ctx: StageLog,
+    rm_cfg: RewardModelConfig,
+    *,
+    split: str,
+    prefix: str,
+    model_name: str,
+    registered_name: str,
+    seed: int,
+) -> dict[str, float]:
+    """Train a reward model (the proxy or the judge) on one validated split, score the test split, log and register
+    it (as `model_name` in the run, `registered_name` in the registry). Metrics are named `<prefix>/accuracy`,
+    `<prefix>/accuracy_se`, `<prefix>/margin`, ..."""
+    import shutil
+    import tempfile
+
+    import mlflow
+
+    from rlhflow import distributed, tracking
+    from rlhflow.data.formats import read_jsonl
+    from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir
+    from rlhflow.reward_model import LENGTH_AWARE_METRICS, evaluate_pairs, train_reward_model
+    from rlhflow.serving.reward import RewardPyfunc
+
+    validated = cfg.path(cfg.validate_.out_dir)
+    train_file = validated / f"{split}.jsonl"
+    if not train_file.exists():
+        raise FileNotFoundError(f"{train_file}: no {split} split; run the validate stage first")
+    train_rows = read_jsonl(train_file).to_dict("records")
+    test_rows = read_jsonl(validated / "test.jsonl").to_dict("records")
+
+    if ctx.main_process:
+        tracking.log_dataset(train_file, name=f"preferences-{split}", context="training")
+    out_dir = cfg.path(rm_cfg.out_dir)
+    # the other processes of a multi-process run write only into a scratch dir, which is thrown away
+    output = atomic_dir(out_dir) if ctx.main_process else tempfile.TemporaryDirectory()
+    # Trainer checkpoints of an interrupted run with the same inputs are resumed from; others are dropped
+    checkpoint_dir = cfg.path(rm_cfg.checkpoint_dir)
+    if ctx.main_process:
+        prepare_checkpoint_dir(checkpoint_dir, checkpoint_fingerprint(cfg, rm_cfg, train_file, seed))
+    distributed.barrier()
+    with output as tmp:
+        rm = train_reward_model(
+            rm_cfg,
+            train_rows,
+            backbone=backbone_spec(cfg, rm_cfg),
+            out_dir=tmp,
+            work_dir=checkpoint_dir,
+            seed=seed,
+            log_fn=lambda m, step: ctx.log_metrics({f"{prefix}/{k}": v for k, v in m.items()}, step=step),
+            trust_remote_code=cfg.sft.trust_remote_code,
+        )
+        if rm is None:  # not the main process: its part of the training is done
+            return {}
+        held_out = evaluate_pairs(rm, test_rows).metrics
+        metrics = {
+            f"{prefix}/accuracy": held_out["accuracy"],
+            f"{prefix}/accuracy_se": held_out["accuracy_se"],
+            **{f"{prefix}/{key}": held_out[key] for key in LENGTH_AWARE_METRICS},
+            f"{prefix}/margin": held_out["margin_mean"],
+            f"{prefix}/eval_pairs": held_out["pairs"],
+            f"{prefix}/train_pairs": float(len(train_rows)),
+            f"{prefix}/score_mean": rm.mean,
+            f"{prefix}/score_std": rm.std,
+        }
+    shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
+    ctx.log_metrics(metrics)
+    mlflow.log_dict({"normalization": {"mean": rm.mean, "std": rm.std}}, "reward_normalization.json")
+    tracking.log_model_dir(cfg, out_dir, name=model_name, wrapper=RewardPyfunc, registered_name=registered_name)
+    return metrics

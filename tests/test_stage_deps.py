@@ -1,0 +1,152 @@
+"""An edit reruns only what it touches: each stage's code deps (dvc.yaml, from rlhflow/codedeps.py) are the files it
+runs. Checked statically on the import closures, and for real: one tiny `dvc repro` in a git repo copy of the
+project, then for each file a comment line appended, `dvc status` names exactly the stages that changed, and the
+file is restored (`git checkout`)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from conftest import make_dvc_repo
+
+from rlhflow.codedeps import import_closure
+from rlhflow.config import REPO_ROOT
+from rlhflow.stages import STAGE_NAMES, STAGES
+
+# ---- the import closures ---------------------------------------------------------------------------------------
+
+# files that only some stages run: what every stage imports (tasks/_common.py and the tracking it uses) loads none
+STAGE_SPECIFIC = {
+    "rlhflow/models.py",
+    "rlhflow/policy.py",
+    "rlhflow/reward_model.py",
+    "rlhflow/reward_training.py",
+    "rlhflow/metrics.py",
+    "rlhflow/packed.py",
+    "rlhflow/logits.py",
+    "rlhflow/validation.py",
+    "rlhflow/data/formats.py",
+    "rlhflow/ppo/__init__.py",
+    "rlhflow/serving/__init__.py",
+}
+
+
+def test_no_stage_module_imports_another_stage_module():
+    for s in STAGES:
+        tasks_files = {f for f in import_closure(s.module) if f.startswith("tasks/")}
+        assert tasks_files == {"tasks/__init__.py", "tasks/_common.py", f"tasks/{s.name}.py"}, s.name
+
+
+@pytest.mark.parametrize("module", ["tasks._common", "rlhflow.tracking"])
+def test_what_every_stage_imports_loads_no_stage_specific_code(module):
+    assert not set(import_closure(module)) & STAGE_SPECIFIC, import_closure(module)
+
+
+@pytest.mark.parametrize("package", ["rlhflow.ppo", "rlhflow.serving"])
+def test_package_inits_import_none_of_their_modules(package):
+    assert import_closure(package) == ("rlhflow/__init__.py", f"{package.replace('.', '/')}/__init__.py")
+
+
+def test_the_per_token_kl_and_the_figures_do_not_load_ppo():
+    assert not [f for f in import_closure("rlhflow.metrics") if f.startswith("rlhflow/ppo/")]
+    assert import_closure("rlhflow.plots") == ("rlhflow/__init__.py", "rlhflow/plots.py")
+    assert "rlhflow/policy.py" not in import_closure("rlhflow.serving.reward")
+    assert "rlhflow/reward_model.py" not in import_closure("rlhflow.serving.policy")
+
+
+def code_files(stage) -> set[str]:
+    """The project .py files a stage's deps cover (a listed directory, `rlhflow/ppo`, counts as its files)."""
+    files: set[str] = set()
+    for dep in stage.deps:
+        path = REPO_ROOT / dep
+        if "${" in dep:
+            continue
+        if path.is_dir():
+            files |= {f.relative_to(REPO_ROOT).as_posix() for f in path.rglob("*.py") if "__pycache__" not in f.parts}
+        elif dep.endswith(".py"):
+            files.add(dep)
+    return files
+
+
+def test_docs_state_each_stages_code_files():
+    """docs/dvc.md's table (stage, code files, those besides the shared ones) is what the stage list says."""
+    text = (REPO_ROOT / "docs/dvc.md").read_text()
+    shared = set(import_closure("tasks._common"))
+    section = text[text.index("## Code deps: what an edit reruns") :]
+    section = section[: section.index("\n## ")]
+    stated_shared = re.search(
+        r"the same (\d+) files through\s+`tasks/_common.py` \([^)]*\):(.*?)\. An edit", section, re.S
+    )
+    assert stated_shared, "docs/dvc.md does not state the files every stage imports"
+    assert int(stated_shared[1]) == len(shared) and set(re.findall(r"`([^`]+)`", stated_shared[2])) == shared
+    rows = {
+        m[1]: (int(m[2]), set(re.findall(r"`([^`]+)`", m[3])))
+        for m in re.finditer(r"^\| `(\w+)` \| (\d+) \| (.*) \|$", section, re.M)
+    }
+    assert set(rows) == set(STAGE_NAMES)
+    for s in STAGES:
+        files = code_files(s)
+        assert shared <= files, s.name
+        assert rows[s.name] == (len(files), files - shared), f"docs/dvc.md: {s.name} has {len(files)} code files"
+
+
+# ---- dvc status after an edit, in a real git+DVC repo ----------------------------------------------------------
+
+EVERY_STAGE = set(STAGE_NAMES)
+
+# file edited -> the stages `dvc status` reports changed (their own code deps; downstream stages follow only once
+# these rerun and change their outputs)
+STALE_AFTER_EDIT = {
+    "rlhflow/ppo/core.py": {"ppo"},
+    "rlhflow/ppo/trainer.py": {"ppo"},
+    "rlhflow/reward_model.py": {"reward_model", "judge", "ppo", "evaluate"},
+    "rlhflow/reward_training.py": {"reward_model", "judge"},
+    "tasks/reward_model.py": {"reward_model"},
+    "rlhflow/validation.py": {"validate", "sft"},
+    "rlhflow/policy.py": {"sft", "ppo", "evaluate"},
+    "rlhflow/metrics.py": {"sft", "evaluate"},
+    "rlhflow/plots.py": {"evaluate"},
+    "rlhflow/serving/reward.py": {"reward_model", "judge"},
+    "rlhflow/serving/policy.py": {"sft", "ppo"},
+    "rlhflow/data/demo.py": {"demo_data"},
+    "rlhflow/tracking.py": EVERY_STAGE,
+}
+
+
+@pytest.fixture(scope="module")
+def reproduced(tmp_path_factory, tiny_model_dir):
+    """A git repo copy of the project after one tiny `dvc repro`; yields its `run(*cmd)`."""
+    repo = tmp_path_factory.mktemp("deps") / "repo"
+    run = make_dvc_repo(repo, tiny_model_dir)
+    done = run("dvc", "repro")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return repo, run
+
+
+def changed_stages(run) -> set[str]:
+    done = run("dvc", "status", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    return set(json.loads(done.stdout or "{}"))
+
+
+@pytest.mark.system
+def test_after_repro_every_stage_is_up_to_date(reproduced):
+    _, run = reproduced
+    assert changed_stages(run) == set()
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("path", sorted(STALE_AFTER_EDIT))
+def test_an_edit_changes_only_the_stages_that_run_the_file(reproduced, path):
+    repo, run = reproduced
+    with (repo / path).open("a") as f:
+        f.write("# an edit\n")
+    try:
+        changed = changed_stages(run)
+    finally:
+        restored = run("git", "checkout", "--", path)
+    assert restored.returncode == 0, restored.stderr
+    assert changed == STALE_AFTER_EDIT[path], f"{path}: up to date: {sorted(EVERY_STAGE - changed)}"
+    assert changed_stages(run) == set()  # restored: nothing left changed
