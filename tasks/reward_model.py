@@ -1,5 +1,6 @@
 """Stage reward_model: train the proxy Bradley-Terry reward model with trl's RewardTrainer on the validated train
-pairs, report pairwise accuracy (with its standard error) on the held-out test pairs, and register the model as
+pairs, report pairwise accuracy (with its interval, beside the length rule) on the held-out test pairs, and register
+the model as
 `rlhf-reward-model` (alias `candidate`). PPO optimises against this model; the judge stage trains another one."""
 
 from __future__ import annotations
@@ -12,16 +13,6 @@ from tasks._common import StageContext, cli, stage_task
 
 NAME = "reward_model"
 REGISTERED_NAME = registered_models.REWARD_MODEL
-LENGTH_AWARE_KEYS = (
-    "accuracy_ci_low",
-    "accuracy_ci_high",
-    "length_baseline_accuracy",
-    "length_baseline_accuracy_ci_low",
-    "length_baseline_accuracy_ci_high",
-    "accuracy_minus_length_baseline",
-    "accuracy_minus_length_baseline_ci_low",
-    "accuracy_minus_length_baseline_ci_high",
-)
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
