@@ -1,7 +1,7 @@
 """Stage reward_model: train the proxy Bradley-Terry reward model with trl's RewardTrainer on the validated train
 pairs, report pairwise accuracy (with its interval, beside the length rule) on the held-out test pairs, and register
-the model as
-`rlhf-reward-model` (alias `candidate`). PPO optimises against this model; the judge stage trains another one."""
+the model as `rlhf-reward-model` (alias `candidate`). PPO optimises against this model; the judge stage trains
+another one."""
 
 from __future__ import annotations
 
