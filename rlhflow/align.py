@@ -28,7 +28,7 @@ import torch
 from rlhflow import distributed
 from rlhflow.config import Config
 from rlhflow.hf_trainer import checkpoint_args, train_resuming, use_bf16
-from rlhflow.policy import prompt_text, stop_token_ids
+from rlhflow.policy import prompt_ids, prompt_text, stop_token_ids
 
 LogFn = Callable[[dict, int], None]  # (metrics, step)
 PREFIX = "align/"
@@ -178,21 +178,14 @@ class ProxyReward:
 # ---- prompts and pairs as PPO sees them ----------------------------------------------------------
 
 
-def encode_prompt(tokenizer, messages: Sequence[dict], max_prompt_length: int) -> list[int]:
-    """One prompt's ids as PPO's rollout encodes it (rlhflow.policy.encode_prompts): chat template with the
-    generation prompt (plain text without one), the last `max_prompt_length` tokens."""
-    text, add_special = prompt_text(tokenizer, list(messages))
-    return list(tokenizer(text, add_special_tokens=add_special)["input_ids"])[-max_prompt_length:]
-
-
 class PPOPrompts:
-    """Mixed into trl's GRPOTrainer / RLOOTrainer: prompts are tokenised as PPO tokenises them (`encode_prompt`),
-    left-truncated to `max_prompt_length` (trl 1.16 has no prompt length limit of its own)."""
+    """Mixed into trl's GRPOTrainer / RLOOTrainer: prompts are tokenised as PPO tokenises them
+    (`rlhflow.policy.prompt_ids`), left-truncated to `max_prompt_length` (trl 1.16 has no prompt length limit)."""
 
     max_prompt_length: int = 192
 
     def _tokenize_prompts(self, prompts: list):
-        ids = [encode_prompt(self.processing_class, _messages(p), self.max_prompt_length) for p in prompts]
+        ids = [prompt_ids(self.processing_class, list(_messages(p)), self.max_prompt_length) for p in prompts]
         return ids, None, {}
 
 
@@ -418,7 +411,7 @@ def build_trainer(
             raise ValueError(f"align.algorithm={algorithm} needs a reward source")
         reward = ProxyReward(
             score_fn,
-            eos_ids=stop_token_ids(tokenizer, cfg.ppo.stop_strings),
+            eos_ids=stop_token_ids(tokenizer, policy, cfg.ppo.stop_strings),
             missing_eos_penalty=cfg.ppo.missing_eos_penalty,
             record_dir=Path(work_dir) / SCORED_DIR,
         )
@@ -462,7 +455,7 @@ def train_policy(
     """Train the policy with `align.algorithm` (resuming from the last complete Trainer checkpoint in `work_dir`,
     which the caller keeps only for the same inputs) and return (trained policy, per-step history)."""
     algorithm = cfg.align.algorithm
-    with neutral_generation_config(policy, stop_token_ids(tokenizer, cfg.ppo.stop_strings)):
+    with neutral_generation_config(policy, stop_token_ids(tokenizer, policy, cfg.ppo.stop_strings)):
         trainer = build_trainer(
             cfg,
             policy=policy,
