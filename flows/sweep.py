@@ -44,6 +44,7 @@ class PointOutcome:
     status: str  # finished | reused | failed: <error>
     run_id: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    algorithm: str = "ppo"  # align.algorithm: what made the point's policy
 
     @property
     def label(self) -> str:
@@ -92,13 +93,13 @@ def run_point(cfg: Config, overrides: list[str], sweep_run_id: str) -> PointOutc
     done = finished_point(cfg)
     if done is not None:
         print(f"sweep: {', '.join(overrides)}: finished before (MLflow run {done.info.run_id}), not rerun")
-        return PointOutcome(overrides, "reused", done.info.run_id, dict(done.data.metrics))
+        return PointOutcome(overrides, "reused", done.info.run_id, dict(done.data.metrics), cfg.align.algorithm)
     print(f"sweep: {', '.join(overrides)}: running")
     try:
         metrics = rlhf_pipeline(config=cfg, parent_run=sweep_run_id)
     except Exception as err:  # reported; the other points go on
         print(f"sweep: {', '.join(overrides)}: FAILED: {type(err).__name__}: {err}")
-        return PointOutcome(overrides, f"failed: {type(err).__name__}: {err}"[:300])
+        return PointOutcome(overrides, f"failed: {type(err).__name__}: {err}"[:300], algorithm=cfg.align.algorithm)
     client = mlflow.MlflowClient()
     run = client.search_runs(
         [client.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
@@ -107,7 +108,7 @@ def run_point(cfg: Config, overrides: list[str], sweep_run_id: str) -> PointOutc
         order_by=["attributes.start_time DESC"],
         max_results=1,
     )
-    return PointOutcome(overrides, "finished", run[0].info.run_id if run else None, metrics)
+    return PointOutcome(overrides, "finished", run[0].info.run_id if run else None, metrics, cfg.align.algorithm)
 
 
 def best_of_n_baseline(cfg: Config, ns: list[int]):
@@ -181,7 +182,12 @@ def policy_point(outcome: PointOutcome):
     ]
     extra = {k.removeprefix("eval/"): m[k] for k in extra_keys if k in m}
     return FrontierPoint(
-        "ppo", outcome.label, m["eval/kl"], interval("eval/reward_mean"), interval("eval/judge_reward_mean"), extra
+        outcome.algorithm,
+        outcome.label,
+        m["eval/kl"],
+        interval("eval/reward_mean"),
+        interval("eval/judge_reward_mean"),
+        extra,
     )
 
 
