@@ -282,12 +282,14 @@ def test_default_demonstrations_are_the_train_splits_chosen_responses(validated,
 def test_held_out_splits_are_refused(validated, tiny_model_dir, split):
     with pytest.raises(ValueError, match="is a held-out split"):
         checked(validated, f"sft.model={tiny_model_dir}", f"sft.train_data={validated / f'{split}.jsonl'}")
-    # a file of its own that holds prompts of a held-out split: refused, naming the rows
+    # a file of its own that holds a conversation of a held-out split (here as a raw HH transcript that continues
+    # it): refused, naming the rows
+    continued = f"Human: {split} prompt 2\n\nAssistant: Sure.\n\nHuman: And then?\n\nAssistant:"
     mixed = write_lines(
         validated.parent / "mixed.jsonl",
-        [{"prompt": "a new prompt", "completion": ANSWER}, {"prompt": f"{split} prompt 2", "completion": ANSWER}],
+        [{"prompt": "a new prompt", "completion": ANSWER}, {"prompt": continued, "completion": ANSWER}],
     )
-    with pytest.raises(ValueError, match=rf"1 with a prompt of the {split} split \(rows \[2\]\)"):
+    with pytest.raises(ValueError, match=rf"1 in a conversation of the {split} split \(rows \[2\]\)"):
         checked(validated, f"sft.model={tiny_model_dir}", f"sft.train_data={mixed}")
 
 
