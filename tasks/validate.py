@@ -68,9 +68,10 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
                 shutil.rmtree(failed_dir, ignore_errors=True)
                 shutil.copytree(tmp_report, failed_dir)
                 raise
+            written = {split: result.kept(split, df) for split, df in splits.items()}
             with atomic_dir(out_dir) as tmp_out:
-                for split, df in splits.items():  # train.jsonl, judge.jsonl, test.jsonl
-                    write_jsonl(result.kept(split, df), tmp_out / f"{split}.jsonl")
+                for split, df in written.items():  # train.jsonl, judge.jsonl, test.jsonl
+                    write_jsonl(df, tmp_out / f"{split}.jsonl")
     except DataValidationError:
         if failed_dir.exists():
             mlflow.log_artifacts(str(failed_dir), artifact_path="validation_failed")
@@ -84,7 +85,6 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
         tracking.log_dataset(out_dir / "judge.jsonl", name="preferences-judge", context="judge")
     for reason, count in sorted(result.dropped_per_reason.items()):
         print(f"validate: dropped {count} row(s): {reason}", flush=True)
-    written = {split: result.kept(split, df) for split, df in splits.items()}
     summary = result.summary() | {
         "validate/cross_split_prefix_pairs": float(cross_split_prefix_pairs(written)),
         "validate/rows_shared_with_test_file": float(shared_with_test),

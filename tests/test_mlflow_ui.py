@@ -148,6 +148,31 @@ def _close_assistant(pg) -> None:
         close.click()
 
 
+@contextlib.contextmanager
+def screenshots(page, capsys):
+    """Yields `take(name)`, which saves a full-page screenshot in test-artifacts/; on failure one more is taken, and
+    the paths are printed whether the checks pass or fail."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    shots: list[Path] = []
+
+    def take(name: str) -> None:
+        path = ARTIFACTS / f"mlflow-ui-{name}.png"
+        page.screenshot(path=str(path), full_page=True)
+        shots.append(path)
+
+    try:
+        yield take
+    except BaseException:
+        try:
+            take("failure")
+        except Exception as err:  # a dead page must not hide the failure itself
+            print(f"no failure screenshot: {err}")
+        raise
+    finally:
+        with capsys.disabled():
+            print(f"\nMLflow UI screenshots: {', '.join(str(p) for p in shots)}")
+
+
 def test_mlflow_ui_shows_the_parent_run_its_stage_runs_and_the_eval_metrics(
     chromium, finished_run, mlflow_ui, page, capsys
 ):
@@ -161,16 +186,8 @@ def test_mlflow_ui_shows_the_parent_run_its_stage_runs_and_the_eval_metrics(
     children = {r.data.tags["stage"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
     assert sorted(children) == sorted(STAGE_NAMES)  # the store itself is right; the rest checks what the UI shows
 
-    ARTIFACTS.mkdir(exist_ok=True)
-    shots: list[Path] = []
-
-    def screenshot(name: str) -> None:
-        path = ARTIFACTS / f"mlflow-ui-{name}.png"
-        page.screenshot(path=str(path), full_page=True)
-        shots.append(path)
-
     exp_url = f"{mlflow_ui}/#/experiments/{exp.experiment_id}"
-    try:
+    with screenshots(page, capsys) as screenshot:
         # the experiment's runs page: the parent run, its stage runs nested under it (shown once expanded)
         page.goto(f"{exp_url}/runs")
         parent_link = page.get_by_role("link", name="pipeline", exact=True)
@@ -221,15 +238,6 @@ def test_mlflow_ui_shows_the_parent_run_its_stage_runs_and_the_eval_metrics(
         rows["rm/accuracy"].scroll_into_view_if_needed()  # the metrics table scrolls: show the RM accuracy too
         expect(rows["rm/accuracy"]).to_be_in_viewport()
         screenshot("parent-run-rm-accuracy")
-    except BaseException:
-        try:
-            screenshot("failure")
-        except Exception as err:  # a dead page must not hide the failure itself
-            print(f"no failure screenshot: {err}")
-        raise
-    finally:
-        with capsys.disabled():
-            print(f"\nMLflow UI screenshots: {', '.join(str(p) for p in shots)}")
 
 
 @pytest.fixture(scope="module")
@@ -263,15 +271,7 @@ def test_mlflow_compare_view_shows_the_sweep_points_params_and_eval_metrics(
     sweep, points = sweep_points
     assert [p.data.params["ppo.kl_coef"] for p in points] == ["0.01", "0.5"]
     exp_id = sweep.info.experiment_id
-    ARTIFACTS.mkdir(exist_ok=True)
-    shots: list[Path] = []
-
-    def screenshot(name: str) -> None:
-        path = ARTIFACTS / f"mlflow-ui-{name}.png"
-        page.screenshot(path=str(path), full_page=True)
-        shots.append(path)
-
-    try:
+    with screenshots(page, capsys) as screenshot:
         # the sweep run's page links its points (its child runs) and carries the frontier table as its description
         page.goto(f"{mlflow_ui}/#/experiments/{exp_id}/runs/{sweep.info.run_id}")
         expect(page.get_by_role("heading", name="sweep", exact=True)).to_be_visible()
@@ -298,12 +298,3 @@ def test_mlflow_compare_view_shows_the_sweep_points_params_and_eval_metrics(
             value = f"{round(point.data.metrics['eval/judge_reward_mean'], 3):g}"
             assert value in shown, f"eval/judge_reward_mean {value} of {point.info.run_id} is not shown"
         screenshot("compare-points")
-    except BaseException:
-        try:
-            screenshot("compare-failure")
-        except Exception as err:
-            print(f"no failure screenshot: {err}")
-        raise
-    finally:
-        with capsys.disabled():
-            print(f"\nMLflow UI screenshots: {', '.join(str(p) for p in shots)}")
