@@ -95,7 +95,7 @@ docs: setup
 	$(BIN)/mkdocs build --strict --site-dir site
 
 dvc-yaml: setup
-	$(BIN)/python -m rlhflow.stages > dvc.yaml
+	$(BIN)/python -m rlhfops.dvc_yaml > dvc.yaml
 
 clean:
 	rm -rf models metrics reports data/raw data/validated checkpoints mlflow.db mlartifacts

@@ -94,9 +94,9 @@ def run_direct(overrides: list[str], out: Path) -> None:
     import importlib
 
     from flows.pipeline import selected_stages
-    from rlhflow import tracking
     from rlhflow.config import load_config
-    from tasks._common import StageContext
+    from rlhfops import tracking
+    from rlhfops.stage_runner import StageContext
 
     class DirectContext(StageContext):
         def log_metrics(self, metrics, step=None, *, on_parent=False):  # direct: nothing is tracked
@@ -113,7 +113,7 @@ def run_direct(overrides: list[str], out: Path) -> None:
     out.write_text(json.dumps(times))
 
 
-# What the flow's stage bodies do for tracking that the direct loop does not (rlhflow.tracking functions).
+# What the flow's stage bodies do for tracking that the direct loop does not (rlhfops.tracking functions).
 TRACKING_IN_BODIES = (
     "log_metrics",
     "log_model_dir",
@@ -130,9 +130,9 @@ def run_flow(argv: list[str], out: Path) -> None:
 
     import psutil
 
-    import tasks._common as common
+    import rlhfops.stage_runner as common
     from flows import pipeline
-    from rlhflow import tracking
+    from rlhfops import tracking
 
     in_body, depth = [False], [0]
     spent = dict.fromkeys(TRACKING_IN_BODIES, 0.0)
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="rlhflow-orch-"))
     base = list(SHORTENED) if args.short else []
     if args.tiny:
-        from rlhflow.testing import write_tiny_model
+        from tests.fixtures import write_tiny_model
 
         model = write_tiny_model(tmp / "tiny-model")
         base = TINY + [f"sft.model={model}"]

@@ -88,9 +88,9 @@ TIMED: dict[str, list[str]] = {
         "rlhflow.ppo.trainer.PPOTrainer._in_chunks",  # the rollout's log-prob and value passes
         "rlhflow.policy.PolicyAndValue.from_generation",
     ],
-    "recording": ["rlhflow.hashing.*", "rlhflow.lineage.*"],  # hashes, DVC checks, records and cache
+    "recording": ["rlhfops.hashing.*", "rlhflow.lineage.*"],  # hashes, DVC checks, records and cache
     "mlflow": [
-        "rlhflow.tracking.*",
+        "rlhfops.tracking.*",
         "mlflow.*",  # the fluent API: runs, params, metrics, artifacts, tags
         "mlflow.MlflowClient.*",  # the registry, batches of metrics, searches
         "mlflow.MlflowClient.__init__",
@@ -102,7 +102,7 @@ TIMED: dict[str, list[str]] = {
 CATEGORIES = [*TIMED, "other"]
 OUTSIDE = "outside stages"
 # the packages whose modules may hold a timed function under their own name (`from rlhflow.policy import generate`)
-PROJECT_PACKAGES = ("rlhflow", "tasks", "flows", "bench")
+PROJECT_PACKAGES = ("rlhflow", "rlhfops", "tasks", "flows", "bench")
 
 
 def empty_row() -> dict:
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         base: list[str] = []
         if args.tiny:
-            from rlhflow.testing import write_tiny_model
+            from tests.fixtures import write_tiny_model
 
             base = [*TINY, f"sft.model={write_tiny_model(root / 'tiny-model')}"]
         overrides = root_overrides(root / "run", demo_data=args.tiny) + base + args.overrides

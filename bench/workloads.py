@@ -130,7 +130,7 @@ def _policy_and_tokenizer(model: str):
     from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
     from rlhflow.models import load_causal_lm
-    from rlhflow.testing import tiny_llama, tiny_tokenizer
+    from tests.fixtures import tiny_llama, tiny_tokenizer
 
     torch.manual_seed(0)
     if model == "tiny":

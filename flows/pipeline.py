@@ -1,4 +1,4 @@
-"""The full RLHF pipeline as one Prefect flow: the stages of rlhflow.stages.STAGES, in order, inside one
+"""The full RLHF pipeline as one Prefect flow: the stages of rlhfops.stages.STAGES, in order, inside one
 MLflow parent run (one child run per stage that runs). Run it with
 
     python -m flows.pipeline [--params params.yaml] [--set ppo.kl_coef=0.1 ...] [--stages ppo,evaluate] [--force]
@@ -6,14 +6,14 @@ MLflow parent run (one child run per stage that runs). Run it with
 or from the Prefect UI (see `make ui` and flows/serve.py). A failing stage fails the flow, marks the parent run
 FAILED and stops everything downstream.
 
-- Skipping and recording are DVC's (rlhflow/lineage.py): a stage DVC finds unchanged (`changed()`, as
+- Skipping and recording are DVC's (rlhfops/stage_lock.py): a stage DVC finds unchanged (`changed()`, as
   `dvc repro` asks it) is skipped and its recorded metrics (metrics/<stage>.json) are reported instead; a stage
   that ran is committed as `dvc repro` commits it (outputs into the DVC cache, its dvc.lock entry), so after a
   flow run `dvc status` is clean and `dvc repro` does nothing. `force=True` runs everything.
 - The parent run is restorable: artifacts `dvc.lock` (its stages' lock entries), `params.yaml` and the uncached
   outputs; `python -m flows.restore RUN_ID` puts its outputs back (flows/restore.py). A run with overrides
   (`--set`, the Prefect form) is also saved as a DVC experiment, listed by `dvc exp show`. See docs/lineage.md.
-- One run at a time per workspace (rlhflow/workspace.py): a second flow run started meanwhile waits for the whole
+- One run at a time per workspace (rlhfops/workspace.py): a second flow run started meanwhile waits for the whole
   first run and says so in its log. Accelerator stages also hold a slot of the Prefect global concurrency limit
   TRAINING_LIMIT (1 slot unless changed with `prefect gcl update`), so runs of several workspaces that share a
   Prefect server never train on the same GPU at once.
@@ -37,9 +37,9 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from flows import report
-from rlhflow import lineage, tracking, workspace
 from rlhflow.config import Config, apply_overrides, config_from_dict, load_config, parse_config_args
-from rlhflow.stages import STAGE_NAMES, STAGES, get_stage
+from rlhfops import restore, run_record, stage_lock, tracking, workspace
+from rlhfops.stages import STAGE_NAMES, STAGES, get_stage
 
 StageName = Literal[tuple(STAGE_NAMES)]  # an enum in the parameter form
 
@@ -136,19 +136,19 @@ def reset_training_limit() -> tuple[int, int]:
 @task(name="check-up-to-date", **TRANSIENT_RETRIES)
 def check_up_to_date(name: str, cfg: Config) -> list[str]:
     """Why the stage must run (empty: it is up to date)."""
-    return lineage.why_stale(get_stage(name), cfg)
+    return stage_lock.why_stale(get_stage(name), cfg)
 
 
 @task(name="record-stage", **TRANSIENT_RETRIES)
 def record_stage(name: str, cfg: Config) -> None:
-    lineage.record_run(get_stage(name), cfg)
+    stage_lock.record_run(get_stage(name), cfg)
 
 
 @task(name="log-lineage", **TRANSIENT_RETRIES)
 def log_lineage(cfg: Config, names: list[str]) -> dict:
     """The parent run's `dvc.lock`, `params.yaml` and uncached outputs (what `flows.restore` reads back); a run
     with overrides also becomes a DVC experiment."""
-    return lineage.log_run_lineage(cfg, names)
+    return run_record.log_run_lineage(cfg, names)
 
 
 @task(name="push-outputs", **TRANSIENT_RETRIES)
@@ -156,7 +156,7 @@ def push_outputs(lock: dict, cfg: Config, remote: str | None) -> None:
     """The run's data and models to a DVC remote, for `flows.restore` on another machine."""
     import mlflow
 
-    sent = lineage.push_run(lock, cfg, remote)
+    sent = restore.push_run(lock, cfg, remote)
     mlflow.set_tag("dvc.remote", remote or "default")
     print(f"pushed {sent} new object(s) to the DVC remote {remote or '(default)'}")
 
@@ -216,8 +216,8 @@ def run_pipeline(
     names = selected_stages(cfg, stages)
     tracking.preflight(cfg)  # an unreachable tracking server fails here, in seconds, not after training
     if push:
-        lineage.check_remote(remote)  # so does a push with no DVC remote to go to
-    # one run at a time per workspace: a second run waits here for the whole first run (rlhflow/workspace.py)
+        restore.check_remote(remote)  # so does a push with no DVC remote to go to
+    # one run at a time per workspace: a second run waits here for the whole first run (rlhfops/workspace.py)
     with workspace.exclusive(this_run_name()):
         return _run_stages(cfg, names, force, push, remote, parent_run)
 

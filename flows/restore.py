@@ -6,7 +6,7 @@ RUN_ID is an MLflow parent run of the pipeline flow. Its artifact `dvc.lock` bec
 the repository's dvc.lock; what the local DVC cache lacks is pulled from the DVC remote (--remote, else DVC's
 default remote); DVC checks the cached outputs out, the metrics and plot data come from the run's artifacts,
 user data files the run read are put back where it read them; and each md5 is checked against the run's record
-(rlhflow/lineage.py). Exits 1 when anything differs or cannot be restored. The Prefect deployment
+(rlhfops/stage_lock.py). Exits 1 when anything differs or cannot be restored. The Prefect deployment
 `restore-run/restore` (flows/serve.py) runs the same flow.
 """
 
@@ -16,8 +16,8 @@ import sys
 
 from prefect import flow
 
-from rlhflow import lineage
 from rlhflow.config import Config, load_config, parse_config_args
+from rlhfops import restore
 
 
 @flow(name="restore-run", log_prints=True)
@@ -29,12 +29,12 @@ def restore_run(run_id: str, remote: str | None = None, config: Config | None = 
         remote: the DVC remote to pull missing objects from; empty: DVC's default remote
         config: params (the tracking store is read from them); empty: params.yaml
     """
-    restored = lineage.restore(run_id, config or load_config(), remote)
+    restored = restore.restore(run_id, config or load_config(), remote)
     for r in restored:
         print(f"{'ok      ' if r.ok else 'MISMATCH'} {r.stage:14s} {r.path}  {r.md5}  ({r.source})")
     bad = [r.path for r in restored if not r.ok]
     if bad:
-        raise lineage.RestoreError(f"{len(bad)} output(s) differ from run {run_id}'s record: {bad}")
+        raise restore.RestoreError(f"{len(bad)} output(s) differ from run {run_id}'s record: {bad}")
     print(f"restored {len(restored)} output(s) of run {run_id}; dvc.lock holds its entries")
     return [vars(r) for r in restored]
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg, _ = parse_config_args(rest, "Restore a pipeline run's outputs (the tracking store is read from params).")
     try:
         restore_run(argv[0], known.remote, cfg)
-    except lineage.RestoreError as err:
+    except restore.RestoreError as err:
         print(f"restore failed: {err}", file=sys.stderr)
         return 1
     return 0

@@ -138,8 +138,8 @@ def start_servers_and_serve(host: str, prefect_port: int, mlflow_port: int) -> i
     """A Prefect server and an MLflow server (the project's tracking store, its artifacts served), both on
     `host`; then the deployments, in a child process pointed at them. Returns when any of them exits or on
     Ctrl-C, having stopped the others."""
-    from rlhflow import tracking
     from rlhflow.config import load_config
+    from rlhfops import tracking
 
     uri = tracking.tracking_uri(load_config())
     prefect_url, mlflow_url = f"http://{host}:{prefect_port}", f"http://{host}:{mlflow_port}"

@@ -1,4 +1,4 @@
-"""One Prefect flow per stage of rlhflow.stages.STAGES, for the per-stage deployments (flows/serve.py): each runs
+"""One Prefect flow per stage of rlhfops.stages.STAGES, for the per-stage deployments (flows/serve.py): each runs
 that stage alone on the outputs earlier stages left on disk, in its own MLflow parent run, with the same skipping,
 concurrency limit, retries and report as the full pipeline (flows/pipeline.py). They are built from the stage list
 and bound as module attributes (`flows.stage_flows.ppo`, ...), so a deployment's entrypoint can import them."""
@@ -9,8 +9,8 @@ from prefect import flow
 
 from flows.pipeline import run_pipeline, with_overrides
 from rlhflow.config import Config
-from rlhflow.stages import STAGES, Stage
-from rlhflow.tracking import flatten
+from rlhfops.stages import STAGES, Stage
+from rlhfops.tracking import flatten
 
 
 def stage_flow(stage: Stage):

@@ -6,7 +6,7 @@
 Each point of the grid (every combination of the values) is a full pipeline run (flows/pipeline.py): an MLflow
 parent run nested under the sweep's run, and a DVC experiment. Stages a point does not change are up to date and
 skipped, so the upstream stages are shared, not recomputed. Points run one after another, holding the workspace for
-the whole sweep (rlhflow/workspace.py); to run them in parallel, serve the pipeline from several workers, each in a
+the whole sweep (rlhfops/workspace.py); to run them in parallel, serve the pipeline from several workers, each in a
 clone of its own (docs/scaling.md). A failed point is reported and the others go on. A rerun of the sweep skips
 the points that already finished: a FINISHED pipeline run of the same resolved params (tag `params_md5`) and the
 same git commit.
@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from prefect import flow
 
 from flows.pipeline import rlhf_pipeline, with_overrides
-from rlhflow import tracking, workspace
 from rlhflow.config import Config, parse_config_args
+from rlhfops import tracking, workspace
 
 DEFAULT_BEST_OF_N = [1, 2, 4, 8, 16]
-FRONTIER_CSV = "sweep_frontier.csv"  # in metrics_dir: the data behind the DVC plot (rlhflow/stages.py PLOTS)
+FRONTIER_CSV = "sweep_frontier.csv"  # in metrics_dir: the data behind the DVC plot (rlhfops/stages.py PLOTS)
 REPORT_DIR = "reports/sweep"
 SWEEP_TAG = "sweep"
 
@@ -114,7 +114,7 @@ def run_point(cfg: Config, overrides: list[str], sweep_run_id: str) -> PointOutc
 def best_of_n_baseline(cfg: Config, ns: list[int]):
     """Best-of-n points from the SFT model on the evaluation prompts, from the cache when its inputs are the same."""
     from rlhflow.fsutil import write_json_atomic
-    from rlhflow.hashing import dir_md5, file_md5, inputs_fingerprint
+    from rlhfops.hashing import dir_md5, file_md5, inputs_fingerprint
 
     test = cfg.path(cfg.validate_.out_dir) / "test.jsonl"
     model_dirs = [cfg.path(d) for d in (cfg.sft.out_dir, cfg.reward_model.out_dir, cfg.judge.out_dir)]

@@ -16,6 +16,7 @@ What the evaluate stage measures, and how (each figure computed here or in the o
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,23 +39,17 @@ BOOTSTRAP_SEED = 0
 
 
 def sample(model, tokenizer, prompt_messages, cfg: Config, *, max_new_tokens: int | None = None):
-    """Responses for all prompts, with the same sampling seed for every model compared; sampled as PPO samples
-    (top-k / top-p, stop strings) at the evaluation temperature."""
-    from rlhflow.policy import sample_responses
+    """Responses for all prompts, sampled as rlhflow/sampling.py says, in evaluation's batches and length."""
+    from rlhflow import sampling
 
     e = cfg.evaluate
-    return sample_responses(
+    return sampling.sample(
         model,
         tokenizer,
         prompt_messages,
+        cfg,
         batch_size=e.batch_size,
-        max_prompt_length=cfg.ppo.max_prompt_length,
         max_new_tokens=e.max_new_tokens if max_new_tokens is None else max_new_tokens,
-        temperature=cfg.eval_temperature,
-        top_k=cfg.ppo.top_k,
-        top_p=cfg.ppo.top_p,
-        stop_strings=cfg.ppo.stop_strings,
-        seed=cfg.seed,
     )
 
 
@@ -272,3 +267,159 @@ def report_markdown(
             "",
         ]
     return "\n".join(lines)
+
+
+# ---- the evaluate stage's measurements ---------------------------------------------------------------------------
+
+# The data behind the DVC plots (declared in rlhfops/stages.py), in metrics_dir.
+REWARD_QUANTILES_CSV = "eval_reward_quantiles.csv"
+CALIBRATION_CSV = "eval_calibration.csv"
+
+
+@dataclass
+class PolicyEvaluation:
+    """What `evaluate` measured, with what the champion comparisons need to measure more on the same items."""
+
+    metrics: dict[str, float]
+    samples: dict[str, list]  # per prompt: the prompt, both responses, their proxy and judge scores, the KL
+    buckets: list  # the reward model's confidence buckets (calibration)
+    prompts: list  # the evaluation prompts, as messages
+    pair_rows: list[dict]  # the held-out pairs
+    pairs: Any  # the proxy's verdict on each pair (rlhflow.reward_model.evaluate_pairs)
+    policy_judged: Any  # the judge's scores of the policy's responses
+    judge: Any  # the loaded judge (RewardModel)
+    device: Any
+
+
+def evaluate(cfg: Config) -> PolicyEvaluation:
+    """The policy (`ppo.out_dir`) against the SFT model on the test split's first `evaluate.n_prompts` prompts,
+    scored by the proxy and the judge; the proxy's accuracy on every held-out pair; perplexities on the chosen
+    responses of the first `evaluate.perplexity_rows` prompts. Figures that are NaN (no value) are left out."""
+    import torch
+
+    from rlhflow.data.formats import read_jsonl
+    from rlhflow.metrics import perplexity, response_kl
+    from rlhflow.models import load_causal_lm, load_tokenizer, pick_device
+    from rlhflow.reward_model import RewardModel, evaluate_pairs
+
+    e = cfg.evaluate
+    device = pick_device(cfg.device)
+    sft_dir, policy_dir = str(cfg.path(cfg.sft.out_dir)), str(cfg.path(cfg.ppo.out_dir))
+    tokenizer = load_tokenizer(sft_dir)
+    sft = load_causal_lm(sft_dir, pad_token_id=tokenizer.pad_token_id).to(device).eval()
+    policy = load_causal_lm(policy_dir, pad_token_id=tokenizer.pad_token_id).to(device).eval()
+    rm = RewardModel.load(
+        cfg.path(cfg.reward_model.out_dir), batch_size=cfg.reward_model.eval_batch_size, device=device
+    )
+    judge = RewardModel.load(cfg.path(cfg.judge.out_dir), batch_size=cfg.judge.eval_batch_size, device=device)
+
+    test = read_jsonl(cfg.path(cfg.validate_.out_dir) / "test.jsonl")
+    prompts_df = test.drop_duplicates("prompt").head(e.n_prompts)
+    prompts = list(prompts_df["prompt_messages"])
+
+    sft_out, policy_out = sample(sft, tokenizer, prompts, cfg), sample(policy, tokenizer, prompts, cfg)
+    sft_texts, policy_texts = texts_of(sft_out), texts_of(policy_out)
+    sft_scores, policy_scores = rm.score(prompts, sft_texts), rm.score(prompts, policy_texts)
+    sft_judged, policy_judged = judge.score(prompts, sft_texts), judge.score(prompts, policy_texts)
+    kl = torch.cat(
+        [
+            response_kl(
+                policy, sft, o.query_response, o.attention_mask, o.context_length, o.response_mask, cfg.eval_temperature
+            ).cpu()
+            for o in policy_out
+        ]
+    )  # as sampled
+
+    ref_rows = test.drop_duplicates("prompt").head(e.perplexity_rows)
+    ppl_args = (list(ref_rows["prompt_messages"]), list(ref_rows["chosen"]))
+    pair_rows = test.to_dict("records")
+    pairs = evaluate_pairs(rm, pair_rows)
+    rm_metrics, buckets = reward_model_metrics(pairs, pair_rows)
+    metrics = {
+        **comparison_metrics(policy_scores, sft_scores, policy_judged, sft_judged, policy_texts, sft_texts),
+        "eval/kl": float(kl.mean()),
+        "eval/perplexity": perplexity(policy, tokenizer, *ppl_args, batch_size=e.batch_size),
+        "eval/perplexity_sft": perplexity(sft, tokenizer, *ppl_args, batch_size=e.batch_size),
+        "eval/eos_fraction": eos_fraction(policy_out),
+        "eval/eos_fraction_sft": eos_fraction(sft_out),
+        **text_metrics(policy_texts),
+        **text_metrics(sft_texts, "_sft"),
+        **rm_metrics,
+    }
+    samples = {
+        "prompt": list(prompts_df["prompt"]),
+        "sft_response": sft_texts,
+        "ppo_response": policy_texts,
+        "sft_reward": [float(x) for x in sft_scores],
+        "ppo_reward": [float(x) for x in policy_scores],
+        "sft_judge": [float(x) for x in sft_judged],
+        "ppo_judge": [float(x) for x in policy_judged],
+        "kl": [float(x) for x in kl],
+    }
+    return PolicyEvaluation(
+        metrics={k: v for k, v in metrics.items() if not math.isnan(v)},  # NaN: "no value", in MLflow and DVC alike
+        samples=samples,
+        buckets=buckets,
+        prompts=prompts,
+        pair_rows=pair_rows,
+        pairs=pairs,
+        policy_judged=policy_judged,
+        judge=judge,
+        device=device,
+    )
+
+
+def policy_against(result: PolicyEvaluation, cfg: Config, model_dir: str) -> HeadToHead:
+    """The evaluated policy head to head with another one (the champion's model dir) on the same prompts, judged by
+    the same judge; the other policy samples with its own tokenizer (its chat template and special tokens), as it
+    would be served."""
+    from rlhflow.models import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    other = load_causal_lm(model_dir, pad_token_id=tokenizer.pad_token_id).to(result.device).eval()
+    other_texts = texts_of(sample(other, tokenizer, result.prompts, cfg))
+    return policy_head_to_head(result.policy_judged, result.judge.score(result.prompts, other_texts))
+
+
+def reward_model_against(result: PolicyEvaluation, cfg: Config, model_dir) -> HeadToHead:
+    """The proxy head to head with another reward model (the champion's model dir) on the same held-out pairs."""
+    from rlhflow.reward_model import RewardModel, evaluate_pairs
+
+    other = RewardModel.load(model_dir, batch_size=cfg.reward_model.eval_batch_size, device=result.device)
+    return reward_model_head_to_head(
+        result.pairs.correct.tolist(), evaluate_pairs(other, result.pair_rows).correct.tolist()
+    )
+
+
+def write_outputs(cfg: Config, result: PolicyEvaluation, decisions: list) -> None:
+    """The plot data in metrics_dir (DVC plots) and, all at once, the report dir: samples, figures (the PPO
+    history's too, when there is one) and report.md with the champion decisions."""
+    import pandas as pd
+
+    from rlhflow import plots
+    from rlhflow.fsutil import atomic_dir, write_json_atomic, write_text_atomic
+
+    samples, buckets = result.samples, result.buckets
+    history_csv = cfg.path(cfg.metrics_dir) / "ppo_history.csv"
+    history = pd.read_csv(history_csv) if history_csv.exists() else None
+    metrics_dir = cfg.path(cfg.metrics_dir)
+    write_text_atomic(
+        metrics_dir / REWARD_QUANTILES_CSV,
+        reward_quantiles(samples["sft_reward"], samples["ppo_reward"]).to_csv(index=False),
+    )
+    write_text_atomic(metrics_dir / CALIBRATION_CSV, calibration_table(buckets).to_csv(index=False))
+    with atomic_dir(cfg.path(cfg.evaluate.report_dir)) as tmp:
+        write_json_atomic(tmp / "samples.json", samples)
+        figures = {
+            "reward_distributions": plots.reward_distributions(samples["sft_reward"], samples["ppo_reward"]),
+            "rm_calibration": plots.calibration(buckets),
+        }
+        if history is not None and len(history):
+            figures.update(plots.training_figures(history))
+        (tmp / "plots").mkdir()
+        for fig_name, fig in figures.items():
+            fig.savefig(tmp / "plots" / f"{fig_name}.png", dpi=110)
+            plots.close(fig)
+        write_text_atomic(
+            tmp / "report.md", report_markdown(result.metrics, samples, buckets, decisions, sorted(figures))
+        )

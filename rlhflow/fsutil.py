@@ -97,7 +97,7 @@ def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:
 
 def prepare_checkpoint_dir(ckpt_dir: str | os.PathLike, fingerprint: str) -> Path:
     """Keep the checkpoints of an interrupted run made from the same inputs (`fingerprint`, any text: the
-    stages use `rlhflow.hashing.inputs_fingerprint`) so it can resume; drop anything else. The fingerprint is
+    stages use `rlhfops.hashing.inputs_fingerprint`) so it can resume; drop anything else. The fingerprint is
     kept in `inputs.json` inside the dir."""
     ckpt_dir = Path(ckpt_dir)
     marker = ckpt_dir / "inputs.json"

@@ -1,6 +1,6 @@
 """The evaluation figures (matplotlib, Agg backend: no display needed). Each function returns a Figure that the
 evaluate stage logs to MLflow with `mlflow.log_figure`; the data behind the data-driven ones also goes to
-metrics/*.csv for `dvc plots show` (see rlhflow/stages.py PLOTS)."""
+metrics/*.csv for `dvc plots show` (see rlhfops/stages.py PLOTS)."""
 
 from __future__ import annotations
 

@@ -23,8 +23,8 @@ from torch import nn
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 from transformers.generation import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
+from rlhflow.cpu_packed_linear import packed_linears
 from rlhflow.logits import entropy_from_logits, logprobs_from_logits
-from rlhflow.packed import packed_linears
 
 Messages = list[dict]
 
@@ -247,7 +247,7 @@ def generate(
     `generator_seed` makes the sampling reproducible without touching the global RNG.
     return_logits / return_hidden keep the sampling pass's raw logits and last hidden states (PPO's old
     log-probs and shared-head values without a second forward pass). On CPU in float32 the linear layers run on
-    oneDNN-packed weights while sampling (`rlhflow.packed`)."""
+    oneDNN-packed weights while sampling (`rlhflow.cpu_packed_linear`)."""
     stop_strings = [s for s in stop_strings if s]
     eos_ids = stop_token_ids(tokenizer, model, stop_strings)  # before the model's generation_config is set aside
     # only what we set: the model's own generation defaults must not change the sampling distribution

@@ -5,17 +5,17 @@ stage run and the parent run; it is registered as `rlhf-judge`."""
 
 from __future__ import annotations
 
-from rlhflow import registered_models
 from rlhflow.config import Config
-from tasks._common import StageContext, cli, stage_task
+from rlhfops import registry
+from rlhfops.stage_runner import StageContext, cli, stage_task
 
 NAME = "judge"
-REGISTERED_NAME = registered_models.JUDGE
+REGISTERED_NAME = registry.JUDGE
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.reward_model import LENGTH_AWARE_METRICS
-    from rlhflow.reward_training import train_pairwise_model
+    from tasks.pairwise_training import train_pairwise_model
 
     # its own seed, not the training seed: runs of a seed sweep are judged by the same model
     metrics = train_pairwise_model(

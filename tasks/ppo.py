@@ -11,20 +11,21 @@ the version tagged `algorithm=<name>`."""
 
 from __future__ import annotations
 
+from rlhflow.config import Config
+
 # Heavy imports (torch, transformers, mlflow, the library's model code) are deferred into the stage body, so
 # that importing the module (the flow does, to get its task; so does `--help`) stays fast.
-from rlhflow import registered_models
-from rlhflow.config import Config
-from tasks._common import StageContext, cli, stage_task
+from rlhfops import registry
+from rlhfops.stage_runner import StageContext, cli, stage_task
 
 NAME = "ppo"
-REGISTERED_NAME = registered_models.POLICY
+REGISTERED_NAME = registry.POLICY
 
 
 def checkpoint_fingerprint(cfg: Config) -> str:
     """What a checkpoint must have been made from to be resumed: the same PPO settings (the run length aside),
     seed, SFT model, reward model and training prompts."""
-    from rlhflow.hashing import inputs_fingerprint
+    from rlhfops.hashing import inputs_fingerprint
 
     files = [
         cfg.path(cfg.sft.out_dir) / "model.safetensors",
@@ -73,7 +74,7 @@ def align_fingerprint(cfg: Config) -> str:
     model (GRPO, RLOO), training pairs or prompts and number of processes. The run length counts only with a
     linear learning-rate schedule, which spans it."""
     from rlhflow import distributed
-    from rlhflow.hashing import inputs_fingerprint
+    from rlhfops.hashing import inputs_fingerprint
 
     a = cfg.align
     files = [cfg.path(cfg.sft.out_dir) / "model.safetensors", cfg.path(cfg.validate_.out_dir) / "train.jsonl"]
@@ -124,11 +125,10 @@ def register_policy(cfg: Config, out_dir, algorithm: str) -> None:
     it."""
     import mlflow
 
-    from rlhflow import tracking
-    from rlhflow.serving.policy import PolicyPyfunc
+    from rlhfops.serving.policy import PolicyPyfunc
 
     mlflow.set_tag("algorithm", algorithm)
-    version = tracking.log_model_dir(cfg, out_dir, name="policy", wrapper=PolicyPyfunc, registered_name=REGISTERED_NAME)
+    version = registry.log_model_dir(cfg, out_dir, name="policy", wrapper=PolicyPyfunc, registered_name=REGISTERED_NAME)
     if version is not None:
         mlflow.MlflowClient().set_model_version_tag(REGISTERED_NAME, version, "algorithm", algorithm)
 
@@ -147,7 +147,7 @@ def run_trl(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.fsutil import atomic_dir
     from rlhflow.fsutil import prepare_checkpoint_dir as keep_or_clear
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device, save_plain
-    from rlhflow.ppo.setup import load_reward_source
+    from rlhflow.ppo.reward_and_critic import load_reward_source
 
     algorithm = cfg.align.algorithm
     device = distributed.local_device(pick_device(cfg.device))
@@ -216,7 +216,7 @@ def run_ppo(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.data.formats import read_jsonl
     from rlhflow.fsutil import atomic_dir
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device
-    from rlhflow.ppo.setup import load_reward_source, make_critic
+    from rlhflow.ppo.reward_and_critic import load_reward_source, make_critic
     from rlhflow.ppo.trainer import PPOTrainer
 
     device = distributed.local_device(pick_device(cfg.device))

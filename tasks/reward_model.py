@@ -5,18 +5,19 @@ another one."""
 
 from __future__ import annotations
 
+from rlhflow.config import Config
+
 # Heavy imports (torch, transformers, mlflow, the library's model code) are deferred into the stage body, so
 # that importing the module (the flow does, to get its task; so does `--help`) stays fast.
-from rlhflow import registered_models
-from rlhflow.config import Config
-from tasks._common import StageContext, cli, stage_task
+from rlhfops import registry
+from rlhfops.stage_runner import StageContext, cli, stage_task
 
 NAME = "reward_model"
-REGISTERED_NAME = registered_models.REWARD_MODEL
+REGISTERED_NAME = registry.REWARD_MODEL
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
-    from rlhflow.reward_training import train_pairwise_model
+    from tasks.pairwise_training import train_pairwise_model
 
     return train_pairwise_model(
         cfg,

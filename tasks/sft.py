@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlhflow.config import Config
-from tasks._common import StageContext, cli, prints_to_stdout, stage_task
+from rlhfops.stage_runner import StageContext, cli, prints_to_stdout, stage_task
 
 NAME = "sft"
 REGISTERED_NAME = "rlhf-sft"
@@ -59,7 +59,7 @@ def checkpoint_fingerprint(cfg: Config) -> str:
     settings (which demonstrations are kept), seed and demonstrations."""
     import os
 
-    from rlhflow.hashing import dir_md5, file_md5, inputs_fingerprint
+    from rlhfops.hashing import dir_md5, file_md5, inputs_fingerprint
 
     s = cfg.sft
     settings = s.model_dump(
@@ -86,14 +86,14 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     import mlflow
     import torch
 
-    from rlhflow import distributed, tracking
+    from rlhflow import distributed, sampling
     from rlhflow.data.formats import read_jsonl
     from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir
     from rlhflow.metrics import perplexity
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device, save_plain
-    from rlhflow.policy import sample_responses
-    from rlhflow.serving.policy import PolicyPyfunc
     from rlhflow.sft import demonstration_dataset, sft_trainer, train_sft
+    from rlhfops import registry, tracking
+    from rlhfops.serving.policy import PolicyPyfunc
 
     s = cfg.sft
     if s.train and distributed.world_size() > 1:  # the other processes do not run this stage: a Trainer would wait
@@ -158,22 +158,18 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     }
     if s.n_samples:
         rows = held_out.head(s.n_samples)
-        outs = sample_responses(
+        outs = sampling.sample(
             model,
             tokenizer,
             list(rows["prompt_messages"]),
+            cfg,
             batch_size=s.batch_size,
-            max_prompt_length=cfg.ppo.max_prompt_length,
             max_new_tokens=s.max_new_tokens,
-            temperature=cfg.eval_temperature,
-            top_k=cfg.ppo.top_k,
-            top_p=cfg.ppo.top_p,
-            seed=cfg.seed,
         )
         responses = [t for o in outs for t in o.texts]
         mlflow.log_table({"prompt": list(rows["prompt"]), "response": responses}, artifact_file="sft_samples.json")
     ctx.log_metrics(metrics)
-    tracking.log_model_dir(
+    registry.log_model_dir(
         cfg, out_dir, name="sft_model", wrapper=PolicyPyfunc, registered_name=REGISTERED_NAME if s.train else None
     )
     return metrics

@@ -16,7 +16,7 @@ from __future__ import annotations
 import shutil
 
 from rlhflow.config import Config
-from tasks._common import StageContext, cli, stage_task
+from rlhfops.stage_runner import StageContext, cli, stage_task
 
 NAME = "validate"
 
@@ -30,12 +30,12 @@ def _source(cfg: Config, value: str) -> str:
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     import mlflow
 
-    from rlhflow import tracking
     from rlhflow.data.formats import load_preferences, write_jsonl
     from rlhflow.data.splits import assign_splits, cross_split_prefix_pairs
     from rlhflow.fsutil import atomic_dir
     from rlhflow.models import load_tokenizer
     from rlhflow.validation import DataValidationError, validate_preferences
+    from rlhfops import tracking
 
     v = cfg.validate_
     data = load_preferences(_source(cfg, cfg.data.preferences), hf_split=cfg.data.hf_split, max_rows=v.max_rows)

@@ -47,14 +47,14 @@ def one_thread():
 @pytest.fixture(scope="session")
 def tok():
     """The tiny tokenizer (byte-level BPE with a ChatML template)."""
-    from rlhflow.testing import tiny_tokenizer
+    from tests.fixtures import tiny_tokenizer
 
     return tiny_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from rlhflow.testing import write_tiny_model
+    from tests.fixtures import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 

@@ -8,7 +8,7 @@ start-up (imports, process group) is paid once for both data-parallel stages.
 import importlib
 import sys
 
-from tasks._common import cli
+from rlhfops.stage_runner import cli
 
 if __name__ == "__main__":
     stages, args = sys.argv[1].split(","), sys.argv[2:]

@@ -20,8 +20,9 @@ from conftest import kill_training_once, make_dvc_repo, rerun_resumes, tiny_pipe
 from rlhflow import align
 from rlhflow.config import ConfigError, load_config
 from rlhflow.data.formats import read_jsonl, write_jsonl
-from rlhflow.stages import get_stage
-from tasks._common import cli
+from rlhfops.dvc_yaml import stage_deps
+from rlhfops.stage_runner import cli
+from rlhfops.stages import get_stage
 
 TRL_ALGORITHMS = ["grpo", "rloo", "dpo"]
 UPSTREAM = ["validate", "sft", "reward_model", "judge"]
@@ -281,8 +282,8 @@ def test_settings_the_data_rules_out_fail_before_any_model_loads(
     tmp_path, tiny_model_dir, monkeypatch, algorithm, extra, named
 ):
     import rlhflow.models
+    from rlhfops.stage_runner import run_stage
     from tasks import ppo
-    from tasks._common import run_stage
 
     rows = [
         {"prompt": "hi", "prompt_messages": [{"role": "user", "content": "hi"}], "chosen": "yes", "rejected": "yes"}
@@ -321,9 +322,9 @@ def test_switching_the_algorithm_reruns_only_ppo_and_evaluate_by_the_stage_list(
 
     for stage in UPSTREAM:
         assert not reads(stage, "align.algorithm") and not reads(stage, "align.grpo.beta"), stage
-        assert "rlhflow/align.py" not in get_stage(stage).deps, stage
+        assert "rlhflow/align.py" not in stage_deps(get_stage(stage)), stage
     assert reads("ppo", "align.algorithm") and reads("ppo", "align.dpo.beta")
-    assert "rlhflow/align.py" in get_stage("ppo").deps
+    assert "rlhflow/align.py" in stage_deps(get_stage("ppo"))
     assert reads("evaluate", "align.algorithm") and "${ppo.out_dir}" in get_stage("evaluate").deps
 
 

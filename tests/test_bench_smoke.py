@@ -40,7 +40,7 @@ def test_tiny_workload_and_our_runner(work_dir):
         [
             sys.executable,
             "-m",
-            "bench.run_ours",
+            "bench.ppo_worker_rlhflow",
             "--workload-dir",
             str(work_dir / "tiny"),
             "--out",
@@ -120,7 +120,7 @@ def test_orchestration_overhead_on_tiny_models():
     """Both paths run every stage (the flow's times come from its metrics files, the direct loop's from its own
     clock); wall and CPU seconds for each; the flow's model logging is clocked inside its stage bodies; the last
     line is the attributed overhead over the flow's wall time."""
-    from rlhflow.stages import STAGE_NAMES
+    from rlhfops.stages import STAGE_NAMES
 
     proc = subprocess.run(
         [sys.executable, "-m", "bench.orchestration", "--tiny"],
@@ -154,7 +154,7 @@ def test_stage_profile_on_tiny_models(tmp_path):
     non-negative and with `other` add up to the wall time, in the JSON and in the printed table; generation in ppo
     and evaluate, training in reward_model and ppo, and MLflow logging in every stage (each has its own run)."""
     from bench.profile_run import CATEGORIES
-    from rlhflow.stages import STAGE_NAMES
+    from rlhfops.stages import STAGE_NAMES
 
     out = tmp_path / "profile.json"
     proc = subprocess.run(

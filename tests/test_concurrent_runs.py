@@ -1,5 +1,5 @@
 """Runs side by side: two pipeline runs started together in one workspace never read or overwrite each other's
-outputs (the second waits for the whole first run, rlhflow/workspace.py), and each MLflow parent run's evaluation
+outputs (the second waits for the whole first run, rlhfops/workspace.py), and each MLflow parent run's evaluation
 read the policy its own PPO stage wrote, as its recorded lineage shows."""
 
 from __future__ import annotations

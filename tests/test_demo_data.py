@@ -8,8 +8,8 @@ from rlhflow.config import DemoDataConfig, ValidateConfig
 from rlhflow.data.demo import REJECTION_KINDS, generate_demo, main, write_demo
 from rlhflow.data.formats import load_preferences
 from rlhflow.data.splits import split_by_conversation
-from rlhflow.testing import tiny_tokenizer
 from rlhflow.validation import validate_preferences
+from tests.fixtures import tiny_tokenizer
 
 
 def test_same_seed_same_data_other_seed_other_data():

@@ -87,7 +87,7 @@ def overrides(root: Path, model_dir: Path, run: str) -> list[str]:
         f"reward_model.checkpoint_dir={root}/{run}/rm_checkpoints",
         f"ppo.out_dir={root}/{run}/policy",
         f"ppo.checkpoint_dir={root}/{run}/checkpoints",
-        "ppo.reward_fn=rlhflow.testing:prompt_length_reward",
+        "ppo.reward_fn=tests.fixtures:prompt_length_reward",
         "ppo.top_k=1",
         "ppo.steps=2",
         "ppo.batch_size=4",
@@ -136,7 +136,7 @@ def run_single_process(stage: str, args: list[str]) -> dict[str, float]:
     import importlib
 
     from rlhflow.config import load_config
-    from tasks._common import run_stage
+    from rlhfops.stage_runner import run_stage
 
     return run_stage(stage, importlib.import_module(f"tasks.{stage}").run, load_config(None, args))
 

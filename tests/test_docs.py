@@ -184,7 +184,7 @@ def test_prefect_page_lists_every_served_deployment():
 
 def test_pipeline_help_names_every_stage_in_order(capsys):
     from flows.pipeline import main
-    from rlhflow.stages import STAGE_NAMES
+    from rlhfops.stages import STAGE_NAMES
 
     with pytest.raises(SystemExit):
         main(["--help"])

@@ -12,8 +12,8 @@ import pytest
 import yaml
 from conftest import make_dvc_repo
 
-from rlhflow import tracking
-from rlhflow.stages import STAGES
+from rlhfops import promotion
+from rlhfops.stages import STAGES
 
 # ---- champion logic, real sqlite registry ---------------------------------------------------------------------
 
@@ -47,8 +47,8 @@ def test_the_champion_is_challenged_only_on_the_same_splits_and_judge(tmp_path):
             calls.append((version, str(champion.version)))
             return HeadToHead("judge win rate over the champion", *measured[version], threshold=0.5)
 
-        decision = tracking.challenge_champion(client, name, version, version_basis, head_to_head, promote)
-        tracking.apply_champion_decision(client, decision, run_id=f"run-{version}")
+        decision = promotion.challenge_champion(client, name, version, version_basis, head_to_head, promote)
+        promotion.apply_champion_decision(client, decision, run_id=f"run-{version}")
         return decision
 
     first = challenge("1", basis)
@@ -78,13 +78,13 @@ def test_the_champion_is_challenged_only_on_the_same_splits_and_judge(tmp_path):
     assert client.get_model_version(name, "3").tags["champion.verdict"] == "not comparable"
 
     # the champion challenged by itself (evaluate re-run, model unchanged): nothing measured, nothing moves
-    again = tracking.challenge_champion(
+    again = promotion.challenge_champion(
         client, name, "5", other_splits, lambda champion: pytest.fail("must not measure the champion itself")
     )
     assert not again.promoted and again.champion == "5"
     # never: no alias moves and nothing is measured
     _register(client, name, tmp_path, "6")
-    never = tracking.challenge_champion(client, name, "6", other_splits, lambda c: pytest.fail(), promote="never")
+    never = promotion.challenge_champion(client, name, "6", other_splits, lambda c: pytest.fail(), promote="never")
     assert not never.promoted and never.champion == "5" and never.verdict == "never"
 
 

@@ -49,7 +49,7 @@ def digest(path: Path) -> dict[str, str] | None:
 @pytest.mark.system
 def test_unreachable_tracking_server_fails_the_flow_in_seconds(prefect_server, tmp_path, tiny_model_dir, monkeypatch):
     from flows.pipeline import rlhf_pipeline
-    from rlhflow.tracking import TrackingUnavailableError
+    from rlhfops.tracking import TrackingUnavailableError
 
     # MLflow's own retry settings, left at values that would take minutes, must not delay the preflight
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "7")
@@ -76,7 +76,7 @@ def test_unreachable_tracking_server_fails_a_stage_cli_before_it_starts(tmp_path
 
 def test_unwritable_sqlite_store_fails_the_preflight(tmp_path):
     from rlhflow.config import load_config
-    from rlhflow.tracking import TrackingUnavailableError, preflight
+    from rlhfops.tracking import TrackingUnavailableError, preflight
 
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
@@ -105,8 +105,8 @@ def preference_file(path: Path, n: int, variant: str) -> Path:
 
 def test_validate_killed_while_writing_leaves_old_or_no_output_and_the_rerun_cleans_up(tmp_path, tiny_model_dir):
     from rlhflow.config import load_config
+    from rlhfops.stage_runner import run_stage
     from tasks import validate
-    from tasks._common import run_stage
 
     out, report = tmp_path / "data/validated", tmp_path / "reports/validation"
 

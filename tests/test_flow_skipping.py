@@ -1,5 +1,5 @@
 """Up-to-date stages are skipped by the flow, as `dvc repro` skips them: same hashes (DVC's own), same deps,
-params sections and outputs (rlhflow/stages.py, from which dvc.yaml is generated)."""
+params sections and outputs (rlhfops/stages.py, from which dvc.yaml is generated)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 import yaml
 from conftest import make_dvc_repo, tiny_pipeline_overrides
 
-from rlhflow import lineage
 from rlhflow.config import load_config
-from rlhflow.hashing import dvc_md5s
-from rlhflow.stages import get_stage
+from rlhfops import stage_lock
+from rlhfops.hashing import dvc_md5s
+from rlhfops.stages import get_stage
 
 
 def _config(root: Path, *extra: str):
@@ -47,31 +47,31 @@ def test_recorded_stage_is_up_to_date_until_a_param_dep_or_output_changes(tmp_pa
     validate = get_stage("validate")
     (tmp_path / "prefs.jsonl").write_text('{"prompt": "a", "chosen": "x", "rejected": "y"}\n')
     cfg = _config(tmp_path)
-    assert lineage.why_stale(validate, cfg) != []  # never ran: it runs
+    assert stage_lock.why_stale(validate, cfg) != []  # never ran: it runs
     _write_validate_outputs(tmp_path)
-    lineage.record_run(validate, cfg)
-    assert lineage.why_stale(validate, cfg) == []
+    stage_lock.record_run(validate, cfg)
+    assert stage_lock.why_stale(validate, cfg) == []
 
     # a param of one of its sections
-    reasons = lineage.why_stale(validate, _config(tmp_path, "validate.test_fraction=0.3"))
+    reasons = stage_lock.why_stale(validate, _config(tmp_path, "validate.test_fraction=0.3"))
     assert reasons == ["params validate changed"]
     # a param of a section it does not read changes nothing
-    assert lineage.why_stale(validate, _config(tmp_path, "ppo.kl_coef=0.3")) == []
+    assert stage_lock.why_stale(validate, _config(tmp_path, "ppo.kl_coef=0.3")) == []
 
     # a dep file's content (not its time)
     prefs = tmp_path / "prefs.jsonl"
     prefs.write_text(prefs.read_text())
-    assert lineage.why_stale(validate, cfg) == []
+    assert stage_lock.why_stale(validate, cfg) == []
     prefs.write_text(prefs.read_text() + '{"prompt": "b", "chosen": "x", "rejected": "y"}\n')
-    assert lineage.why_stale(validate, cfg) == [f"dep {prefs} changed"]
-    lineage.record_run(validate, cfg)
-    assert lineage.why_stale(validate, cfg) == []
+    assert stage_lock.why_stale(validate, cfg) == [f"dep {prefs} changed"]
+    stage_lock.record_run(validate, cfg)
+    assert stage_lock.why_stale(validate, cfg) == []
 
     # an output edited or deleted by hand
     (tmp_path / "validated/test.jsonl").write_text('{"prompt": "c"}\n')
-    assert lineage.why_stale(validate, cfg) == [f"output {tmp_path}/validated changed"]
+    assert stage_lock.why_stale(validate, cfg) == [f"output {tmp_path}/validated changed"]
     shutil.rmtree(tmp_path / "validated")
-    assert f"output {tmp_path}/validated is missing" in lineage.why_stale(validate, cfg)
+    assert f"output {tmp_path}/validated is missing" in stage_lock.why_stale(validate, cfg)
 
 
 def test_new_upstream_output_makes_the_downstream_stage_stale(tmp_path):
@@ -81,10 +81,10 @@ def test_new_upstream_output_makes_the_downstream_stage_stale(tmp_path):
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft/model.safetensors").write_bytes(b"weights")
     (tmp_path / "metrics/sft.json").write_text("{}")
-    lineage.record_run(sft, cfg)
-    assert lineage.why_stale(sft, cfg) == []
+    stage_lock.record_run(sft, cfg)
+    assert stage_lock.why_stale(sft, cfg) == []
     (tmp_path / "validated/train.jsonl").write_text('{"prompt": "new"}\n')  # validate ran again, new split
-    assert lineage.why_stale(sft, cfg) == [
+    assert stage_lock.why_stale(sft, cfg) == [
         f"dep {tmp_path}/validated changed",
         f"dep {tmp_path}/validated/train.jsonl changed",  # sft.train_data, a file of the new split
     ]

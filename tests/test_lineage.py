@@ -1,5 +1,5 @@
 """The flow records into DVC (dvc.lock and the DVC cache, as `dvc repro` would), its skip decision is DVC's,
-and every MLflow parent run can be restored from the DVC cache (rlhflow/lineage.py, flows/restore.py).
+and every MLflow parent run can be restored from the DVC cache (rlhfops/stage_lock.py, flows/restore.py).
 
 Real DVC in a real git repo, a real MLflow sqlite store, the pipeline on tiny models."""
 
@@ -14,18 +14,18 @@ from pathlib import Path
 import pytest
 from conftest import make_dvc_repo
 
-from rlhflow import lineage
 from rlhflow.config import load_config
-from rlhflow.hashing import file_md5
-from rlhflow.stages import STAGES
+from rlhfops import run_record, stage_lock
+from rlhfops.hashing import file_md5
+from rlhfops.stages import STAGES
 
 
 def test_params_read_from_the_config_are_the_ones_dvc_reads_from_params_yaml():
     """Without overrides, the flow's DVC stages are DVC's own, params included (the only part the flow swaps)."""
     cfg = load_config()
-    with lineage.dvc_repo() as repo:
+    with stage_lock.dvc_repo() as repo:
         for stage in STAGES:
-            ours = lineage.dvc_stage(repo, stage, cfg)
+            ours = stage_lock.dvc_stage(repo, stage, cfg)
             assert ours is not None, f"{stage.name}: dvc.yaml's paths differ from the config's"
             dvcs = repo.stage.load_one(name=stage.name)
             assert [p.read_params() for p in ours.params] == [p.read_params() for p in dvcs.params], stage.name
@@ -34,9 +34,9 @@ def test_params_read_from_the_config_are_the_ones_dvc_reads_from_params_yaml():
 
 def test_an_override_that_moves_an_output_leaves_the_stage_to_the_flows_own_record(tmp_path):
     sft = next(s for s in STAGES if s.name == "sft")
-    with lineage.dvc_repo() as repo:
-        assert lineage.dvc_stage(repo, sft, load_config(overrides=[f"sft.out_dir={tmp_path}/sft"])) is None
-        assert lineage.dvc_stage(repo, sft, load_config(overrides=["sft.n_samples=3"])) is not None
+    with stage_lock.dvc_repo() as repo:
+        assert stage_lock.dvc_stage(repo, sft, load_config(overrides=[f"sft.out_dir={tmp_path}/sft"])) is None
+        assert stage_lock.dvc_stage(repo, sft, load_config(overrides=["sft.n_samples=3"])) is not None
 
 
 def succeeding(run):
@@ -101,12 +101,12 @@ def _find_exp(node, name: str) -> dict:
 # run) and DVC's decision agree on every stage, now and after a param, a code file or an output changes.
 AGREEMENT = textwrap.dedent("""
     import json, shutil
-    from rlhflow import lineage
+    from rlhfops import run_record, stage_lock
     from rlhflow.config import load_config
-    from rlhflow.stages import STAGES
+    from rlhfops.stages import STAGES
     out = {}
     def both(label, cfg):
-        out[label] = {s.name: [lineage.why_stale(s, cfg), lineage.why_stale_flow_lock(s, cfg)] for s in STAGES}
+        out[label] = {s.name: [stage_lock.why_stale(s, cfg), stage_lock.why_stale_flow_lock(s, cfg)] for s in STAGES}
     cfg = load_config()
     both("as run", cfg)
     both("param", load_config(overrides=["reward_model.learning_rate=0.5"]))
@@ -126,7 +126,7 @@ LOCK_PROBE = textwrap.dedent("""
     from dvc.lock import LockError
     from dvc.repo import Repo
 
-    from rlhflow.testing import prompt_length_reward
+    from tests.fixtures import prompt_length_reward
 
     def reward(prompts, responses, **kwargs):
         repo = Repo(str(Path(__file__).parent))
@@ -159,7 +159,7 @@ def test_flow_run_is_dvcs_record_and_its_parent_run_restores(tmp_path, tiny_mode
     assert "Data and pipelines are up to date." in ok("dvc", "status")
     repro = ok("dvc", "repro")
     assert "Running stage" not in repro and all(f"Stage '{n}' didn't change, skipping" in repro for n in names), repro
-    lock1 = lineage.load_lock((repo / "dvc.lock").read_text())
+    lock1 = stage_lock.load_lock((repo / "dvc.lock").read_text())
     assert set(lock1["stages"]) == set(names)
     cached = [o for e in lock1["stages"].values() for o in e["outs"] if not o["path"].endswith((".json", ".csv"))]
     for o in cached:  # every cached output is in the cache
@@ -190,7 +190,7 @@ def test_flow_run_is_dvcs_record_and_its_parent_run_restores(tmp_path, tiny_mode
     assert "could not save the run as a DVC experiment" not in out, out[-3000:]
     probes = (repo / "lock-probe.txt").read_text().split()
     assert probes and set(probes) == {"free"}, probes  # no flow holds DVC's lock while a stage trains
-    lock2 = lineage.load_lock((repo / "dvc.lock").read_text())
+    lock2 = stage_lock.load_lock((repo / "dvc.lock").read_text())
     ppo_metrics2 = json.loads((repo / "metrics/ppo.json").read_text())
     assert lock2["stages"]["ppo"]["params"]["params.yaml"]["ppo"]["reward_fn"] == "lockprobe:reward"
     status = ok("dvc", "status")
@@ -215,12 +215,12 @@ def test_flow_run_is_dvcs_record_and_its_parent_run_restores(tmp_path, tiny_mode
     assert second.data.params["ppo.reward_fn"] == "lockprobe:reward"
 
     # the run with an override is a DVC experiment, with its params and metrics (the first run is the baseline)
-    assert lineage.EXP_TAG not in first.data.tags
-    dvc_exp = _find_exp(json.loads(ok("dvc", "exp", "show", "--json")), second.data.tags[lineage.EXP_TAG])
+    assert run_record.EXP_TAG not in first.data.tags
+    dvc_exp = _find_exp(json.loads(ok("dvc", "exp", "show", "--json")), second.data.tags[run_record.EXP_TAG])
     assert dvc_exp["params"]["params.yaml"]["data"]["ppo"]["reward_fn"] == "lockprobe:reward"
     ppo_metrics = next(v["data"] for k, v in dvc_exp["metrics"].items() if os.path.normpath(k) == "metrics/ppo.json")
     assert ppo_metrics == ppo_metrics2
-    logged = lineage.load_lock(
+    logged = stage_lock.load_lock(
         Path(
             mlflow.artifacts.download_artifacts(
                 run_id=first.info.run_id,
@@ -241,7 +241,7 @@ def test_flow_run_is_dvcs_record_and_its_parent_run_restores(tmp_path, tiny_mode
     out = ok(sys.executable, "-m", "flows.restore", first.info.run_id)
     assert "MISMATCH" not in out and "restored" in out, out
     assert _workspace_md5s(repo, lock1) == md5s1
-    assert lineage.load_lock((repo / "dvc.lock").read_text())["stages"] == lock1["stages"]
+    assert stage_lock.load_lock((repo / "dvc.lock").read_text())["stages"] == lock1["stages"]
     assert "Data and pipelines are up to date." in ok("dvc", "status")
 
     # and the second one back
@@ -279,7 +279,7 @@ def test_user_data_and_a_remote_keep_a_run_restorable(tmp_path, tiny_model_dir):
     ok("dvc", "remote", "add", "-d", "store", str(tmp_path / "remote"))
     ok(*flow, "--push")
     first = _parent_runs(repo / "mlflow.db")[-1]
-    lock1 = lineage.load_lock((repo / "metrics/.flow/flow.lock").read_text())  # DVC cannot stand for a moved dep
+    lock1 = stage_lock.load_lock((repo / "metrics/.flow/flow.lock").read_text())  # DVC cannot stand for a moved dep
     validated1 = _workspace_md5s(repo, {"stages": {"validate": lock1["stages"]["validate"]}})
     assert first.data.tags["dvc.remote"] == "default"
 

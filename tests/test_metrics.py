@@ -165,7 +165,7 @@ def test_response_nll_appends_eos_only_to_a_response_that_fits(tok):
     """A reference response cut at max_response_length did not end there: it is scored without EOS. One that fits
     is scored with its EOS."""
     from rlhflow.policy import encode_prompts, sequence_logprobs
-    from rlhflow.testing import tiny_llama
+    from tests.fixtures import tiny_llama
 
     model = tiny_llama(tok)
     prompt = [[{"role": "user", "content": "hello"}]]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, free_port, tiny_pipeline_overrides
 
-from rlhflow.stages import STAGE_NAMES
+from rlhfops.stages import STAGE_NAMES
 
 # a whole tiny pipeline run, then an MLflow server and Chromium: about 2 min on 2 cores
 pytestmark = [pytest.mark.slow, pytest.mark.system]
@@ -54,7 +54,7 @@ def finished_run(tmp_path_factory, tiny_model_dir, one_thread) -> Path:
 @pytest.fixture(scope="module")
 def mlflow_ui(finished_run):
     """`mlflow server` on the finished run's store, as `make ui` starts it; yields its URL."""
-    from rlhflow.tracking import sqlite_artifact_root
+    from rlhfops.tracking import sqlite_artifact_root
 
     uri = f"sqlite:///{finished_run}/mlflow.db"
     artifacts = sqlite_artifact_root(uri).as_uri()

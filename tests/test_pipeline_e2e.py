@@ -11,8 +11,8 @@ import json
 import pytest
 from conftest import tiny_pipeline_overrides
 
-from rlhflow.hashing import file_md5
-from rlhflow.stages import STAGES
+from rlhfops.hashing import file_md5
+from rlhfops.stages import STAGES
 
 pytestmark = pytest.mark.system  # whole flow runs on a Prefect test server
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from rlhflow.cpu_packed_linear import packed_linears
 from rlhflow.logits import entropy_from_logits
-from rlhflow.packed import packed_linears
 from rlhflow.policy import (
     Critic,
     PolicyAndValue,
@@ -18,7 +18,7 @@ from rlhflow.policy import (
     pad_sequences,
     sequence_logprobs,
 )
-from rlhflow.testing import tiny_llama
+from tests.fixtures import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -135,8 +135,8 @@ def test_non_finite_reward_fails_the_stage_and_keeps_the_last_good_checkpoint(
     monkeypatch.syspath_prepend(str(tmp_path))
     from rlhflow.config import load_config
     from rlhflow.ppo.trainer import NonFiniteError
+    from rlhfops.stage_runner import run_stage
     from tasks import ppo
-    from tasks._common import run_stage
 
     cfg = load_config(
         None,

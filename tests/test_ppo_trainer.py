@@ -12,7 +12,7 @@ from rlhflow.config import PPOConfig
 from rlhflow.policy import sequence_logprobs
 from rlhflow.ppo import core
 from rlhflow.ppo.trainer import NonFiniteError, PPOTrainer
-from rlhflow.testing import tiny_llama
+from tests.fixtures import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -313,7 +313,7 @@ def test_separate_critic_starts_from_the_reward_model_when_it_reads_the_policys_
     from transformers import AutoModelForSequenceClassification
 
     from rlhflow.config import load_config
-    from rlhflow.ppo.setup import make_critic
+    from rlhflow.ppo.reward_and_critic import make_critic
     from rlhflow.reward_model import RewardModel
 
     torch.manual_seed(0)

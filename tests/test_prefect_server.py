@@ -23,7 +23,7 @@ from flows.pipeline import TRAINING_LIMIT
 from flows.report import LINK_KEY, MLFLOW_UI_URL_ENV, REPORT_KEY
 from flows.serve import stop, wait_for
 from rlhflow.config import load_config
-from rlhflow.stages import STAGES
+from rlhfops.stages import STAGES
 
 pytestmark = pytest.mark.system  # a real Prefect server and served deployments
 

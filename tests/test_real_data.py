@@ -14,7 +14,7 @@ from conftest import run_stage_cli, tiny_pipeline_overrides
 from rlhflow.config import DEFAULT_PREFERENCES
 from rlhflow.data.formats import read_jsonl
 from rlhflow.data.splits import conversation_keys
-from rlhflow.hashing import file_md5
+from rlhfops.hashing import file_md5
 
 JUDGE_METRICS = [
     "eval/judge_win_rate_vs_sft",

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, flow_run_logs, tiny_pipeline_overrides
 
-from rlhflow.stages import STAGES
+from rlhfops.stages import STAGES
 
 MARKER_ENV = "RLHFLOW_TEST_REMOTE_CODE_MARKER"
 
@@ -120,7 +120,7 @@ def test_every_torch_load_in_the_project_uses_weights_only():
 
 
 def test_redact_masks_url_passwords_and_secret_environment_values(monkeypatch):
-    from rlhflow.tracking import redact
+    from rlhfops.tracking import redact
 
     monkeypatch.setenv("MY_SERVICE_TOKEN", "tok-123456789")
     assert redact("postgresql://bob:hunter2pw@db:5432/mlflow") == "postgresql://bob:***@db:5432/mlflow"

@@ -90,7 +90,7 @@ def test_trl_dataset_preparation_prints_to_stdout_not_to_a_run_log(tiny_model_di
 
     from rlhflow.models import load_causal_lm
     from rlhflow.sft import sft_trainer
-    from tasks._common import prints_to_stdout
+    from rlhfops.stage_runner import prints_to_stdout
 
     run_log: list[str] = []
     monkeypatch.setattr(builtins, "print", lambda *args, **kwargs: run_log.append(" ".join(map(str, args))))
@@ -226,8 +226,8 @@ def test_prompts_are_cut_as_ppo_cuts_them_and_completions_never(tok):
 
 
 def test_the_checkpoint_fingerprint_follows_the_local_model_and_the_validate_settings(tmp_path):
-    from rlhflow.testing import write_tiny_model
     from tasks.sft import checkpoint_fingerprint
+    from tests.fixtures import write_tiny_model
 
     model_dir = write_tiny_model(tmp_path / "model")
 
@@ -442,7 +442,7 @@ def test_the_flow_trains_the_sft_model_and_every_later_stage_loads_it(prefect_se
     from safetensors.torch import load_file
 
     from flows.pipeline import rlhf_pipeline
-    from rlhflow.stages import STAGES
+    from rlhfops.stages import STAGES
 
     overrides = tiny_pipeline_overrides(tmp_path, tiny_model_dir) + [
         "sft.train=true",

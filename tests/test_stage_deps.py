@@ -1,4 +1,4 @@
-"""An edit reruns only what it touches: each stage's code deps (dvc.yaml, from rlhflow/codedeps.py) are the files it
+"""An edit reruns only what it touches: each stage's code deps (dvc.yaml, from rlhfops/codedeps.py) are the files it
 runs. Checked statically on the import closures, and for real: one tiny `dvc repro` in a git repo copy of the
 project, then for each file a comment line appended, `dvc status` names exactly the stages that changed, and the
 file is restored (`git checkout`)."""
@@ -11,55 +11,61 @@ import re
 import pytest
 from conftest import make_dvc_repo
 
-from rlhflow.codedeps import import_closure
 from rlhflow.config import REPO_ROOT
-from rlhflow.stages import STAGE_NAMES, STAGES
+from rlhfops.codedeps import import_closure
+from rlhfops.dvc_yaml import stage_deps
+from rlhfops.stages import STAGE_NAMES, STAGES
 
 # ---- the import closures ---------------------------------------------------------------------------------------
 
-# files that only some stages run: what every stage imports (tasks/_common.py and the tracking it uses) loads none
+# files that only some stages run: what every stage imports (rlhfops/stage_runner.py, the tracking it uses) loads none
 STAGE_SPECIFIC = {
     "rlhflow/models.py",
     "rlhflow/policy.py",
     "rlhflow/reward_model.py",
-    "rlhflow/reward_training.py",
+    "tasks/pairwise_training.py",
     "rlhflow/metrics.py",
-    "rlhflow/packed.py",
+    "rlhflow/cpu_packed_linear.py",
     "rlhflow/logits.py",
     "rlhflow/validation.py",
     "rlhflow/data/formats.py",
     "rlhflow/ppo/__init__.py",
-    "rlhflow/serving/__init__.py",
+    "rlhfops/serving/__init__.py",
 }
+
+
+# the one module in tasks/ that is not a stage: the body the two pairwise-model stages share
+SHARED_STAGE_BODIES = {"reward_model": {"tasks/pairwise_training.py"}, "judge": {"tasks/pairwise_training.py"}}
 
 
 def test_no_stage_module_imports_another_stage_module():
     for s in STAGES:
         tasks_files = {f for f in import_closure(s.module) if f.startswith("tasks/")}
-        assert tasks_files == {"tasks/__init__.py", "tasks/_common.py", f"tasks/{s.name}.py"}, s.name
+        assert tasks_files == {"tasks/__init__.py", f"tasks/{s.name}.py", *SHARED_STAGE_BODIES.get(s.name, ())}, s.name
 
 
-@pytest.mark.parametrize("module", ["tasks._common", "rlhflow.tracking"])
+@pytest.mark.parametrize("module", ["rlhfops.stage_runner", "rlhfops.tracking"])
 def test_what_every_stage_imports_loads_no_stage_specific_code(module):
     assert not set(import_closure(module)) & STAGE_SPECIFIC, import_closure(module)
 
 
-@pytest.mark.parametrize("package", ["rlhflow.ppo", "rlhflow.serving"])
+@pytest.mark.parametrize("package", ["rlhflow.ppo", "rlhfops.serving"])
 def test_package_inits_import_none_of_their_modules(package):
-    assert import_closure(package) == ("rlhflow/__init__.py", f"{package.replace('.', '/')}/__init__.py")
+    top = package.split(".")[0]
+    assert import_closure(package) == (f"{top}/__init__.py", f"{package.replace('.', '/')}/__init__.py")
 
 
 def test_the_per_token_kl_and_the_figures_do_not_load_ppo():
     assert not [f for f in import_closure("rlhflow.metrics") if f.startswith("rlhflow/ppo/")]
     assert import_closure("rlhflow.plots") == ("rlhflow/__init__.py", "rlhflow/plots.py")
-    assert "rlhflow/policy.py" not in import_closure("rlhflow.serving.reward")
-    assert "rlhflow/reward_model.py" not in import_closure("rlhflow.serving.policy")
+    assert "rlhflow/policy.py" not in import_closure("rlhfops.serving.reward")
+    assert "rlhflow/reward_model.py" not in import_closure("rlhfops.serving.policy")
 
 
 def code_files(stage) -> set[str]:
     """The project .py files a stage's deps cover (a listed directory, `rlhflow/ppo`, counts as its files)."""
     files: set[str] = set()
-    for dep in stage.deps:
+    for dep in stage_deps(stage):
         path = REPO_ROOT / dep
         if "${" in dep:
             continue
@@ -73,11 +79,11 @@ def code_files(stage) -> set[str]:
 def test_docs_state_each_stages_code_files():
     """docs/dvc.md's table (stage, code files, those besides the shared ones) is what the stage list says."""
     text = (REPO_ROOT / "docs/dvc.md").read_text()
-    shared = set(import_closure("tasks._common"))
+    shared = set(import_closure("rlhfops.stage_runner"))
     section = text[text.index("## Code deps: what an edit reruns") :]
     section = section[: section.index("\n## ")]
     stated_shared = re.search(
-        r"the same (\d+) files through\s+`tasks/_common.py` \([^)]*\):(.*?)\. An edit", section, re.S
+        r"the same (\d+) files through\s+`rlhfops/stage_runner.py` \([^)]*\):(.*?)\. An edit", section, re.S
     )
     assert stated_shared, "docs/dvc.md does not state the files every stage imports"
     assert int(stated_shared[1]) == len(shared) and set(re.findall(r"`([^`]+)`", stated_shared[2])) == shared
@@ -102,16 +108,16 @@ STALE_AFTER_EDIT = {
     "rlhflow/ppo/core.py": {"ppo"},
     "rlhflow/ppo/trainer.py": {"ppo"},
     "rlhflow/reward_model.py": {"reward_model", "judge", "ppo", "evaluate"},
-    "rlhflow/reward_training.py": {"reward_model", "judge"},
+    "tasks/pairwise_training.py": {"reward_model", "judge"},
     "tasks/reward_model.py": {"reward_model"},
     "rlhflow/validation.py": {"validate", "sft"},
     "rlhflow/policy.py": {"sft", "ppo", "evaluate"},
     "rlhflow/metrics.py": {"sft", "evaluate"},
     "rlhflow/plots.py": {"evaluate"},
-    "rlhflow/serving/reward.py": {"reward_model", "judge"},
-    "rlhflow/serving/policy.py": {"sft", "ppo"},
+    "rlhfops/serving/reward.py": {"reward_model", "judge"},
+    "rlhfops/serving/policy.py": {"sft", "ppo"},
     "rlhflow/data/demo.py": {"demo_data"},
-    "rlhflow/tracking.py": EVERY_STAGE,
+    "rlhfops/tracking.py": EVERY_STAGE,
 }
 
 

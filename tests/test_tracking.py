@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from rlhflow import tracking
 from rlhflow.config import load_config
-from rlhflow.hashing import file_md5
+from rlhfops import registry, tracking
+from rlhfops.hashing import file_md5
 
 
 @pytest.fixture
@@ -121,13 +121,13 @@ def test_logged_models_carry_signatures(cfg, tmp_path, tiny_model_dir):
     import mlflow
     import pandas as pd
 
-    from rlhflow.serving.policy import PolicyPyfunc
-    from rlhflow.serving.reward import RewardPyfunc
+    from rlhfops.serving.policy import PolicyPyfunc
+    from rlhfops.serving.reward import RewardPyfunc
 
     reward_dir = _tiny_reward_model_dir(tiny_model_dir, tmp_path / "reward_model")
     with mlflow.start_run():
-        tracking.log_model_dir(cfg, tiny_model_dir, name="policy", wrapper=PolicyPyfunc, registered_name="rlhf-policy")
-        tracking.log_model_dir(
+        registry.log_model_dir(cfg, tiny_model_dir, name="policy", wrapper=PolicyPyfunc, registered_name="rlhf-policy")
+        registry.log_model_dir(
             cfg, reward_dir, name="reward_model", wrapper=RewardPyfunc, registered_name="rlhf-reward"
         )
 

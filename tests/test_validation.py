@@ -10,8 +10,8 @@ import pytest
 from rlhflow.config import ValidateConfig
 from rlhflow.data.formats import load_preferences
 from rlhflow.data.splits import assign_splits
-from rlhflow.testing import tiny_tokenizer
 from rlhflow.validation import DataValidationError, validate_preferences
+from tests.fixtures import tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

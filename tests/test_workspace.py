@@ -1,4 +1,4 @@
-"""One pipeline run at a time per workspace (rlhflow/workspace.py): a second run waits for the first, or (a stage
+"""One pipeline run at a time per workspace (rlhfops/workspace.py): a second run waits for the first, or (a stage
 under `dvc repro`) stops at once naming it; the hold ends with its process, even on SIGKILL."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import time
 
 import pytest
 
-from rlhflow import workspace
+from rlhfops import workspace
 
 HOLD = """
 import sys, time
 from pathlib import Path
-from rlhflow import workspace
+from rlhfops import workspace
 with workspace.exclusive("pipeline flow run 'calm-otter'", root=Path(sys.argv[1])):
     print("held", flush=True)
     time.sleep(float(sys.argv[2]))

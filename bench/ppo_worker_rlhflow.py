@@ -1,6 +1,6 @@
 """Our engine (rlhflow.ppo.trainer.PPOTrainer) on a prepared workload; runs in the project venv.
 
-    .venv/bin/python -m bench.run_ours --workload-dir bench/.work/tiny --out ours.json --threads 2
+    .venv/bin/python -m bench.ppo_worker_rlhflow --workload-dir bench/.work/tiny --out ours.json --threads 2
 
 The phase split comes from the trainer's own timers: generation = time/generation_s; scoring =
 time/forward_s (old log-probs and values, reference log-probs) + time/scoring_s (the reward model);

@@ -1,5 +1,6 @@
 """The one stage list. It drives the Prefect flow (flows/pipeline.py runs these in order) and dvc.yaml
-(generated from it: `python -m rlhflow.stages > dvc.yaml`; a test checks the two agree).
+(generated from it by rlhfops/dvc_yaml.py: `python -m rlhfops.dvc_yaml > dvc.yaml`; a test checks the two agree).
+A stage's `deps` here are the ones it names; dvc.yaml adds the project code it runs (`stage_deps`).
 
 Paths are written as DVC templates (`${sft.out_dir}`) that DVC fills from params.yaml, and that
 `Stage.resolve` fills from the typed config for the flow, so both read the same values.
@@ -8,13 +9,9 @@ Paths are written as DVC templates (`${sft.out_dir}`) that DVC fills from params
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
-from rlhflow.codedeps import import_closure
 from rlhflow.config import Config
 
 VALIDATED = "${validate.out_dir}"
@@ -25,18 +22,15 @@ class Stage:
     name: str
     description: str
     params: list[str]  # params.yaml sections (or dotted keys) the stage reads
-    deps: list[str]  # code and data it reads (templated paths)
+    deps: list[str]  # data, upstream outputs and its main code (templated paths); dvc_yaml.stage_deps adds the rest
     outs: list[str]  # what it writes, DVC-cached
     metrics: list[str] = field(default_factory=list)  # small JSON files, kept in git
     plots: list[str] = field(default_factory=list)  # data files behind the plots in PLOTS
     persist: list[str] = field(default_factory=list)  # outputs kept between runs (checkpoints)
     # loads models on the accelerator: holds a slot of the Prefect concurrency limit while it runs (flows/pipeline.py)
     accelerator: bool = False
-    # trains data parallel under `accelerate launch`; otherwise rank 0 works alone (tasks/_common.py)
+    # trains data parallel under `accelerate launch`; otherwise rank 0 works alone (rlhfops/stage_runner.py)
     data_parallel: bool = False
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "deps", with_code_deps(self.deps, self.module))
 
     @property
     def module(self) -> str:
@@ -53,15 +47,6 @@ class Stage:
             return str(node)
 
         return re.sub(r"\$\{([^}]+)\}", lookup, template)
-
-
-def with_code_deps(deps: list[str], module: str) -> list[str]:
-    """The deps as listed (data, upstream outputs, code), then every project file the stage's module imports
-    (rlhflow/codedeps.py), sorted; files inside a listed directory are covered by it."""
-    listed = list(dict.fromkeys(deps))
-    dirs = [d.rstrip("/") + "/" for d in listed if "${" not in d and not d.endswith(".py")]
-    code = [f for f in import_closure(module) if f not in listed and not any(f.startswith(d) for d in dirs)]
-    return listed + code
 
 
 def _metrics(stage: str) -> str:
@@ -102,6 +87,7 @@ STAGES: list[Stage] = [
             "ppo.temperature",
             "ppo.top_k",
             "ppo.top_p",
+            "ppo.stop_strings",
             "evaluate.temperature",
         ],
         # the demonstrations: by default the validated train split (inside VALIDATED), else the user's file
@@ -258,27 +244,3 @@ def get_stage(name: str) -> Stage:
         if stage.name == name:
             return stage
     raise KeyError(f"unknown stage {name!r}; stages: {', '.join(STAGE_NAMES)}")
-
-
-def dvc_yaml() -> str:
-    """dvc.yaml, generated from STAGES."""
-    stages: dict[str, Any] = {}
-    for s in STAGES:
-        entry: dict[str, Any] = {
-            "desc": s.description,
-            "cmd": f"python -m {s.module}",
-            "params": s.params,
-            "deps": s.deps,
-            "outs": s.outs,
-        }
-        if s.metrics:
-            entry["metrics"] = [{m: {"cache": False}} for m in s.metrics]
-        if s.plots:
-            entry["plots"] = [{p: {"cache": False}} for p in s.plots]
-        stages[s.name] = entry
-    header = "# Generated from rlhflow/stages.py by `python -m rlhflow.stages > dvc.yaml`; do not edit by hand.\n"
-    return header + yaml.safe_dump({"stages": stages, "plots": PLOTS}, sort_keys=False, width=120)
-
-
-if __name__ == "__main__":
-    sys.stdout.write(dvc_yaml())

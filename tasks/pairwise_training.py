@@ -11,7 +11,7 @@ from rlhflow.config import Config, RewardModelConfig
 
 
 class StageLog(Protocol):
-    """What the body needs of the stage context (tasks/_common.py StageContext): whether this process logs and
+    """What the body needs of the stage context (rlhfops/stage_runner.py StageContext): whether this process logs and
     writes (rank 0), and where its metrics go."""
 
     main_process: bool
@@ -27,7 +27,7 @@ def checkpoint_fingerprint(cfg: Config, rm_cfg: RewardModelConfig, train_file: P
     """What a Trainer checkpoint must have been made from to be resumed: the same reward-model settings (where
     checkpoints go and how often aside), seed, backbone, training data and number of processes."""
     from rlhflow import distributed
-    from rlhflow.hashing import inputs_fingerprint
+    from rlhfops.hashing import inputs_fingerprint
 
     backbone = backbone_spec(cfg, rm_cfg)
     files = [train_file]
@@ -58,11 +58,12 @@ def train_pairwise_model(
 
     import mlflow
 
-    from rlhflow import distributed, tracking
+    from rlhflow import distributed
     from rlhflow.data.formats import read_jsonl
     from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir
     from rlhflow.reward_model import LENGTH_AWARE_METRICS, evaluate_pairs, train_reward_model
-    from rlhflow.serving.reward import RewardPyfunc
+    from rlhfops import registry, tracking
+    from rlhfops.serving.reward import RewardPyfunc
 
     validated = cfg.path(cfg.validate_.out_dir)
     train_file = validated / f"{split}.jsonl"
@@ -108,5 +109,5 @@ def train_pairwise_model(
     shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
     ctx.log_metrics(metrics)
     mlflow.log_dict({"normalization": {"mean": rm.mean, "std": rm.std}}, "reward_normalization.json")
-    tracking.log_model_dir(cfg, out_dir, name=model_name, wrapper=RewardPyfunc, registered_name=registered_name)
+    registry.log_model_dir(cfg, out_dir, name=model_name, wrapper=RewardPyfunc, registered_name=registered_name)
     return metrics

@@ -1,4 +1,4 @@
-"""The reward models' MLflow pyfunc wrapper (rlhflow/serving/__init__.py): scores (prompt, response) rows."""
+"""The reward models' MLflow pyfunc wrapper (rlhfops/serving/__init__.py): scores (prompt, response) rows."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pandas as pd
 from mlflow.models import ModelSignature
 from mlflow.types import ColSpec, Schema
 
-from rlhflow.serving import EXAMPLE_PROMPT, EXAMPLE_RESPONSE, chat_messages
+from rlhfops.serving import EXAMPLE_PROMPT, EXAMPLE_RESPONSE, chat_messages
 
 
 class RewardPyfunc(mlflow.pyfunc.PythonModel):

@@ -11,7 +11,7 @@ at once, before reading anything, naming the run that holds the workspace.
 
 Runs that should go side by side go to workspaces of their own: `dvc exp run --temp` / `--queue` (each a copy of
 the repository under .dvc/tmp/exps/, with its own lock; their MLflow runs go to the project's store, see
-rlhflow.tracking), or another clone per Prefect worker (docs/scaling.md).
+rlhfops.tracking), or another clone per Prefect worker (docs/scaling.md).
 """
 
 from __future__ import annotations

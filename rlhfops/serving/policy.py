@@ -1,4 +1,4 @@
-"""The policy's MLflow pyfunc wrapper (rlhflow/serving/__init__.py): generates a response per prompt."""
+"""The policy's MLflow pyfunc wrapper (rlhfops/serving/__init__.py): generates a response per prompt."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pandas as pd
 from mlflow.models import ModelSignature
 from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
-from rlhflow.serving import EXAMPLE_PROMPT, chat_messages
+from rlhfops.serving import EXAMPLE_PROMPT, chat_messages
 
 
 class PolicyPyfunc(mlflow.pyfunc.PythonModel):

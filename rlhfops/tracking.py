@@ -8,21 +8,20 @@ stages and flows write to the same store).
 from __future__ import annotations
 
 # mlflow (and pandas) are imported inside the functions that use them: importing the flow and the stage modules
-# stays fast. No model code is imported here: a stage that logs a model hands log_model_dir its pyfunc wrapper
-# class (rlhflow/serving/), so what every stage imports through this module stays small.
+# stays fast. Models are logged and registered by rlhfops/registry.py, champions moved by rlhfops/promotion.py:
+# only the stages that do so import them.
 import contextlib
 import os
 import re
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rlhflow.champion import BASIS_TAG_PREFIX, ChampionDecision, HeadToHead, basis_difference, decide
 from rlhflow.config import REPO_ROOT, Config, project_root
 from rlhflow.fsutil import write_json_atomic
-from rlhflow.hashing import dir_md5, file_md5
+from rlhfops.hashing import file_md5
 
 
 def tracking_uri(cfg: Config) -> str:
@@ -322,135 +321,3 @@ def write_stage_metrics(cfg: Config, stage: str, metrics: dict[str, float]) -> P
     path = cfg.path(cfg.metrics_dir) / f"{stage}.json"
     write_json_atomic(path, {k: float(v) for k, v in metrics.items()})
     return path
-
-
-CONTENT_TAG = "content_md5"
-MODEL_PIP_REQUIREMENTS = ["torch", "transformers", "safetensors", "accelerate", "pandas"]
-
-
-def log_model_dir(
-    cfg: Config,
-    model_dir: str | os.PathLike,
-    *,
-    name: str,
-    wrapper: type,
-    registered_name: str | None = None,
-    alias: str = "candidate",
-) -> str | None:
-    """Log a saved model dir as an MLflow pyfunc model, an instance of `wrapper` (a `mlflow.pyfunc.PythonModel`
-    subclass: rlhflow.serving.policy.PolicyPyfunc or rlhflow.serving.reward.RewardPyfunc), when
-    `tracking.log_models` is on; register it (when `tracking.register_models` is on) and point `alias` at the
-    new version. Call this only once the stage has succeeded: a failed run registers nothing."""
-    import mlflow
-
-    if not cfg.tracking.log_models:
-        return None
-    if not cfg.tracking.register_models:
-        registered_name = None
-
-    info = mlflow.pyfunc.log_model(
-        name=name,
-        python_model=wrapper(),
-        signature=wrapper.SIGNATURE,
-        input_example=wrapper.INPUT_EXAMPLE,
-        artifacts={"model_dir": str(model_dir)},
-        pip_requirements=MODEL_PIP_REQUIREMENTS,
-        registered_model_name=registered_name,
-        code_paths=[str(REPO_ROOT / "rlhflow")],  # the wrappers' own code travels with the model
-    )
-    if registered_name and info.registered_model_version is not None:
-        client = mlflow.MlflowClient()
-        client.set_registered_model_alias(registered_name, alias, str(info.registered_model_version))
-        # lets a later stage (evaluate, even under `dvc repro` in another process) find the version of a model dir
-        client.set_model_version_tag(
-            registered_name, str(info.registered_model_version), CONTENT_TAG, dir_md5(model_dir)
-        )
-        mlflow.set_tag(f"registered/{registered_name}", str(info.registered_model_version))
-        return str(info.registered_model_version)
-    return None
-
-
-# ---- champion ----------------------------------------------------------------------------------------------
-# Every registered version gets alias `candidate`; alias `champion` moves by the rule in rlhflow/champion.py. The
-# evaluation basis (`basis.*`) and the basis of each decision (`champion.*`) are kept as tags on the version.
-
-CHAMPION = "champion"
-
-
-def version_by_alias(client, name: str, alias: str):
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return client.get_model_version_by_alias(name, alias)
-    except MlflowException:
-        return None  # no such model or alias yet
-
-
-def version_of_model_dir(client, name: str, model_dir: str | os.PathLike):
-    """The registered version logged from a model dir with these exact contents (newest first), or None."""
-    found = client.search_model_versions(
-        f"name = '{name}' and tags.{CONTENT_TAG} = '{dir_md5(model_dir)}'",
-        order_by=["version_number DESC"],
-        max_results=1,
-    )
-    return found[0] if found else None
-
-
-def registered_model_dir(client, name: str, version: str, dst: str | os.PathLike) -> Path:
-    """Download a registered pyfunc model (logged by `log_model_dir`) and return its plain model dir."""
-    import mlflow
-    import yaml
-
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(dst)))
-    flavor = yaml.safe_load((local / "MLmodel").read_text())["flavors"]["python_function"]
-    return local / flavor["artifacts"]["model_dir"]["path"]
-
-
-def evaluation_basis(client, name: str, version: str) -> dict[str, str]:
-    """The `basis.*` tags of a registered version: what it was trained and evaluated on."""
-    tags = client.get_model_version(name, version).tags
-    return {k.removeprefix(BASIS_TAG_PREFIX): v for k, v in tags.items() if k.startswith(BASIS_TAG_PREFIX)}
-
-
-def challenge_champion(
-    client,
-    name: str,
-    candidate: str,
-    basis: dict[str, str],
-    head_to_head: Callable[[Any], HeadToHead],
-    promote: str = "auto",
-) -> ChampionDecision:
-    """Decide whether `candidate` (evaluated on `basis`) replaces the current champion. `head_to_head(version)`
-    measures the candidate against the champion on the same items; it is called only for a champion of the same
-    basis. Records `basis` on the candidate; the alias is not moved yet (`apply_champion_decision`)."""
-    for key, value in basis.items():
-        client.set_model_version_tag(name, candidate, BASIS_TAG_PREFIX + key, value)
-    current = version_by_alias(client, name, CHAMPION)
-    previous = None if current is None else str(current.version)
-    difference = comparison = None
-    if previous not in (None, candidate) and promote != "never":
-        difference = basis_difference(basis, evaluation_basis(client, name, previous))
-        if difference is None:
-            comparison = head_to_head(current)
-    return decide(name, candidate, previous, not_comparable=difference, comparison=comparison, promote=promote)
-
-
-def apply_champion_decision(client, decision: ChampionDecision, run_id: str | None = None) -> None:
-    """Record the decision basis as tags on the candidate version and move `champion` when it won."""
-    c = decision.comparison
-    tags = {
-        "compared_with": f"v{decision.previous}" if decision.previous else "none",
-        "verdict": decision.verdict,
-        "decision": "promoted" if decision.promoted else "kept",
-        "reason": decision.reason,
-        **(
-            {"metric": c.metric, "value": f"{c.value:.6g}", "ci_low": f"{c.low:.6g}", "ci_high": f"{c.high:.6g}"}
-            if c
-            else {}
-        ),
-        **({"evaluation_run": run_id} if run_id else {}),
-    }
-    for key, value in tags.items():
-        client.set_model_version_tag(decision.model, decision.candidate, f"champion.{key}", value)
-    if decision.promoted:
-        client.set_registered_model_alias(decision.model, CHAMPION, decision.candidate)

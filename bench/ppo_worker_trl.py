@@ -1,8 +1,8 @@
 """TRL 1.12's PPOTrainer (trl.experimental.ppo) on a prepared workload; runs in the peer venv bench/.venv-trl.
 
-    bench/.venv-trl/bin/python -m bench.run_trl --workload-dir bench/.work/tiny --out trl.json --threads 2
+    bench/.venv-trl/bin/python -m bench.ppo_worker_trl --workload-dir bench/.work/tiny --out trl.json --threads 2
 
-TRL's settings mirror ours (bench.run_ours): per_device_train_batch_size = batch size with
+TRL's settings mirror ours (bench.ppo_worker_rlhflow): per_device_train_batch_size = batch size with
 gradient_accumulation_steps=1 and num_mini_batches = batch / minibatch, so each minibatch is one forward,
 backward and optimizer step as in ours; the same PPO epochs, response length, temperature, learning rate (constant),
 KL coefficient, gamma=lam=1, AdamW eps 1e-5, missing-EOS penalty 1; no gradient checkpointing (TRL's default is on,

@@ -25,9 +25,13 @@ os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 from prefect import task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
-from rlhflow import distributed, tracking, workspace  # noqa: E402
+from rlhflow import distributed
 from rlhflow.config import Config, parse_config_args  # noqa: E402
-from rlhflow.stages import get_stage  # noqa: E402
+from rlhfops import (
+    tracking,
+    workspace,  # noqa: E402
+)
+from rlhfops.stages import get_stage  # noqa: E402
 
 
 def _print_to_stdout(*values, sep: str | None = " ", end: str | None = "\n", file=None, flush: bool = False) -> None:
@@ -104,7 +108,7 @@ def stage_task(name: str, body: StageBody):
 
 
 def holding_the_workspace(name: str):
-    """A stage run alone holds the workspace while it runs (rlhflow/workspace.py). Under `dvc repro` (DVC_STAGE set)
+    """A stage run alone holds the workspace while it runs (rlhfops/workspace.py). Under `dvc repro` (DVC_STAGE set)
     it does not wait for a pipeline run holding it, as DVC's lock is held meanwhile: it stops before any work. The
     other processes of an `accelerate launch` run share their main process's hold."""
     if os.environ.get("RANK", "0") != "0":

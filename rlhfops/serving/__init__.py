@@ -6,8 +6,8 @@ rm = mlflow.pyfunc.load_model("models:/rlhf-reward-model@candidate")
 rm.predict(pd.DataFrame({"prompt": [...], "response": [...]}))                 # -> list of rewards
 
 Each wrapper carries the signature and input example it is logged with (`SIGNATURE`, `INPUT_EXAMPLE`). One module
-per wrapper (`rlhflow.serving.policy.PolicyPyfunc`, `rlhflow.serving.reward.RewardPyfunc`); a stage
-hands its wrapper class to `rlhflow.tracking.log_model_dir`. This package imports neither, so the stage that logs a
+per wrapper (`rlhfops.serving.policy.PolicyPyfunc`, `rlhfops.serving.reward.RewardPyfunc`); a stage
+hands its wrapper class to `rlhfops.registry.log_model_dir`. This package imports neither, so the stage that logs a
 reward model does not load the policy code, nor the other way round.
 """
 

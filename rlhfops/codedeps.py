@@ -5,7 +5,7 @@ Every `import` and `from ... import` statement counts, wherever it is (module le
 so those count. Imports built at run time (`importlib.import_module(name)` with a computed name, such as a
 user-supplied reward function) are not seen: they are data, not the stage's code.
 
-This decides each stage's code deps in rlhflow/stages.py (hence dvc.yaml), so a change to any project file a
+This decides each stage's code deps in rlhfops/stages.py (hence dvc.yaml), so a change to any project file a
 stage can run makes it stale, for the flow and for `dvc repro` alike.
 """
 
@@ -16,7 +16,7 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROJECT_PACKAGES = ("rlhflow", "tasks")
+PROJECT_PACKAGES = ("rlhflow", "rlhfops", "tasks")
 
 
 def module_file(module: str, root: Path = ROOT) -> Path | None:
