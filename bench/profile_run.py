@@ -19,7 +19,8 @@ the parent run, lineage logging, the report) is a row of its own. The modules th
 before the clock starts, so their import time is in no row.
 
 Prints a Markdown table (stages x categories, seconds) and writes the JSON (--out): per stage the wall time, the
-seconds and calls per category, and the calls and exclusive seconds of each timed function.
+seconds and calls per category, and the calls and exclusive seconds of each timed function; and the run's
+metrics (`metrics/<stage>.json`), so that a faster run can be checked to measure the same.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import time
 from pathlib import Path
 
 from bench.orchestration import TINY, root_overrides
-from rlhflow.config import add_overrides_argument, set_args
+from rlhflow.config import add_overrides_argument, load_config, set_args
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "bench" / ".work" / "profile_run.json"
@@ -88,7 +89,8 @@ TIMED: dict[str, list[str]] = {
         "rlhflow.ppo.trainer.PPOTrainer._in_chunks",  # the rollout's log-prob and value passes
         "rlhflow.policy.PolicyAndValue.from_generation",
     ],
-    "recording": ["rlhfops.hashing.*", "rlhflow.lineage.*"],  # hashes, DVC checks, records and cache
+    # hashes, DVC checks, records and cache
+    "recording": ["rlhfops.hashing.*", "rlhfops.stage_lock.*", "rlhfops.run_record.*"],
     "mlflow": [
         "rlhfops.tracking.*",
         "mlflow.*",  # the fluent API: runs, params, metrics, artifacts, tags
@@ -223,7 +225,7 @@ def timers(clock: Clock, table: dict[str, list[str]] = TIMED):
 @contextlib.contextmanager
 def dvc_cache_in(root: Path):
     """DVC's cache under `root` while the block runs: after each stage the flow copies its outputs into the cache
-    (rlhflow.lineage.record_run), which would otherwise be the workspace's .dvc/cache. A global DVC config of its
+    (rlhfops.stage_lock.record_run), which would otherwise be the workspace's .dvc/cache. A global DVC config of its
     own says where (the project's .dvc/config sets no cache dir, so the global one's applies)."""
     config_dir = root / "dvc-config"
     config_dir.mkdir(parents=True)
@@ -316,6 +318,10 @@ def main(argv: list[str] | None = None) -> None:
         overrides = root_overrides(root / "run", demo_data=args.tiny) + base + args.overrides
         with dvc_cache_in(root):
             profile = profile_flow(set_args(overrides))
+        # the run's figures, to check that a faster run measures the same
+        run_cfg = load_config(overrides=overrides)
+        metrics_dir = run_cfg.path(run_cfg.metrics_dir)
+        profile["metrics"] = {p.stem: json.loads(p.read_text()) for p in sorted(metrics_dir.glob("*.json"))}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     profile = {"run": "tiny models" if args.tiny else "default params", "overrides": args.overrides, **profile}
