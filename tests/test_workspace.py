@@ -74,7 +74,7 @@ def test_the_hold_is_reentrant_and_shared_with_child_processes(tmp_path):
             [
                 sys.executable,
                 "-c",
-                "import sys; from pathlib import Path; from rlhflow import workspace\n"
+                "import sys; from pathlib import Path; from rlhfops import workspace\n"
                 "with workspace.exclusive('child', wait=False, root=Path(sys.argv[1])): print('ran')",
                 str(tmp_path),
             ],
