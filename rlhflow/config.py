@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from rlhflow.align_config import AlignConfig
-from rlhflow.config_section import Section
+from rlhflow.config_section import Section, inherit, inherited_keys, without_inherited
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PARAMS = REPO_ROOT / "params.yaml"
@@ -113,12 +113,22 @@ class ValidateConfig(Section):
         return self
 
 
-class LoraConfig(Section):
+class LoraSettings(Section):
+    """The LoRA adapter's shape: params.yaml's top-level `lora` section, which `sft.lora` and `ppo.lora` inherit."""
+
+    r: int = Field(16, ge=1, description="rank of the adapter matrices")
+    alpha: int = Field(32, ge=1, description="scaling numerator: the update is scaled by alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input")
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="the linear layers that get an adapter",
+    )
+
+
+class LoraConfig(LoraSettings):
+    """A stage's LoRA: whether it trains an adapter; every other key it does not set comes from `lora`."""
+
     enabled: bool = False
-    r: int = Field(16, ge=1)
-    alpha: int = Field(32, ge=1)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 class SFTConfig(Section):
@@ -156,7 +166,8 @@ class SFTConfig(Section):
     )
     lora: LoraConfig = Field(
         LoraConfig(),
-        description="train a LoRA adapter instead of all weights; merged into the saved model",
+        description="train a LoRA adapter instead of all weights; merged into the saved model (keys it does not set: "
+        "the top-level lora section's)",
     )
     checkpoint_every: int = Field(
         25, ge=0, description="training steps between Trainer checkpoints; a killed run resumes from the last (0: none)"
@@ -212,7 +223,8 @@ class RewardModelConfig(Section):
 
 class JudgeConfig(RewardModelConfig):
     """The judge: a second reward model trained on the judge split (conversations disjoint from the proxy's and PPO's).
-    PPO never optimises against it; evaluation's judge win rate and the champion decision use it."""
+    PPO never optimises against it; evaluation's judge win rate and the champion decision use it. Every key it does
+    not set, but its own seed, out_dir and checkpoint_dir, is the reward model's (Config.INHERITS)."""
 
     seed: int = Field(
         1,
@@ -309,7 +321,9 @@ class PPOConfig(Section):
         "the SFT model; auto: the reward model when it reads the policy's tokens (e.g. reward_model.backbone=sft), "
         "else the SFT model",
     )
-    lora: LoraConfig = LoraConfig()
+    lora: LoraConfig = Field(
+        LoraConfig(), description="LoRA adapters; keys it does not set: the top-level lora section's"
+    )
     checkpoint_every: int = Field(8, ge=0, description="updates between checkpoints (0: none)")
     out_dir: str = "models/policy"
     checkpoint_dir: str = "checkpoints/ppo"
@@ -356,15 +370,51 @@ class Config(Section):
     metrics_dir: str = "metrics"
     data: DataConfig = DataConfig()
     validate_: ValidateConfig = Field(ValidateConfig(), alias="validate")
+    lora: LoraSettings = Field(LoraSettings(), description="the LoRA adapter's shape, for sft.lora and ppo.lora")
     sft: SFTConfig = SFTConfig()
     reward_model: RewardModelConfig = RewardModelConfig()
-    judge: JudgeConfig = JudgeConfig()
+    judge: JudgeConfig = Field(
+        JudgeConfig(),
+        description="the judge reward model; each key it does not set is reward_model's, but its own seed, out_dir "
+        "and checkpoint_dir",
+    )
     ppo: PPOConfig = PPOConfig()
     align: AlignConfig = AlignConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     tracking: TrackingConfig = TrackingConfig()
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    # (section, the section it inherits from, keys it never inherits): the section takes every other key both have
+    # from the other unless it sets the key itself (params.yaml, --set, the Prefect form)
+    INHERITS: ClassVar[tuple[tuple[str, str, frozenset[str]], ...]] = (
+        ("judge", "reward_model", frozenset({"out_dir", "checkpoint_dir"})),
+        ("sft.lora", "lora", frozenset()),
+        ("ppo.lora", "lora", frozenset()),
+    )
+
+    @model_validator(mode="after")
+    def _inherit(self) -> Config:
+        """Fill each inheriting section's unset keys from its parent. The new section goes in through __dict__, in
+        copies of the sections that hold it (which may be the caller's): assigning it would validate the whole
+        config again (validate_assignment), running this validator again."""
+        for child, parent, own in self.INHERITS:
+            names = child.split(".")
+            new = inherit(self._at(names), self._at(parent.split(".")), own)
+            if new is self._at(names):
+                continue
+            for depth in range(len(names) - 1, 0, -1):
+                holder = self._at(names[:depth]).model_copy()
+                holder.__dict__[names[depth]] = new
+                new = holder
+            self.__dict__[names[0]] = new
+        return self
+
+    def _at(self, path: list[str]) -> Any:
+        node: Any = self
+        for name in path:
+            node = getattr(node, name)
+        return node
 
     @model_validator(mode="after")
     def _align_settings_apply(self) -> Config:
@@ -387,11 +437,24 @@ class Config(Section):
         return p if p.is_absolute() else REPO_ROOT / p
 
     def section(self, name: str) -> dict[str, Any]:
-        """One params.yaml section as plain values (what MLflow logs as a stage's params)."""
+        """One params.yaml section as plain values, inherited keys included (what MLflow logs as a stage's params)."""
         return self.model_dump(by_alias=True)[name] if name != "seed" else {"seed": self.seed}
 
     def to_params(self) -> dict[str, Any]:
-        return self.model_dump(by_alias=True)
+        """The config as params.yaml holds it: every key, except that an inheriting section (INHERITS) holds only its
+        own keys and those whose value differs from its parent's. Read back, it is the same config; it is what DVC
+        reads, so the flow's record of a stage's params (rlhflow/lineage.py) is DVC's."""
+        params = self.model_dump(by_alias=True)
+        for child, parent, own in self.INHERITS:
+            names, parent_names = child.split("."), parent.split(".")
+            keys = inherited_keys(type(self._at(names)), type(self._at(parent_names)), own)
+            holder, parent_params = params, params
+            for name in names[:-1]:
+                holder = holder[name]
+            for name in parent_names:
+                parent_params = parent_params[name]
+            holder[names[-1]] = without_inherited(holder[names[-1]], parent_params, keys)
+        return params
 
 
 def _parse_value(raw: str) -> Any:
@@ -481,5 +544,7 @@ def write_params(cfg: Config, path: str | os.PathLike) -> None:
     header = (
         "# Every hyperparameter of the pipeline, one section per stage. Types, bounds and descriptions:\n"
         "# rlhflow/config.py. Override one value for a run: --set section.key=value\n"
+        "# judge takes each reward_model key it does not set, except out_dir and checkpoint_dir; sft.lora and\n"
+        "# ppo.lora take each lora key they do not set.\n"
     )
     Path(path).write_text(header + yaml.safe_dump(cfg.to_params(), sort_keys=False))
