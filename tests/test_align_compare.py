@@ -15,8 +15,7 @@ from rlhfops import tracking
 def points(tmp_path):
     base = [f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"]
     return [
-        (f"align.algorithm={a}", load_config(overrides=[*base, f"align.algorithm={a}"]))
-        for a in ("ppo", "grpo", "dpo")
+        (f"align.algorithm={a}", load_config(overrides=[*base, f"align.algorithm={a}"])) for a in ("ppo", "grpo", "dpo")
     ]
 
 
