@@ -43,7 +43,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
 
     from rlhflow import evaluation as ev
     from rlhflow import plots, tracking
-    from rlhflow.data.formats import read_jsonl
+    from rlhflow.data.readers import read_jsonl
     from rlhflow.fsutil import atomic_dir, write_json_atomic, write_text_atomic
     from rlhflow.metrics import perplexity, response_kl
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device

@@ -26,7 +26,8 @@ def checked_demonstrations(cfg: Config, tokenizer, report_dir: Path):
     """The validated demonstrations of `sft.train_data`. Raises a DataFormatError (unreadable file, missing
     columns, wrong types), a DataValidationError (blank or over-long rows beyond validate's policy, duplicates) or
     a ValueError (conversations of the test or judge split), each naming the rows."""
-    from rlhflow.data.formats import load_demonstrations, read_jsonl
+    from rlhflow.data.formats import load_demonstrations
+    from rlhflow.data.readers import read_jsonl
     from rlhflow.data.splits import rows_sharing_conversations
     from rlhflow.validation import DEMONSTRATION_TEXT_COLUMNS, validate_preferences
 
@@ -87,7 +88,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     import torch
 
     from rlhflow import distributed, tracking
-    from rlhflow.data.formats import read_jsonl
+    from rlhflow.data.readers import read_jsonl
     from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir
     from rlhflow.metrics import perplexity
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device, save_plain

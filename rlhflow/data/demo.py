@@ -26,7 +26,7 @@ from pathlib import Path
 import pandas as pd
 
 from rlhflow.config import DemoDataConfig, load_config
-from rlhflow.data.formats import write_jsonl
+from rlhflow.data.readers import write_jsonl
 
 # topic -> (three short steps, two explanatory facts). The name reads as an activity in questions.
 TOPICS: dict[str, tuple[list[str], list[str]]] = {
