@@ -58,18 +58,17 @@ def checkpoint_fingerprint(cfg: Config) -> str:
     """What a Trainer checkpoint must have been made from to be resumed: the same model (the md5 of its files when
     `sft.model` is a local path, which can change under the same name), training settings, prompt cut, validation
     settings (which demonstrations are kept), seed and demonstrations."""
-    import os
-
     from rlhflow.hashing import dir_md5, file_md5, inputs_fingerprint
+    from rlhflow.sources import resolve_source
 
     s = cfg.sft
     settings = s.model_dump(
         exclude={"out_dir", "checkpoint_dir", "checkpoint_every", "n_samples", "max_new_tokens", "perplexity_rows"}
     )
-    local = Path(os.path.expanduser(s.model))  # as rlhflow.models.resolve_model reads a local spec
+    model = resolve_source(s.model)  # as rlhflow.models.resolve_model reads the spec
     model_md5 = None
-    if not s.model.startswith("pkg:") and local.exists():
-        model_md5 = dir_md5(local) if local.is_dir() else file_md5(local)
+    if model.kind in ("dir", "file"):
+        model_md5 = dir_md5(model.path) if model.kind == "dir" else file_md5(model.path)
     return inputs_fingerprint(
         [cfg.path(s.train_data)],
         sft=settings,

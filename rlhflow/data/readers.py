@@ -1,9 +1,9 @@
 """Read rows from preference and demonstration data, each with its 1-based row (JSONL: line) number.
 
 Sources: .jsonl/.jsonl.gz/.json (a list, or one object per line)/.parquet files, a directory written by
-`datasets.save_to_disk`, a directory of data files, or a Hugging Face dataset name. A JSON list is streamed, never
-held whole in memory; `max_rows` stops a read early. Rows come back as they are in the file;
-rlhflow/data/converters.py turns them into the canonical columns.
+`datasets.save_to_disk`, a directory of data files, or a Hugging Face dataset name (which of these a name is:
+rlhflow/sources.py). A JSON list is streamed, never held whole in memory; `max_rows` stops a read early. Rows come
+back as they are in the file; rlhflow/data/converters.py turns them into the canonical columns.
 
 Also `read_jsonl`/`write_jsonl`, for the project's own files (the validated splits).
 """
@@ -24,6 +24,7 @@ import pandas as pd
 
 from rlhflow.data.errors import DataFormatError, rows_text
 from rlhflow.fsutil import atomic_file
+from rlhflow.sources import SourceNotFoundError, resolve_source
 
 FILE_TYPES = ".jsonl, .jsonl.gz, .json (a list of objects), .parquet"
 _CHUNK = 1 << 20  # bytes read at a time from JSON files
@@ -34,14 +35,17 @@ def read_rows(
 ) -> list[tuple[int, Any]]:
     """(row number, record) pairs from a file, a local dataset directory or a Hugging Face dataset name."""
     source = str(source)
-    path = Path(os.path.expanduser(source))
-    if path.is_file():
-        return read_file(path, max_rows)
-    if path.is_dir():
-        return _read_dataset(_open_local_dataset(path, hf_split), source, max_rows)
-    if path.suffix.lower() in {".jsonl", ".json", ".gz", ".parquet", ".ndjson"} or source.startswith((".", "/", "~")):
-        raise DataFormatError(f"{source}: no such file or directory")
-    return _read_dataset(_open_hub_dataset(source, hf_split), source, max_rows)
+    try:
+        resolved = resolve_source(source)
+    except SourceNotFoundError:
+        raise DataFormatError(f"{source}: no such file or directory") from None
+    if resolved.kind == "file":
+        return read_file(resolved.path, max_rows)
+    if resolved.kind == "dir":
+        return _read_dataset(_open_local_dataset(resolved.path, hf_split), source, max_rows)
+    if resolved.kind == "package":
+        raise DataFormatError(f"{source}: a packaged model (pkg:), not data: no such file or directory")
+    return _read_dataset(_open_hub_dataset(resolved.name, hf_split), source, max_rows)
 
 
 def write_jsonl(df: pd.DataFrame, path: str | os.PathLike) -> Path:
