@@ -20,7 +20,7 @@ import tempfile
 import time
 
 from rlhflow.config import DEFAULT_ENCODER, RewardModelConfig, load_config
-from rlhflow.data.formats import read_jsonl
+from rlhflow.data.readers import read_jsonl
 from rlhflow.reward_model import evaluate_pairs, train_reward_model
 
 PROMPT_VIEWS = {

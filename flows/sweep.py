@@ -143,7 +143,7 @@ def best_of_n_baseline(cfg: Config, ns: list[int]):
 
 
 def _sample_best_of_n(cfg: Config, samples: int) -> tuple[list, list]:
-    from rlhflow.data.formats import read_jsonl
+    from rlhflow.data.readers import read_jsonl
     from rlhflow.frontier import sample_best_of_n_scores
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device
     from rlhflow.reward_model import RewardModel

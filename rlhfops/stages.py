@@ -58,7 +58,7 @@ STAGES: list[Stage] = [
         name="demo_data",
         description="generate the deterministic demo preference data",
         params=["data.demo"],
-        deps=["rlhflow/data/demo.py", "tasks/demo_data.py"],
+        deps=["rlhflow/data/demo.py", "rlhflow/data/demo_text.json", "tasks/demo_data.py"],
         outs=["${data.demo.out_dir}/preferences.jsonl"],
         metrics=[_metrics("demo_data")],
     ),

@@ -59,7 +59,7 @@ def train_pairwise_model(
     import mlflow
 
     from rlhflow import distributed
-    from rlhflow.data.formats import read_jsonl
+    from rlhflow.data.readers import read_jsonl
     from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir
     from rlhflow.reward_model import LENGTH_AWARE_METRICS, evaluate_pairs, train_reward_model
     from rlhfops import registry, tracking

@@ -143,7 +143,7 @@ def run_trl(cfg: Config, ctx: StageContext) -> dict[str, float]:
     import torch
 
     from rlhflow import align, distributed
-    from rlhflow.data.formats import read_jsonl
+    from rlhflow.data.readers import read_jsonl
     from rlhflow.fsutil import atomic_dir
     from rlhflow.fsutil import prepare_checkpoint_dir as keep_or_clear
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device, save_plain
@@ -213,7 +213,7 @@ def run_ppo(cfg: Config, ctx: StageContext) -> dict[str, float]:
     import torch
 
     from rlhflow import distributed
-    from rlhflow.data.formats import read_jsonl
+    from rlhflow.data.readers import read_jsonl
     from rlhflow.fsutil import atomic_dir
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device
     from rlhflow.ppo.reward_and_critic import load_reward_source, make_critic

@@ -26,7 +26,8 @@ def checked_demonstrations(cfg: Config, tokenizer, report_dir: Path):
     """The validated demonstrations of `sft.train_data`. Raises a DataFormatError (unreadable file, missing
     columns, wrong types), a DataValidationError (blank or over-long rows beyond validate's policy, duplicates) or
     a ValueError (conversations of the test or judge split), each naming the rows."""
-    from rlhflow.data.formats import load_demonstrations, read_jsonl
+    from rlhflow.data.formats import load_demonstrations
+    from rlhflow.data.readers import read_jsonl
     from rlhflow.data.splits import rows_sharing_conversations
     from rlhflow.validation import DEMONSTRATION_TEXT_COLUMNS, validate_preferences
 
@@ -57,18 +58,18 @@ def checkpoint_fingerprint(cfg: Config) -> str:
     """What a Trainer checkpoint must have been made from to be resumed: the same model (the md5 of its files when
     `sft.model` is a local path, which can change under the same name), training settings, prompt cut, validation
     settings (which demonstrations are kept), seed and demonstrations."""
-    import os
 
+    from rlhflow.sources import resolve_source
     from rlhfops.hashing import dir_md5, file_md5, inputs_fingerprint
 
     s = cfg.sft
     settings = s.model_dump(
         exclude={"out_dir", "checkpoint_dir", "checkpoint_every", "n_samples", "max_new_tokens", "perplexity_rows"}
     )
-    local = Path(os.path.expanduser(s.model))  # as rlhflow.models.resolve_model reads a local spec
+    model = resolve_source(s.model)  # as rlhflow.models.resolve_model reads the spec
     model_md5 = None
-    if not s.model.startswith("pkg:") and local.exists():
-        model_md5 = dir_md5(local) if local.is_dir() else file_md5(local)
+    if model.kind in ("dir", "file"):
+        model_md5 = dir_md5(model.path) if model.kind == "dir" else file_md5(model.path)
     return inputs_fingerprint(
         [cfg.path(s.train_data)],
         sft=settings,
@@ -87,7 +88,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     import torch
 
     from rlhflow import distributed, sampling
-    from rlhflow.data.formats import read_jsonl
+    from rlhflow.data.readers import read_jsonl
     from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir
     from rlhflow.metrics import perplexity
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device, save_plain

@@ -30,7 +30,8 @@ def _source(cfg: Config, value: str) -> str:
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     import mlflow
 
-    from rlhflow.data.formats import load_preferences, write_jsonl
+    from rlhflow.data.formats import load_preferences
+    from rlhflow.data.readers import write_jsonl
     from rlhflow.data.splits import assign_splits, cross_split_prefix_pairs
     from rlhflow.fsutil import atomic_dir
     from rlhflow.models import load_tokenizer

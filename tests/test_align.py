@@ -19,7 +19,7 @@ from conftest import kill_training_once, make_dvc_repo, rerun_resumes, tiny_pipe
 
 from rlhflow import align
 from rlhflow.config import ConfigError, load_config
-from rlhflow.data.formats import read_jsonl, write_jsonl
+from rlhflow.data.readers import read_jsonl, write_jsonl
 from rlhfops.dvc_yaml import stage_deps
 from rlhfops.stage_runner import cli
 from rlhfops.stages import get_stage
@@ -387,7 +387,7 @@ def test_the_parameter_form_offers_the_algorithm_as_a_choice():
 def test_killed_grpo_stage_resumes_from_its_trainer_checkpoint(tmp_path, tiny_model_dir):
     """SIGKILL once the second Trainer checkpoint is complete; the rerun resumes from the last complete one, logs every
     step in its own MLflow run, and writes the policy."""
-    from rlhflow.data.formats import write_jsonl as write
+    from rlhflow.data.readers import write_jsonl as write
 
     prompts = ["hello world", "explain water", "thanks", "say yes", "fox dog", "steps one two", "help me", "boils"]
     rows = [

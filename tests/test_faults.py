@@ -178,7 +178,7 @@ def test_killed_reward_model_training_resumes_from_its_last_checkpoint(tmp_path,
     import mlflow
     import pandas as pd
 
-    from rlhflow.data.formats import write_jsonl
+    from rlhflow.data.readers import write_jsonl
 
     rows = [
         {

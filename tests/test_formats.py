@@ -9,7 +9,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from rlhflow.data.formats import DataFormatError, load_preferences, read_jsonl, write_jsonl
+from rlhflow.data.formats import DataFormatError, load_preferences
+from rlhflow.data.readers import read_jsonl, write_jsonl
 
 SHIPPED_DATA = Path(__file__).resolve().parents[1] / "data"  # real preference data shipped with the project
 

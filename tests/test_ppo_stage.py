@@ -42,7 +42,7 @@ def ppo_overrides(root: Path, model_dir: Path, **extra) -> list[str]:
 @pytest.fixture()
 def stage_inputs(tmp_path, tiny_model_dir):
     """A validated training split (the prompts PPO samples from) next to the tiny SFT model."""
-    from rlhflow.data.formats import write_jsonl
+    from rlhflow.data.readers import write_jsonl
 
     prompts = ["hello world", "explain water", "thanks", "say yes", "fox dog", "steps one two", "help me", "boils"]
     rows = [

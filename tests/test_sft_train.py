@@ -13,7 +13,8 @@ import torch
 from conftest import flow_run_logs, kill_training_once, rerun_resumes, run_stage_cli, tiny_pipeline_overrides
 
 from rlhflow.config import load_config
-from rlhflow.data.formats import DataFormatError, load_demonstrations, write_jsonl
+from rlhflow.data.formats import DataFormatError, load_demonstrations
+from rlhflow.data.readers import write_jsonl
 from rlhflow.validation import DataValidationError
 
 ANSWER = "Thank you for asking! Here are three clear steps: first, second, and finally third."

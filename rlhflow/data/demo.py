@@ -14,457 +14,41 @@ the rejected answer falls short on one or more of those qualities:
 So not every pair differs on every axis, but every pair has a clear winner. These are qualities a
 chat model's own answers show more or less of, so a reward model trained here can steer a real
 policy. Chosen answers stay under ~70 words because the policy generates only ~48 tokens.
-Everything comes from `random.Random(seed)`: the same seed gives the same file.
+Everything comes from `random.Random(seed)`: the same seed gives the same file. The text (topics, questions,
+answer wording) is in demo_text.json, next to this file.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+from importlib import resources
 from pathlib import Path
 
 import pandas as pd
 
 from rlhflow.config import DemoDataConfig, load_config
-from rlhflow.data.formats import write_jsonl
+from rlhflow.data.readers import write_jsonl
+
+# The text lives in demo_text.json next to this file (package data); the generator's logic stays here.
+_TEXT = json.loads(resources.files("rlhflow.data").joinpath("demo_text.json").read_text(encoding="utf-8"))
 
 # topic -> (three short steps, two explanatory facts). The name reads as an activity in questions.
 TOPICS: dict[str, tuple[list[str], list[str]]] = {
-    "baking sourdough bread": (
-        [
-            "Feed your starter a day ahead so it is bubbly",
-            "Mix flour, water, salt and starter, then rest the dough",
-            "Shape the loaf, proof it overnight and bake it hot in a covered pot",
-        ],
-        [
-            "Sourdough rises with wild yeast and bacteria from the starter instead of commercial yeast.",
-            "The long fermentation gives the bread its tangy flavour and chewy crust.",
-        ],
-    ),
-    "growing tomatoes": (
-        [
-            "Plant seedlings in a sunny spot after the last frost",
-            "Water deeply at the base two or three times a week",
-            "Tie the stems to a stake or cage as they grow",
-        ],
-        [
-            "Tomatoes need at least six hours of direct sun to set fruit.",
-            "Even watering prevents cracked fruit and blossom-end rot.",
-        ],
-    ),
-    "learning to code in Python": (
-        [
-            "Install Python and a simple editor such as VS Code",
-            "Work through a beginner tutorial on variables, loops and functions",
-            "Build a small project, like a to-do list, to practise",
-        ],
-        [
-            "Python is popular for beginners because its syntax reads almost like English.",
-            "It is used for web apps, data analysis, automation and machine learning.",
-        ],
-    ),
-    "training for a 5K run": (
-        [
-            "Start with run-walk intervals three times a week",
-            "Add a few minutes of running each week",
-            "Rest between runs and do one easy long run on weekends",
-        ],
-        [
-            "A 5K is 3.1 miles, a distance most beginners can reach in about eight weeks.",
-            "Gradual increases in distance help you avoid shin splints and other injuries.",
-        ],
-    ),
-    "making a monthly budget": (
-        [
-            "List your income after taxes",
-            "Write down fixed costs like rent and bills, then variable spending",
-            "Set a savings goal and track spending every week",
-        ],
-        [
-            "A budget is a plan that tells each dollar of income where to go.",
-            "The 50/30/20 rule splits income into needs, wants and savings.",
-        ],
-    ),
-    "caring for houseplants": (
-        [
-            "Check the light each plant needs and place it accordingly",
-            "Water only when the top inch of soil is dry",
-            "Use pots with drainage holes and feed monthly in spring and summer",
-        ],
-        [
-            "Overwatering is the most common way houseplants die, because roots need air too.",
-            "Most houseplants come from tropical forests and like bright, indirect light.",
-        ],
-    ),
-    "brewing coffee at home": (
-        [
-            "Buy whole beans and grind them just before brewing",
-            "Use about two tablespoons of coffee per six ounces of water",
-            "Brew with water just off the boil, around 93 degrees Celsius",
-        ],
-        [
-            "Fresh grinding matters because ground coffee loses aroma within minutes.",
-            "The ratio of coffee to water controls how strong the cup tastes.",
-        ],
-    ),
-    "learning a new language": (
-        [
-            "Practise for fifteen minutes every day with an app or textbook",
-            "Learn the most common words and phrases first",
-            "Speak with native speakers or a tutor as early as you can",
-        ],
-        [
-            "Short daily practice beats long weekly sessions because memory is built by repetition.",
-            "The thousand most common words cover most of everyday conversation.",
-        ],
-    ),
-    "meditation": (
-        [
-            "Sit comfortably somewhere quiet for five minutes",
-            "Focus on your breath as it goes in and out",
-            "When your mind wanders, gently bring it back to the breath",
-        ],
-        [
-            "Meditation trains attention, much like exercise trains muscles.",
-            "Regular practice is linked to lower stress and better focus.",
-        ],
-    ),
-    "getting better sleep": (
-        [
-            "Go to bed and wake up at the same time every day",
-            "Keep your bedroom dark, quiet and cool",
-            "Avoid screens and caffeine in the hours before bed",
-        ],
-        [
-            "Adults need about seven to nine hours of sleep a night.",
-            "A steady schedule keeps your body clock in sync, so falling asleep gets easier.",
-        ],
-    ),
-    "public speaking": (
-        [
-            "Outline three main points you want the audience to remember",
-            "Rehearse out loud several times, ideally in front of a friend",
-            "Slow down, pause and make eye contact while you speak",
-        ],
-        [
-            "Nervousness is normal; even experienced speakers feel it before a talk.",
-            "Audiences remember stories and clear structure more than slides.",
-        ],
-    ),
-    "composting kitchen scraps": (
-        [
-            "Get a bin and put it in a shady spot",
-            "Mix green scraps like peels with brown material like dry leaves",
-            "Turn the pile every week or two and keep it as damp as a sponge",
-        ],
-        [
-            "Compost is organic matter broken down by microbes into rich soil.",
-            "Balancing greens and browns keeps the pile from smelling.",
-        ],
-    ),
-    "bird watching": (
-        [
-            "Get a pair of binoculars and a regional field guide",
-            "Visit a park or wetland early in the morning",
-            "Note each bird's size, colour and song, and log what you see",
-        ],
-        [
-            "Birds are most active at dawn, when they feed and sing.",
-            "Learning a few common songs helps you find birds you cannot see.",
-        ],
-    ),
-    "painting with watercolors": (
-        [
-            "Buy a small student paint set, two brushes and watercolor paper",
-            "Practise flat and graded washes first",
-            "Paint light areas first and build up darker layers",
-        ],
-        [
-            "Watercolor is transparent, so the white of the paper gives the light tones.",
-            "Letting layers dry between washes keeps colours from turning muddy.",
-        ],
-    ),
-    "playing the guitar": (
-        [
-            "Tune the guitar with a clip-on tuner or app",
-            "Learn a few open chords like G, C, D and E minor",
-            "Practise switching chords slowly for ten minutes a day",
-        ],
-        ["Sore fingertips are normal at first and fade as calluses form.", "Many popular songs use just four chords."],
-    ),
-    "writing a resume": (
-        [
-            "Start with your contact details and a short summary",
-            "List recent jobs with results, using numbers where you can",
-            "Keep it to one page and tailor it to each job",
-        ],
-        [
-            "Recruiters often spend less than a minute on a first read of a resume.",
-            "Concrete achievements stand out more than lists of duties.",
-        ],
-    ),
-    "preparing for a job interview": (
-        [
-            "Research the company and the role",
-            "Prepare short stories that show your skills, using the STAR method",
-            "Practise answers out loud and plan two questions to ask them",
-        ],
-        [
-            "Interviewers look for evidence that you can do the job and fit the team.",
-            "Specific examples are more convincing than general claims.",
-        ],
-    ),
-    "fixing a flat bike tire": (
-        [
-            "Remove the wheel and use tire levers to take off the tire",
-            "Find the hole, then patch it or fit a new tube",
-            "Refit the tire and pump it to the pressure printed on its side",
-        ],
-        [
-            "Most flats come from small sharp objects or a pinched tube.",
-            "Checking inside the tire for the cause stops the new tube going flat too.",
-        ],
-    ),
-    "camping for the first time": (
-        [
-            "Pick a campground with toilets and water close to home",
-            "Practise setting up your tent at home first",
-            "Pack layers, a headlamp, water and simple meals",
-        ],
-        [
-            "A sleeping pad matters as much as the sleeping bag, because the ground draws away heat.",
-            "Nights outdoors are often colder than the forecast suggests.",
-        ],
-    ),
-    "photography": (
-        [
-            "Learn how light and shadow fall on your subject",
-            "Use the rule of thirds to place your subject",
-            "Take many shots and review which ones work and why",
-        ],
-        [
-            "Good light matters more than an expensive camera.",
-            "Exposure depends on three settings: aperture, shutter speed and ISO.",
-        ],
-    ),
-    "playing chess": (
-        [
-            "Learn how each piece moves",
-            "Control the centre and develop your knights and bishops early",
-            "Castle to keep your king safe, then look for tactics",
-        ],
-        [
-            "Chess openings follow a few principles: centre, development and king safety.",
-            "Most games between beginners are decided by dropped pieces, so check every move.",
-        ],
-    ),
-    "knitting": (
-        [
-            "Start with medium-weight yarn and size 8 needles",
-            "Learn to cast on and do the knit stitch",
-            "Knit a simple scarf to practise even tension",
-        ],
-        [
-            "Every knitting pattern is built from two basic stitches, knit and purl.",
-            "Lighter yarn in a smooth texture makes it easier to see your stitches.",
-        ],
-    ),
-    "saving for retirement": (
-        [
-            "Join your employer's retirement plan and take any match",
-            "Automate a fixed percentage of each paycheck",
-            "Choose low-cost index funds and raise your rate each year",
-        ],
-        [
-            "Compound growth means money saved early has the most time to grow.",
-            "An employer match is extra pay you only get if you contribute.",
-        ],
-    ),
-    "cooking rice": (
-        [
-            "Rinse the rice until the water runs clear",
-            "Use about one and a half cups of water per cup of white rice",
-            "Simmer covered on low for fifteen minutes, then rest it for ten",
-        ],
-        [
-            "Rinsing removes surface starch that makes rice gummy.",
-            "Resting lets the steam finish cooking the grains evenly.",
-        ],
-    ),
-    "reducing stress": (
-        [
-            "Take a short walk or stretch when you feel tense",
-            "Write down what is worrying you and one next step",
-            "Protect time for sleep, friends and things you enjoy",
-        ],
-        [
-            "Stress is the body's alarm system and helps in short bursts.",
-            "Regular exercise is one of the most reliable ways to lower it.",
-        ],
-    ),
-    "training a puppy": (
-        [
-            "Use treats and praise to reward good behaviour right away",
-            "Practise short sessions of sit, stay and come each day",
-            "Take the puppy outside often and praise it for toileting there",
-        ],
-        [
-            "Puppies learn fastest with positive reinforcement and consistency.",
-            "Short sessions work best because puppies have short attention spans.",
-        ],
-    ),
-    "keeping a journal": (
-        [
-            "Pick a notebook or app you enjoy using",
-            "Write for five minutes at the same time each day",
-            "Use prompts like three good things or one thing you learned",
-        ],
-        [
-            "Journaling helps you sort out thoughts and notice patterns in your mood.",
-            "Consistency matters more than writing a lot.",
-        ],
-    ),
-    "cleaning a cast-iron pan": (
-        [
-            "Wash it with hot water and a little soap while it is warm",
-            "Dry it completely on the stove",
-            "Rub a thin layer of oil over it before storing",
-        ],
-        ["Seasoning is oil baked onto the iron, which makes the pan non-stick.", "Leaving the pan wet makes it rust."],
-    ),
-    "stargazing": (
-        [
-            "Find a dark spot away from city lights",
-            "Let your eyes adjust for about twenty minutes",
-            "Use a star chart app to find constellations and planets",
-        ],
-        [
-            "Your eyes become far more sensitive to faint light after dark adaptation.",
-            "Planets shine steadily, while stars twinkle.",
-        ],
-    ),
-    "working out at home": (
-        [
-            "Do a five-minute warm-up like marching or jumping jacks",
-            "Do squats, push-ups and lunges in three rounds",
-            "Finish with stretching and rest a day between hard sessions",
-        ],
-        [
-            "Bodyweight exercises build strength without any equipment.",
-            "Progress comes from slowly adding reps or sets over time.",
-        ],
-    ),
-    "fixing a leaky faucet": (
-        [
-            "Turn off the water supply under the sink",
-            "Take apart the handle and find the worn washer or cartridge",
-            "Replace the part, reassemble and turn the water back on",
-        ],
-        [
-            "Most drips come from a worn rubber washer or cartridge.",
-            "A dripping tap can waste thousands of litres of water a year.",
-        ],
-    ),
-    "organizing a closet": (
-        [
-            "Take everything out and sort it into keep, donate and toss",
-            "Group the clothes you keep by type and season",
-            "Use matching hangers and bins so everything has a place",
-        ],
-        [
-            "Most people wear a small share of their clothes most of the time.",
-            "Giving every item a set place makes it easy to stay tidy.",
-        ],
-    ),
-    "learning to swim": (
-        [
-            "Take a beginner class with a qualified instructor",
-            "Practise floating and breathing out under water",
-            "Learn a simple kick and front crawl arm stroke in shallow water",
-        ],
-        [
-            "Relaxing in the water helps you float, because tense muscles make you sink.",
-            "Steady breathing is the key to swimming longer distances.",
-        ],
-    ),
-    "planting a herb garden": (
-        [
-            "Choose easy herbs like basil, mint and parsley",
-            "Plant them in well-drained soil with plenty of sun",
-            "Pick leaves often so the plants stay bushy",
-        ],
-        ["Most herbs come from sunny climates and dislike soggy roots.", "Regular harvesting encourages new growth."],
-    ),
-    "making homemade pizza": (
-        [
-            "Make a dough with flour, water, yeast, salt and olive oil",
-            "Let it rise for at least an hour, then stretch it thin",
-            "Add sauce and toppings and bake on the hottest oven setting",
-        ],
-        [
-            "A very hot oven gives a crisp base and a puffy crust.",
-            "Using fewer toppings keeps the middle from getting soggy.",
-        ],
-    ),
+    name: (topic["steps"], topic["facts"]) for name, topic in _TEXT["topics"].items()
 }
-
-STEP_QUESTIONS = [
-    "How do I get started with {topic}?",
-    "What are the first steps in {topic}?",
-    "Can you give me a simple plan for {topic}?",
-    "What are a few practical tips for {topic}?",
-    "How can I get better at {topic}?",
-    "I want to try {topic}. Where should I begin?",
-    "Could you walk me through {topic} step by step?",
-    "What's a good routine for {topic}?",
-]
-EXPLAIN_QUESTIONS = [
-    "Can you explain the basics of {topic}?",
-    "What should a beginner know about {topic}?",
-    "What is the most important thing to understand about {topic}?",
-    "Is {topic} hard to learn?",
-    "What are the benefits of {topic}?",
-    "Give me a short overview of {topic}.",
-    "What do people often get wrong about {topic}?",
-]
+STEP_QUESTIONS: list[str] = _TEXT["step_questions"]  # "... {topic} ..."
+EXPLAIN_QUESTIONS: list[str] = _TEXT["explain_questions"]
 # Appended to questions only when more prompts are asked for than topics x questions provide.
-CONTEXTS = [
-    "",
-    " I'm a complete beginner.",
-    " I only have a little free time.",
-    " Please keep it simple.",
-    " I'm asking for a friend.",
-]
-
-OPENERS = ["Great question!", "Happy to help!", "Sure!", "Good idea!", "Of course!", ""]
-CLOSERS = ["Good luck!", "Hope this helps!", "Enjoy!", "Have fun with it!", ""]
-REFUSALS = [
-    "I'm sorry, but I can't help with that.",
-    "I don't think I should answer that.",
-    "That's not something I can help with.",
-    "I'd rather not get into that.",
-]
-EVASIONS = [
-    "It depends on a lot of things, really.",
-    "You can probably find that online somewhere.",
-    "Everyone does it differently, so there's no real answer.",
-    "Hard to say. Just try something and see.",
-    "Why do you want to know?",
-]
-RUDE = [
-    "Seriously? {step}. It's not rocket science.",
-    "Ugh, fine. {step}. Figure out the rest yourself.",
-    "Obviously you {step_lower}. Everyone knows that.",
-    "{step}. Stop asking such basic questions.",
-]
-VAGUE = [
-    "{Topic} is a really interesting thing and a lot of people like it. There are many different ways to go "
-    "about it, and it can be easy or hard depending on the person. Just keep at it.",
-    "Well, {topic} is something you kind of have to feel out. Some people are good at it and some are not, "
-    "so it really depends on you and your situation.",
-    "There is a lot to say about {topic}. It has many sides, and everyone has their own opinion, so you "
-    "should think about what matters most to you.",
-]
+CONTEXTS: list[str] = _TEXT["contexts"]
+OPENERS: list[str] = _TEXT["openers"]
+CLOSERS: list[str] = _TEXT["closers"]
+STEP_INTROS: list[str] = _TEXT["step_intros"]  # before numbered steps; "... {topic} ..."
+REFUSALS: list[str] = _TEXT["refusals"]
+EVASIONS: list[str] = _TEXT["evasions"]
+RUDE: list[str] = _TEXT["rude"]  # "... {step} ... {step_lower} ..."
+VAGUE: list[str] = _TEXT["vague"]  # "... {Topic} ... {topic} ..."
 REJECTION_KINDS = ["off_topic", "refusal", "evasive", "rude", "terse", "vague"]
 
 
@@ -489,9 +73,7 @@ def good_answer(topic: str, kind: str, rng: random.Random) -> str:
     steps, facts = TOPICS[topic]
     opener, closer = rng.choice(OPENERS), rng.choice(CLOSERS)
     if kind == "steps" and rng.random() < 0.75:
-        intro = rng.choice(
-            [f"Here are a few simple steps for {topic}:", "Here's a simple way to start:", "Try these steps:"]
-        )
+        intro = rng.choice(STEP_INTROS).format(topic=topic)
         body = intro + "\n" + "\n".join(f"{i}. {step}." for i, step in enumerate(steps, 1))
     elif kind == "steps":
         body = f"First, {_lower(steps[0])}. Then, {_lower(steps[1])}. Finally, {_lower(steps[2])}."

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 
 import pandas as pd
 
-from rlhflow.data.formats import parse_hh_dialogue
+from rlhflow.data.converters import parse_hh_dialogue
 
 Messages = list[dict[str, str]]
 _HH_MARKER = re.compile(r"(^|\n\n)(Human|Assistant):")

@@ -1,0 +1,299 @@
+"""Read rows from preference and demonstration data, each with its 1-based row (JSONL: line) number.
+
+Sources: .jsonl/.jsonl.gz/.json (a list, or one object per line)/.parquet files, a directory written by
+`datasets.save_to_disk`, a directory of data files, or a Hugging Face dataset name (which of these a name is:
+rlhflow/sources.py). A JSON list is streamed, never held whole in memory; `max_rows` stops a read early. Rows come
+back as they are in the file; rlhflow/data/converters.py turns them into the canonical columns.
+
+Also `read_jsonl`/`write_jsonl`, for the project's own files (the validated splits).
+"""
+
+from __future__ import annotations
+
+# pyarrow and datasets are imported by the readers that need them: heavy, and most data never uses them.
+import codecs
+import gzip
+import json
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from rlhflow.data.errors import DataFormatError, rows_text
+from rlhflow.fsutil import atomic_file
+from rlhflow.sources import SourceNotFoundError, resolve_source
+
+FILE_TYPES = ".jsonl, .jsonl.gz, .json (a list of objects), .parquet"
+_CHUNK = 1 << 20  # bytes read at a time from JSON files
+
+
+def read_rows(
+    source: str | os.PathLike, *, hf_split: str = "train", max_rows: int | None = None
+) -> list[tuple[int, Any]]:
+    """(row number, record) pairs from a file, a local dataset directory or a Hugging Face dataset name."""
+    source = str(source)
+    try:
+        resolved = resolve_source(source)
+    except SourceNotFoundError:
+        raise DataFormatError(f"{source}: no such file or directory") from None
+    if resolved.kind == "file":
+        return read_file(resolved.path, max_rows)
+    if resolved.kind == "dir":
+        return _read_dataset(_open_local_dataset(resolved.path, hf_split), source, max_rows)
+    if resolved.kind == "package":
+        raise DataFormatError(f"{source}: a packaged model (pkg:), not data: no such file or directory")
+    return _read_dataset(_open_hub_dataset(resolved.name, hf_split), source, max_rows)
+
+
+def write_jsonl(df: pd.DataFrame, path: str | os.PathLike) -> Path:
+    """Write a frame as JSONL atomically (temp file in the same directory, then os.replace)."""
+    with atomic_file(path) as f:
+        for record in df.to_dict(orient="records"):
+            f.write(json.dumps(_jsonable(record), ensure_ascii=False) + "\n")
+    return Path(path)
+
+
+def read_jsonl(path: str | os.PathLike) -> pd.DataFrame:
+    """Read a JSONL file (for example a validated split) into a frame; lists stay Python lists."""
+    path = Path(path)
+    records = [record for _, record in _iter_jsonl(path, max_rows=None)]
+    return pd.DataFrame.from_records(records)
+
+
+# ---- files ----------------------------------------------------------------------------------------------
+
+
+def read_file(path: Path, max_rows: int | None) -> list[tuple[int, Any]]:
+    """(row number, record) pairs from a JSONL, JSON-list or Parquet file (gzipped or not, told by its bytes)."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"PAR1" or path.suffix.lower() == ".parquet":
+        return _read_parquet(path, max_rows)
+    first = _first_char(path)
+    if first is None:
+        raise DataFormatError(f"{path}: empty file: no rows to read")
+    if first == "[":
+        return list(_iter_json_array(path, max_rows))
+    if first == "{":
+        return list(_iter_jsonl(path, max_rows))
+    raise DataFormatError(
+        f"{path}: not a preference file: it starts with {first!r}; accepted files: {FILE_TYPES} "
+        "(JSON must be a list of objects or one object per line)"
+    )
+
+
+def _open_binary(path: Path):
+    with open(path, "rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"
+    return gzip.open(path, "rb") if gzipped else open(path, "rb")
+
+
+def _first_char(path: Path) -> str | None:
+    """The first non-whitespace character (BOM skipped), or None for an empty file."""
+    with _open_binary(path) as f:
+        while chunk := f.read(4096):
+            text = chunk.decode("utf-8", errors="replace").lstrip("\ufeff \t\r\n")
+            if text:
+                return text[0]
+    return None
+
+
+def _check_max_rows(path: Any, count: int, max_rows: int | None, where: str) -> None:
+    if max_rows is not None and count > max_rows:
+        raise DataFormatError(
+            f"{path}: more than max_rows={max_rows} rows (stopped reading at {where}); "
+            "raise validate.max_rows or pass a smaller file"
+        )
+
+
+def _iter_jsonl(path: Path, max_rows: int | None) -> Iterator[tuple[int, Any]]:
+    """Yield (line number, object) for each non-blank line; gather bad lines and raise once."""
+    problems: list[str] = []
+    bad_lines: list[int] = []
+    count = 0
+    offset = 0
+    with _open_binary(path) as f:
+        for line_no, raw in enumerate(f, start=1):
+            line_offset, offset = offset, offset + len(raw)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                bad_lines.append(line_no)
+                problems.append(
+                    f"line {line_no}: not UTF-8 (byte 0x{raw[err.start]:02x} at byte offset {line_offset + err.start})"
+                )
+                continue
+            if line_no == 1:
+                text = text.lstrip("\ufeff")
+            if not text.strip():
+                continue
+            count += 1
+            _check_max_rows(path, count, max_rows, f"line {line_no}")
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as err:
+                bad_lines.append(line_no)
+                problems.append(f"line {line_no}: invalid JSON ({err.msg} at column {err.colno})")
+                continue
+            if not isinstance(obj, dict):
+                bad_lines.append(line_no)
+                problems.append(f"line {line_no}: expected a JSON object, got {type(obj).__name__}")
+                continue
+            if not problems:
+                yield line_no, obj
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; ... ({len(problems) - 5} more)" if len(problems) > 5 else "")
+        raise DataFormatError(f"{path}: {len(problems)} unreadable line(s) {rows_text(bad_lines)}: {shown}")
+
+
+class _TextStream:
+    """Decodes a binary file as UTF-8 in chunks, naming the line and byte of any undecodable byte."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.file = _open_binary(path)
+        self.decoder = codecs.getincrementaldecoder("utf-8")()
+        self.bytes_read = 0
+        self.newlines_read = 0
+
+    def read(self, size: int) -> str:
+        chunk = self.file.read(size)
+        try:
+            text = self.decoder.decode(chunk, final=not chunk)
+        except UnicodeDecodeError as err:
+            # err.start counts from the bytes the decoder held back plus this chunk; at most 3 held back.
+            held = len(err.object) - len(chunk)
+            pos = err.start - held
+            line = self.newlines_read + chunk[: max(pos, 0)].count(b"\n") + 1
+            raise DataFormatError(
+                f"{self.path}: not UTF-8: byte 0x{err.object[err.start]:02x} at byte offset "
+                f"{self.bytes_read + pos} (line {line}); save the file as UTF-8"
+            ) from None
+        self.bytes_read += len(chunk)
+        self.newlines_read += chunk.count(b"\n")
+        return text
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _iter_json_array(path: Path, max_rows: int | None) -> Iterator[tuple[int, Any]]:
+    """Yield (item number, object) from a JSON list without holding the whole file in memory."""
+    stream = _TextStream(path)
+    decoder = json.JSONDecoder()
+    buf, pos, eof, lines_dropped = "", 0, False, 0
+
+    def refill(size: int = _CHUNK) -> None:
+        nonlocal buf, pos, eof, lines_dropped
+        lines_dropped += buf.count("\n", 0, pos)
+        text = stream.read(size)
+        eof = eof or not text
+        buf, pos = buf[pos:] + text, 0
+
+    def next_char() -> str:
+        nonlocal pos
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n\ufeff":
+                pos += 1
+            if pos < len(buf) or eof:
+                return buf[pos] if pos < len(buf) else ""
+            refill()
+
+    def fail(problem: str, at: int) -> DataFormatError:
+        line = lines_dropped + buf.count("\n", 0, at) + 1
+        return DataFormatError(f"{path}: invalid JSON on line {line}: {problem}")
+
+    try:
+        if next_char() != "[":
+            raise fail("expected '[' (a JSON list of objects)", pos)
+        pos += 1
+        item = 0
+        while True:
+            c = next_char()
+            if c == "]":
+                return
+            if item > 0:
+                if c != ",":
+                    raise fail(f"expected ',' or ']' after item {item}, found {c or 'end of file'!r}", pos)
+                pos += 1
+                next_char()
+            item += 1
+            _check_max_rows(path, item, max_rows, f"item {item}")
+            while True:  # a value cut by the chunk boundary fails or ends at the buffer's end: read on
+                try:
+                    obj, end = decoder.raw_decode(buf, pos)
+                    if end < len(buf) or eof:
+                        break
+                except json.JSONDecodeError as err:
+                    if eof:
+                        raise fail(f"{err.msg} (item {item})", err.pos) from None
+                refill(max(_CHUNK, len(buf)))
+            if not isinstance(obj, dict):
+                raise fail(f"item {item} is a {type(obj).__name__}, expected an object", pos)
+            pos = end
+            yield item, obj
+    finally:
+        stream.close()
+
+
+def _read_parquet(path: Path, max_rows: int | None) -> list[tuple[int, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as err:  # pyarrow raises several types for corrupt files
+        raise DataFormatError(f"{path}: not a readable Parquet file ({err})") from None
+    _check_max_rows(path, parquet.metadata.num_rows, max_rows, "the Parquet footer's row count")
+    # pyarrow (not pandas) keeps nulls as None and nested values as lists/dicts.
+    return list(enumerate(parquet.read().to_pylist(), start=1))
+
+
+# ---- Hugging Face datasets ------------------------------------------------------------------------
+
+
+def _open_local_dataset(path: Path, split: str):
+    import datasets
+
+    if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise DataFormatError(f"{path}: no split {split!r}; splits found: {', '.join(ds)}")
+            ds = ds[split]
+        return ds
+    try:
+        return datasets.load_dataset(str(path), split=split)
+    except (ValueError, FileNotFoundError) as err:
+        raise DataFormatError(f"{path}: cannot load the directory as a dataset ({err})") from None
+
+
+def _open_hub_dataset(name: str, split: str):
+    import datasets
+
+    try:
+        return datasets.load_dataset(name, split=split)
+    except Exception as err:  # network, missing dataset or split: say which source failed
+        raise DataFormatError(
+            f"{name}: not a file or directory, and loading it as a Hugging Face dataset (split {split!r}) failed: {err}"
+        ) from err
+
+
+def _read_dataset(ds, source: str, max_rows: int | None) -> list[tuple[int, Any]]:
+    _check_max_rows(source, len(ds), max_rows, "the dataset's row count")
+    return list(enumerate(ds.to_list(), start=1))
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain JSON values: numpy scalars/arrays unwrapped, NaN written as null."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "tolist") and not isinstance(value, str):  # numpy arrays and scalars
+        return _jsonable(value.tolist())
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
