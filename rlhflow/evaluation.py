@@ -297,7 +297,7 @@ def evaluate(cfg: Config) -> PolicyEvaluation:
     responses of the first `evaluate.perplexity_rows` prompts. Figures that are NaN (no value) are left out."""
     import torch
 
-    from rlhflow.data.formats import read_jsonl
+    from rlhflow.data.readers import read_jsonl
     from rlhflow.metrics import perplexity, response_kl
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device
     from rlhflow.reward_model import RewardModel, evaluate_pairs
