@@ -113,29 +113,27 @@ def run_direct(overrides: list[str], out: Path) -> None:
     out.write_text(json.dumps(times))
 
 
-# What the flow's stage bodies do for tracking that the direct loop does not (rlhfops.tracking functions).
-TRACKING_IN_BODIES = (
-    "log_metrics",
-    "log_model_dir",
-    "version_of_model_dir",
-    "challenge_champion",
-    "apply_champion_decision",
-)
+# What the flow's stage bodies do for tracking that the direct loop does not: module -> its functions.
+TRACKING_IN_BODIES = {
+    "rlhfops.tracking": ("log_metrics",),
+    "rlhfops.registry": ("log_model_dir", "version_of_model_dir"),
+    "rlhfops.promotion": ("challenge_champion", "apply_champion_decision"),
+}
 
 
 def run_flow(argv: list[str], out: Path) -> None:
     """`python -m flows.pipeline` (this runs in its own process: see main), with clocks on the tracking calls made
     inside stage bodies, and the temporary Prefect server's CPU seconds read before it stops."""
     import contextlib
+    import importlib
 
     import psutil
 
     import rlhfops.stage_runner as common
     from flows import pipeline
-    from rlhfops import tracking
 
     in_body, depth = [False], [0]
-    spent = dict.fromkeys(TRACKING_IN_BODIES, 0.0)
+    spent = {name: 0.0 for names in TRACKING_IN_BODIES.values() for name in names}
 
     def clocked(name, fn):
         def wrapper(*args, **kwargs):
@@ -151,8 +149,10 @@ def run_flow(argv: list[str], out: Path) -> None:
 
         return wrapper
 
-    for name in TRACKING_IN_BODIES:
-        setattr(tracking, name, clocked(name, getattr(tracking, name)))
+    for module_name, names in TRACKING_IN_BODIES.items():  # stage bodies call them as attributes of these modules
+        module = importlib.import_module(module_name)
+        for name in names:
+            setattr(module, name, clocked(name, getattr(module, name)))
     run_stage = common.run_stage
 
     def run_stage_marking_the_body(name, body, cfg, parent_run_id=None):

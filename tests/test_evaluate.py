@@ -107,23 +107,28 @@ def test_a_nan_comparison_never_promotes():
 
 @pytest.mark.parametrize("evaluate_temperature,expected", [(None, 0.9), (0.5, 0.5)])
 def test_evaluation_samples_as_ppo_samples(monkeypatch, evaluate_temperature, expected):
-    """top-k / top-p are PPO's; the temperature is evaluate.temperature, by default the PPO temperature."""
-    import rlhflow.policy
+    """top-k / top-p and stop strings are PPO's; the temperature is evaluate.temperature, by default the PPO
+    temperature; the SFT stage's samples are drawn the same way (rlhflow/sampling.py)."""
+    import rlhflow.sampling
     from rlhflow.config import load_config
     from rlhflow.evaluation import sample
 
     calls = []
-    monkeypatch.setattr(rlhflow.policy, "sample_responses", lambda *args, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(rlhflow.sampling, "sample_responses", lambda *args, **kwargs: calls.append(kwargs))
     cfg = load_config(
         overrides=[
             "ppo.temperature=0.9",
             "ppo.top_k=7",
             "ppo.top_p=0.8",
+            "ppo.stop_strings=['###']",
             f"evaluate.temperature={'null' if evaluate_temperature is None else evaluate_temperature}",
         ]
     )
     sample(None, None, [], cfg)
-    assert calls[0]["temperature"] == expected and calls[0]["top_k"] == 7 and calls[0]["top_p"] == 0.8
+    rlhflow.sampling.sample(None, None, [], cfg, batch_size=2, max_new_tokens=5)  # as the SFT stage samples
+    for call in calls:
+        assert call["temperature"] == expected and call["top_k"] == 7 and call["top_p"] == 0.8
+        assert call["stop_strings"] == ["###"] and call["max_prompt_length"] == cfg.ppo.max_prompt_length
 
 
 # ---- one tiny pipeline in a real git+DVC repo ------------------------------------------------------------------
