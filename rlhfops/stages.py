@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhflow.config import Config
+from rlhflow.config_section import inherited_keys
 
 VALIDATED = "${validate.out_dir}"
 
@@ -47,6 +48,14 @@ class Stage:
             return str(node)
 
         return re.sub(r"\$\{([^}]+)\}", lookup, template)
+
+
+def inherited_params(section: str) -> list[str]:
+    """The parent's keys a section takes when it does not set them (Config.INHERITS), as params a stage reads: a
+    change to one of them reruns the stage."""
+    _, parent, own = next(entry for entry in Config.INHERITS if entry[0] == section)
+    child_type, parent_type = (Config.model_fields[name].annotation for name in (section, parent))
+    return [f"{parent}.{key}" for key in inherited_keys(child_type, parent_type, own)]
 
 
 def _metrics(stage: str) -> str:
@@ -118,23 +127,7 @@ STAGES: list[Stage] = [
         name="judge",
         description="train the judge reward model on the judge split (prompts PPO and the proxy never see)",
         # the judge section holds only what differs from reward_model; every other key is reward_model's
-        params=[
-            "judge",
-            "reward_model.backbone",
-            "reward_model.pooling",
-            "reward_model.max_length",
-            "reward_model.epochs",
-            "reward_model.batch_size",
-            "reward_model.gradient_accumulation_steps",
-            "reward_model.learning_rate",
-            "reward_model.weight_decay",
-            "reward_model.warmup_ratio",
-            "reward_model.center_rewards_coefficient",
-            "reward_model.eval_batch_size",
-            "reward_model.checkpoint_every",
-            "reward_model.precision",
-            "reward_model.gradient_checkpointing",
-        ],
+        params=["judge", *inherited_params("judge")],
         deps=[VALIDATED, "${sft.out_dir}", "rlhflow/reward_model.py", "tasks/judge.py"],
         outs=["${judge.out_dir}"],
         metrics=[_metrics("judge")],
