@@ -25,12 +25,9 @@ os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 from prefect import task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
-from rlhflow import distributed
+from rlhflow import distributed  # noqa: E402
 from rlhflow.config import Config, parse_config_args  # noqa: E402
-from rlhfops import (
-    tracking,
-    workspace,  # noqa: E402
-)
+from rlhfops import tracking, workspace  # noqa: E402
 from rlhfops.stages import get_stage  # noqa: E402
 
 
