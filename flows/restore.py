@@ -6,7 +6,7 @@ RUN_ID is an MLflow parent run of the pipeline flow. Its artifact `dvc.lock` bec
 the repository's dvc.lock; what the local DVC cache lacks is pulled from the DVC remote (--remote, else DVC's
 default remote); DVC checks the cached outputs out, the metrics and plot data come from the run's artifacts,
 user data files the run read are put back where it read them; and each md5 is checked against the run's record
-(rlhfops/stage_lock.py). Exits 1 when anything differs or cannot be restored. The Prefect deployment
+(rlhfops/restore.py). Exits 1 when anything differs or cannot be restored. The Prefect deployment
 `restore-run/restore` (flows/serve.py) runs the same flow.
 """
 
