@@ -90,7 +90,7 @@ TIMED: dict[str, list[str]] = {
         "rlhflow.policy.PolicyAndValue.from_generation",
     ],
     # hashes, DVC checks, records and cache
-    "recording": ["rlhfops.hashing.*", "rlhfops.stage_lock.*", "rlhfops.run_record.*"],
+    "recording": ["rlhflow.fsutil.file_md5", "rlhfops.hashing.*", "rlhfops.stage_lock.*", "rlhfops.run_record.*"],
     "mlflow": [
         "rlhfops.tracking.*",
         "mlflow.*",  # the fluent API: runs, params, metrics, artifacts, tags

@@ -298,9 +298,9 @@ def evaluate(cfg: Config) -> PolicyEvaluation:
     import torch
 
     from rlhflow.data.readers import read_jsonl
-    from rlhflow.metrics import perplexity, response_kl
+    from rlhflow.metrics import perplexity, response_kl, saved_held_out_perplexity
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device
-    from rlhflow.reward_model import RewardModel, evaluate_pairs
+    from rlhflow.reward_model import RewardModel, evaluate_pairs, saved_pair_scores
 
     e = cfg.evaluate
     device = pick_device(cfg.device)
@@ -308,12 +308,12 @@ def evaluate(cfg: Config) -> PolicyEvaluation:
     tokenizer = load_tokenizer(sft_dir)
     sft = load_causal_lm(sft_dir, pad_token_id=tokenizer.pad_token_id).to(device).eval()
     policy = load_causal_lm(policy_dir, pad_token_id=tokenizer.pad_token_id).to(device).eval()
-    rm = RewardModel.load(
-        cfg.path(cfg.reward_model.out_dir), batch_size=cfg.reward_model.eval_batch_size, device=device
-    )
+    rm_dir = cfg.path(cfg.reward_model.out_dir)
+    rm = RewardModel.load(rm_dir, batch_size=cfg.reward_model.eval_batch_size, device=device)
     judge = RewardModel.load(cfg.path(cfg.judge.out_dir), batch_size=cfg.judge.eval_batch_size, device=device)
 
-    test = read_jsonl(cfg.path(cfg.validate_.out_dir) / "test.jsonl")
+    test_file = cfg.path(cfg.validate_.out_dir) / "test.jsonl"
+    test = read_jsonl(test_file)
     prompts_df = test.drop_duplicates("prompt").head(e.n_prompts)
     prompts = list(prompts_df["prompt_messages"])
 
@@ -332,14 +332,19 @@ def evaluate(cfg: Config) -> PolicyEvaluation:
 
     ref_rows = test.drop_duplicates("prompt").head(e.perplexity_rows)
     ppl_args = (list(ref_rows["prompt_messages"]), list(ref_rows["chosen"]))
+    # the SFT model's figure as the sft stage measured it on the same rows; measured here when it has none for them
+    sft_perplexity = saved_held_out_perplexity(sft_dir, rows=e.perplexity_rows, data_file=test_file)
+    if sft_perplexity is None:
+        sft_perplexity = perplexity(sft, tokenizer, *ppl_args, batch_size=e.batch_size)
     pair_rows = test.to_dict("records")
-    pairs = evaluate_pairs(rm, pair_rows)
+    # the proxy's scores of these pairs as its stage saved them (the same model, loaded the same way)
+    pairs = evaluate_pairs(rm, pair_rows, scores=saved_pair_scores(rm_dir, data_file=test_file))
     rm_metrics, buckets = reward_model_metrics(pairs, pair_rows)
     metrics = {
         **comparison_metrics(policy_scores, sft_scores, policy_judged, sft_judged, policy_texts, sft_texts),
         "eval/kl": float(kl.mean()),
         "eval/perplexity": perplexity(policy, tokenizer, *ppl_args, batch_size=e.batch_size),
-        "eval/perplexity_sft": perplexity(sft, tokenizer, *ppl_args, batch_size=e.batch_size),
+        "eval/perplexity_sft": sft_perplexity,
         "eval/eos_fraction": eos_fraction(policy_out),
         "eval/eos_fraction_sft": eos_fraction(sft_out),
         **text_metrics(policy_texts),
@@ -383,12 +388,12 @@ def policy_against(result: PolicyEvaluation, cfg: Config, model_dir: str) -> Hea
 
 def reward_model_against(result: PolicyEvaluation, cfg: Config, model_dir) -> HeadToHead:
     """The proxy head to head with another reward model (the champion's model dir) on the same held-out pairs."""
-    from rlhflow.reward_model import RewardModel, evaluate_pairs
+    from rlhflow.reward_model import RewardModel, evaluate_pairs, saved_pair_scores
 
     other = RewardModel.load(model_dir, batch_size=cfg.reward_model.eval_batch_size, device=result.device)
-    return reward_model_head_to_head(
-        result.pairs.correct.tolist(), evaluate_pairs(other, result.pair_rows).correct.tolist()
-    )
+    test_file = cfg.path(cfg.validate_.out_dir) / "test.jsonl"  # where result.pair_rows come from
+    other_pairs = evaluate_pairs(other, result.pair_rows, scores=saved_pair_scores(model_dir, data_file=test_file))
+    return reward_model_head_to_head(result.pairs.correct.tolist(), other_pairs.correct.tolist())
 
 
 def write_outputs(cfg: Config, result: PolicyEvaluation, decisions: list) -> None:

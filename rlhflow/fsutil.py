@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -11,6 +12,15 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
+
+
+def file_md5(path: str | os.PathLike) -> str:
+    """The md5 of a file's bytes (what DVC 3 records for a file output)."""
+    h = hashlib.md5()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _pid_alive(pid: int) -> bool:

@@ -14,16 +14,19 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from rlhflow.fsutil import file_md5
 from rlhflow.logits import kl_per_token
-from rlhflow.policy import encode_prompts, pad_sequences, sequence_logprobs
+from rlhflow.policy import pad_sequences, prompt_ids, sequence_logprobs
 
 Messages = list[dict[str, str]]
 
@@ -38,32 +41,64 @@ def response_nll(
     batch_size: int = 8,
     max_prompt_length: int = 256,
     max_response_length: int = 256,
+    by_length: bool = True,
 ) -> tuple[float, int]:
     """Summed negative log-likelihood of `responses` given their prompts, and the token count. A response that fits
     in `max_response_length` tokens with its EOS is scored with it; a longer one is cut to `max_response_length`
-    tokens without EOS (it does not end there)."""
+    tokens without EOS (it does not end there).
+
+    Rows are batched in order of length (`by_length`; else in the given order), so that a batch pads little: the
+    cost follows the real tokens, not the longest row of each batch. Each row's sum is added in float64 in the
+    given order, so the batching moves the result only by the rounding of each row's forward pass."""
     device = next(model.parameters()).device
-    total_nll, total_tokens = 0.0, 0
-    for i in range(0, len(responses), batch_size):
-        query, query_mask = encode_prompts(tokenizer, prompt_messages[i : i + batch_size], max_prompt_length)
-        resp_ids = []
-        for r in responses[i : i + batch_size]:
-            ids = tokenizer(r, add_special_tokens=False)["input_ids"]
-            resp_ids.append(
-                ids + [tokenizer.eos_token_id] if len(ids) < max_response_length else ids[:max_response_length]
-            )
-        resp, resp_mask = pad_sequences(resp_ids, tokenizer.pad_token_id, side="right")
+    queries = [prompt_ids(tokenizer, messages, max_prompt_length) for messages in prompt_messages]
+    answers = []
+    for r in responses:
+        ids = tokenizer(r, add_special_tokens=False)["input_ids"]
+        answers.append(ids + [tokenizer.eos_token_id] if len(ids) < max_response_length else ids[:max_response_length])
+    row_nll = [0.0] * len(answers)
+    order = list(range(len(answers)))
+    if by_length:
+        order.sort(key=lambda i: len(queries[i]) + len(answers[i]))
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        query, query_mask = pad_sequences([queries[i] for i in rows], tokenizer.pad_token_id, side="left")
+        resp, resp_mask = pad_sequences([answers[i] for i in rows], tokenizer.pad_token_id, side="right")
         query_response = torch.cat([query, resp], dim=1).to(device)
         attention = torch.cat([query_mask, resp_mask], dim=1).to(device)
         logp = sequence_logprobs(model, query_response, attention, query.shape[1], 1.0)
-        total_nll -= float((logp * resp_mask.to(device)).sum())
-        total_tokens += int(resp_mask.sum())
-    return total_nll, total_tokens
+        sums = (logp.double() * resp_mask.to(device)).sum(dim=1).tolist()
+        for i, row_sum in zip(rows, sums):
+            row_nll[i] = -row_sum
+    return sum(row_nll), sum(len(a) for a in answers)
 
 
 def perplexity(model, tokenizer, prompt_messages: list[Messages], responses: list[str], **kwargs) -> float:
     nll, tokens = response_nll(model, tokenizer, prompt_messages, responses, **kwargs)
     return math.exp(nll / max(tokens, 1))
+
+
+# The SFT model's perplexity, saved beside its weights by the sft stage: evaluate reads it rather than measure the
+# same model on the same rows again. It names the rows it was measured on (the first `rows` prompts of the data file,
+# by the file's md5), so a figure for other rows is never taken for this one.
+HELD_OUT_PERPLEXITY_FILE = "held_out_perplexity.json"
+
+
+def save_held_out_perplexity(model_dir, value: float, *, rows: int, data_file) -> None:
+    record = {"perplexity": value, "rows": rows, "data_file": Path(data_file).name, "data_md5": file_md5(data_file)}
+    (Path(model_dir) / HELD_OUT_PERPLEXITY_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def saved_held_out_perplexity(model_dir, *, rows: int, data_file) -> float | None:
+    """The perplexity saved in `model_dir` for the first `rows` prompts of `data_file` as it is now; None when
+    there is none for them."""
+    path = Path(model_dir) / HELD_OUT_PERPLEXITY_FILE
+    if not path.exists():
+        return None
+    record = json.loads(path.read_text())
+    if record.get("rows") != rows or record.get("data_md5") != file_md5(data_file):
+        return None
+    return float(record["perplexity"])
 
 
 @torch.no_grad()

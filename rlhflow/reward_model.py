@@ -25,6 +25,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
 
 from rlhflow import distributed
+from rlhflow.fsutil import file_md5
 from rlhflow.hf_trainer import checkpoint_args, log_callback, train_resuming, use_bf16
 from rlhflow.models import disable_dropout, resolve_model
 
@@ -397,11 +398,16 @@ def length_aware_pair_metrics(correct, rows: list[dict], seed: int = 0) -> dict[
     }
 
 
-def evaluate_pairs(rm: RewardModel, rows: list[dict]) -> PairEvaluation:
-    """Score each row's chosen and rejected response to its `prompt_messages` and measure the pairs."""
-    prompts = [r["prompt_messages"] for r in rows]
-    chosen = rm.raw_scores(prompts, [r["chosen"] for r in rows])
-    rejected = rm.raw_scores(prompts, [r["rejected"] for r in rows])
+def evaluate_pairs(
+    rm: RewardModel, rows: list[dict], *, scores: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> PairEvaluation:
+    """Score each row's chosen and rejected response to its `prompt_messages` and measure the pairs. `scores`: the
+    raw (chosen, rejected) scores of these rows by this model, when they were saved already (`saved_pair_scores`)."""
+    if scores is None:
+        prompts = [r["prompt_messages"] for r in rows]
+        chosen = rm.raw_scores(prompts, [r["chosen"] for r in rows])
+        scores = chosen, rm.raw_scores(prompts, [r["rejected"] for r in rows])
+    chosen, rejected = scores
     chosen_rewards, rejected_rewards = rm.normalise(chosen), rm.normalise(rejected)
     accuracy = pairwise_accuracy(chosen, rejected)
     metrics = {
@@ -414,3 +420,33 @@ def evaluate_pairs(rm: RewardModel, rows: list[dict]) -> PairEvaluation:
         "pairs": float(len(rows)),
     }
     return PairEvaluation(chosen, rejected, metrics)
+
+
+# The raw scores of the test split's pairs, saved beside the model by the stage that trained it: evaluate measures
+# the same model on the same pairs from them rather than score them again. They name the split file by its md5, so
+# scores of another split are never taken for this one.
+HELD_OUT_SCORES_FILE = "held_out_scores.json"
+
+
+def save_pair_scores(model_dir: str | os.PathLike, pairs: PairEvaluation, *, data_file: str | os.PathLike) -> None:
+    record = {
+        "data_file": Path(data_file).name,
+        "data_md5": file_md5(data_file),
+        "chosen": pairs.chosen.tolist(),
+        "rejected": pairs.rejected.tolist(),
+    }
+    (Path(model_dir) / HELD_OUT_SCORES_FILE).write_text(json.dumps(record) + "\n")
+
+
+def saved_pair_scores(
+    model_dir: str | os.PathLike, *, data_file: str | os.PathLike
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The raw (chosen, rejected) scores saved in `model_dir` for `data_file` as it is now; None when there are
+    none for it."""
+    path = Path(model_dir) / HELD_OUT_SCORES_FILE
+    if not path.exists():
+        return None
+    record = json.loads(path.read_text())
+    if record.get("data_md5") != file_md5(data_file):
+        return None
+    return torch.tensor(record["chosen"], dtype=torch.float32), torch.tensor(record["rejected"], dtype=torch.float32)

@@ -15,15 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhflow.config import REPO_ROOT
-
-
-def file_md5(path: str | os.PathLike) -> str:
-    """The md5 DVC 3 records for a file output (plain md5 of the bytes)."""
-    h = hashlib.md5()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+from rlhflow.fsutil import file_md5  # the md5 DVC 3 records for a file; rlhflow needs it too
 
 
 def dir_md5(path: str | os.PathLike) -> str:

@@ -61,7 +61,7 @@ def train_pairwise_model(
     from rlhflow import distributed
     from rlhflow.data.readers import read_jsonl
     from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir
-    from rlhflow.reward_model import LENGTH_AWARE_METRICS, evaluate_pairs, train_reward_model
+    from rlhflow.reward_model import LENGTH_AWARE_METRICS, evaluate_pairs, save_pair_scores, train_reward_model
     from rlhfops import registry, tracking
     from rlhfops.serving.reward import RewardPyfunc
 
@@ -70,7 +70,8 @@ def train_pairwise_model(
     if not train_file.exists():
         raise FileNotFoundError(f"{train_file}: no {split} split; run the validate stage first")
     train_rows = read_jsonl(train_file).to_dict("records")
-    test_rows = read_jsonl(validated / "test.jsonl").to_dict("records")
+    test_file = validated / "test.jsonl"
+    test_rows = read_jsonl(test_file).to_dict("records")
 
     if ctx.main_process:
         tracking.log_dataset(train_file, name=f"preferences-{split}", context="training")
@@ -95,7 +96,9 @@ def train_pairwise_model(
         )
         if rm is None:  # not the main process: its part of the training is done
             return {}
-        held_out = evaluate_pairs(rm, test_rows).metrics
+        pairs = evaluate_pairs(rm, test_rows)
+        save_pair_scores(tmp, pairs, data_file=test_file)  # evaluate measures this model on the same pairs
+        held_out = pairs.metrics
         metrics = {
             f"{prefix}/accuracy": held_out["accuracy"],
             f"{prefix}/accuracy_se": held_out["accuracy_se"],

@@ -90,7 +90,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow import distributed, sampling
     from rlhflow.data.readers import read_jsonl
     from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir
-    from rlhflow.metrics import perplexity
+    from rlhflow.metrics import perplexity, save_held_out_perplexity
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device, save_plain
     from rlhflow.sft import demonstration_dataset, sft_trainer, train_sft
     from rlhfops import registry, tracking
@@ -102,8 +102,8 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(s.model, trust_remote_code=s.trust_remote_code)
     device = pick_device(cfg.device)
-    test = read_jsonl(cfg.path(cfg.validate_.out_dir) / "test.jsonl")
-    held_out = test.drop_duplicates("prompt").head(s.perplexity_rows)
+    test_file = cfg.path(cfg.validate_.out_dir) / "test.jsonl"
+    held_out = read_jsonl(test_file).drop_duplicates("prompt").head(s.perplexity_rows)
 
     def held_out_perplexity(model) -> float:
         model.to(device).eval()
@@ -150,13 +150,13 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
                 )
             model = train_sft(trainer, log_fn=log_fn)
             save_plain(model, tokenizer, tmp)
+        # the baseline figure, saved with the model: evaluate reads it for the same rows instead of measuring again
+        metrics["sft/perplexity"] = held_out_perplexity(model)
+        save_held_out_perplexity(tmp, metrics["sft/perplexity"], rows=s.perplexity_rows, data_file=test_file)
     if s.train:
         shutil.rmtree(cfg.path(s.checkpoint_dir), ignore_errors=True)  # finished: nothing left to resume
 
-    metrics |= {
-        "sft/perplexity": held_out_perplexity(model),
-        "sft/parameters": float(sum(p.numel() for p in model.parameters())),
-    }
+    metrics["sft/parameters"] = float(sum(p.numel() for p in model.parameters()))
     if s.n_samples:
         rows = held_out.head(s.n_samples)
         outs = sampling.sample(

@@ -73,7 +73,7 @@ def tiny_pipeline_overrides(root: Path | str, model_dir: Path, *, tracking: bool
         f"sft.train_data={root}/data/validated/train.jsonl",
         "sft.n_samples=2",
         "sft.max_new_tokens=8",
-        "sft.perplexity_rows=8",
+        "sft.perplexity_rows=4",  # as evaluate.perplexity_rows: evaluate takes the sft stage's figure
         "reward_model.backbone=sft",
         f"reward_model.out_dir={root}/models/reward_model",
         "reward_model.epochs=1",

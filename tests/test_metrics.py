@@ -183,3 +183,33 @@ def test_response_nll_appends_eos_only_to_a_response_that_fits(tok):
     for cut in (len(ids), 4):
         nll, n = response_nll(model, tok, prompt, [response], max_response_length=cut)
         assert n == cut and nll == pytest.approx(nll_of(ids[:cut]), rel=1e-5)
+
+
+def test_response_nll_does_not_depend_on_the_batching(tok):
+    """Rows batched by length, or in the given order, in batches of any size: the same sum of NLLs (up to the
+    rounding of each row's forward pass) and the same token count."""
+    from tests.fixtures import tiny_llama
+
+    model = tiny_llama(tok)
+    prompts = [[{"role": "user", "content": "hi " * n}] for n in (9, 1, 5, 2, 14)]
+    answers = ["a b c d e f g", "yes", "no, thanks " * 4, "maybe so", "ok"]
+    one_by_one = response_nll(model, tok, prompts, answers, batch_size=1)
+    for batch_size in (2, 5):
+        for by_length in (True, False):
+            nll, n = response_nll(model, tok, prompts, answers, batch_size=batch_size, by_length=by_length)
+            assert n == one_by_one[1] and nll == pytest.approx(one_by_one[0], rel=1e-6)
+
+
+def test_saved_held_out_perplexity_is_taken_only_for_the_rows_it_measured(tmp_path):
+    from rlhflow.metrics import save_held_out_perplexity, saved_held_out_perplexity
+
+    data = tmp_path / "test.jsonl"
+    data.write_text('{"prompt": "a"}\n')
+    model_dir = tmp_path / "sft"
+    model_dir.mkdir()
+    assert saved_held_out_perplexity(model_dir, rows=4, data_file=data) is None  # nothing saved
+    save_held_out_perplexity(model_dir, 12.5, rows=4, data_file=data)
+    assert saved_held_out_perplexity(model_dir, rows=4, data_file=data) == 12.5
+    assert saved_held_out_perplexity(model_dir, rows=8, data_file=data) is None  # other rows
+    data.write_text('{"prompt": "b"}\n')
+    assert saved_held_out_perplexity(model_dir, rows=4, data_file=data) is None  # the split changed

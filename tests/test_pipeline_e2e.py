@@ -51,6 +51,8 @@ def test_flow_runs_every_stage_and_tracks_them(prefect_server, tmp_path, tiny_mo
     assert children["ppo"].data.params["ppo.steps"] == "2"
     assert "ppo/kl" in children["ppo"].data.metrics and "ppo/score_mean" in children["ppo"].data.metrics
     assert len(client.get_metric_history(children["ppo"].info.run_id, "ppo/kl")) == 2
+    # the SFT model's perplexity on the same rows: measured once, by the sft stage, and taken by evaluate
+    assert children["evaluate"].data.metrics["eval/perplexity_sft"] == children["sft"].data.metrics["sft/perplexity"]
 
     # datasets are run inputs whose digest is the DVC md5 of the validated files
     digests = {d.dataset.name: d.dataset.digest for d in children["validate"].inputs.dataset_inputs}

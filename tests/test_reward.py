@@ -12,6 +12,8 @@ from rlhflow.reward_model import (
     evaluate_pairs,
     load_backbone,
     pairwise_accuracy,
+    save_pair_scores,
+    saved_pair_scores,
     train_reward_model,
 )
 
@@ -77,6 +79,17 @@ def test_training_learns_a_separable_preference_and_reloads(tiny_model_dir, tmp_
     reloaded = RewardModel.load(tmp_path / "rm")
     prompts, responses = [r["prompt_messages"] for r in held_out], [r["chosen"] for r in held_out]
     torch.testing.assert_close(reloaded.score(prompts, responses), rm.score(prompts, responses))
+
+    # the held-out scores saved beside the model give the same evaluation, to the bit, for the same pairs only
+    data_file = tmp_path / "test.jsonl"
+    data_file.write_text("the held-out split\n")
+    scored = evaluate_pairs(rm, held_out)
+    save_pair_scores(tmp_path / "rm", scored, data_file=data_file)
+    saved = saved_pair_scores(tmp_path / "rm", data_file=data_file)
+    assert torch.equal(saved[0], scored.chosen) and torch.equal(saved[1], scored.rejected)
+    assert evaluate_pairs(reloaded, held_out, scores=saved).metrics == scored.metrics
+    data_file.write_text("another split\n")
+    assert saved_pair_scores(tmp_path / "rm", data_file=data_file) is None
 
 
 def test_encode_pair_keeps_the_end_and_respects_max_length(tiny_model_dir):
