@@ -295,10 +295,9 @@ def evaluate(cfg: Config) -> PolicyEvaluation:
     """The policy (`ppo.out_dir`) against the SFT model on the test split's first `evaluate.n_prompts` prompts,
     scored by the proxy and the judge; the proxy's accuracy on every held-out pair; perplexities on the chosen
     responses of the first `evaluate.perplexity_rows` prompts. Figures that are NaN (no value) are left out."""
-    import torch
 
     from rlhflow.data.readers import read_jsonl
-    from rlhflow.metrics import perplexity, response_kl, saved_held_out_perplexity
+    from rlhflow.metrics import perplexity, sampled_kl, saved_held_out_perplexity
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device
     from rlhflow.reward_model import RewardModel, evaluate_pairs, saved_pair_scores
 
@@ -321,14 +320,10 @@ def evaluate(cfg: Config) -> PolicyEvaluation:
     sft_texts, policy_texts = texts_of(sft_out), texts_of(policy_out)
     sft_scores, policy_scores = rm.score(prompts, sft_texts), rm.score(prompts, policy_texts)
     sft_judged, policy_judged = judge.score(prompts, sft_texts), judge.score(prompts, policy_texts)
-    kl = torch.cat(
-        [
-            response_kl(
-                policy, sft, o.query_response, o.attention_mask, o.context_length, o.response_mask, cfg.eval_temperature
-            ).cpu()
-            for o in policy_out
-        ]
-    )  # as sampled
+    # per response, as sampled
+    kl = sampled_kl(
+        policy, sft, policy_out, cfg.eval_temperature, pad_token_id=tokenizer.pad_token_id, batch_size=e.batch_size
+    )
 
     ref_rows = test.drop_duplicates("prompt").head(e.perplexity_rows)
     ppl_args = (list(ref_rows["prompt_messages"]), list(ref_rows["chosen"]))

@@ -117,6 +117,41 @@ def response_kl(
     return (kl_per_token(logp, ref_logp, "k1") * response_mask).sum(dim=1)
 
 
+@torch.no_grad()
+def sampled_kl(
+    policy, reference, outputs, temperature: float, *, pad_token_id: int, batch_size: int = 8, by_length: bool = True
+) -> torch.Tensor:
+    """`response_kl` of every response in `outputs` (GenerationOutputs, as sampled), float64 [N] in their order.
+    The rows are taken out of their sampling batches and scored in batches of `batch_size` in order of length
+    (`by_length`; else in the given order), so that a batch pads little."""
+    rows = []
+    for o in outputs:
+        ctx = o.context_length
+        for ids, mask, response, response_mask in zip(
+            o.query_response[:, :ctx], o.attention_mask[:, :ctx], o.response, o.response_mask
+        ):
+            rows.append((ids[mask.bool()].tolist(), response[response_mask.bool()].tolist()))
+    device = next(policy.parameters()).device
+    kl = torch.zeros(len(rows), dtype=torch.float64)
+    order = list(range(len(rows)))
+    if by_length:
+        order.sort(key=lambda i: len(rows[i][0]) + len(rows[i][1]))
+    for start in range(0, len(order), batch_size):
+        batch = order[start : start + batch_size]
+        query, query_mask = pad_sequences([rows[i][0] for i in batch], pad_token_id, side="left")
+        response, response_mask = pad_sequences([rows[i][1] for i in batch], pad_token_id, side="right")
+        query_response = torch.cat([query, response], dim=1).to(device)
+        attention = torch.cat([query_mask, response_mask], dim=1).to(device)
+        kl[batch] = (
+            response_kl(
+                policy, reference, query_response, attention, query.shape[1], response_mask.to(device), temperature
+            )
+            .double()
+            .cpu()
+        )
+    return kl
+
+
 def wins(policy_scores, baseline_scores) -> np.ndarray:
     """Per prompt: 1 where the policy's response scores higher, 0.5 on a tie, 0 else."""
     policy = torch.as_tensor(policy_scores, dtype=torch.float64)

@@ -213,3 +213,29 @@ def test_saved_held_out_perplexity_is_taken_only_for_the_rows_it_measured(tmp_pa
     assert saved_held_out_perplexity(model_dir, rows=8, data_file=data) is None  # other rows
     data.write_text('{"prompt": "b"}\n')
     assert saved_held_out_perplexity(model_dir, rows=4, data_file=data) is None  # the split changed
+
+
+def test_sampled_kl_is_response_kl_of_each_row_whatever_the_batching(tok):
+    """The rows of two sampling batches, regrouped by length (or not) into other batches: each response's KL is
+    the one response_kl gives on its sampling batch, up to the rounding of the forward pass."""
+    from rlhflow.metrics import response_kl, sampled_kl
+    from rlhflow.policy import sample_responses
+    from tests.fixtures import tiny_llama
+
+    policy, reference = tiny_llama(tok), tiny_llama(tok, seed=1)
+    prompts = [[{"role": "user", "content": "hi " * n}] for n in (9, 1, 5, 2, 14)]
+    outputs = sample_responses(
+        policy, tok, prompts, batch_size=3, max_prompt_length=64, max_new_tokens=6, temperature=1.0, seed=0
+    )
+    per_batch = torch.cat(
+        [
+            response_kl(policy, reference, o.query_response, o.attention_mask, o.context_length, o.response_mask, 1.0)
+            for o in outputs
+        ]
+    )
+    assert per_batch.abs().sum() > 0  # two different models
+    for batch_size, by_length in ((2, True), (4, False), (5, True)):
+        kl = sampled_kl(
+            policy, reference, outputs, 1.0, pad_token_id=tok.pad_token_id, batch_size=batch_size, by_length=by_length
+        )
+        torch.testing.assert_close(kl, per_batch.double(), rtol=1e-5, atol=1e-5)
