@@ -76,10 +76,10 @@ $(TRL_STAMP): bench/requirements-trl.txt
 	touch $(TRL_STAMP)
 
 # BENCH_ARGS go to bench.ppo_bench (e.g. "--workloads tiny --rounds 1"), ORCH_ARGS to bench.orchestration (e.g. --short),
-# PROFILE_ARGS to bench.profile_run (e.g. --tiny)
+# PROFILE_ARGS to bench.profile_compare (e.g. --tiny, --against REF, --rounds 2)
 bench: setup $(TRL_STAMP)
 	$(BIN)/python -m bench.orchestration $(ORCH_ARGS)
-	$(BIN)/python -m bench.profile_run $(PROFILE_ARGS)
+	$(BIN)/python -m bench.profile_compare $(PROFILE_ARGS)
 	$(BIN)/python -m bench.ppo_bench $(BENCH_ARGS)
 
 # Both servers bind to UI_HOST (127.0.0.1: this machine only); e.g. `make ui PREFECT_PORT=4300 MLFLOW_PORT=5001`

@@ -4,6 +4,7 @@ when its venv (bench/.venv-trl, built by `make bench`) exists."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -186,3 +187,28 @@ def test_stage_profile_on_tiny_models(tmp_path):
     for name in ("reward_model", "ppo"):
         assert stages[name]["seconds"]["training"] > 0 and stages[name]["calls"]["training"] > 0, name
     assert all(row["seconds"]["mlflow"] > 0 for row in stages.values())
+
+
+def test_profile_compare_reports_ratios_and_every_figure_that_moved():
+    """bench.profile_compare's arithmetic: per stage the median of each side and after / before (a stage only one
+    side ran has no ratio); figures that differ are listed with their relative difference, timings and equal
+    values (NaN included) are not."""
+    from bench.profile_compare import compared, differing_metrics
+
+    def run(sft: float, ppo: float) -> dict:
+        return {"stages": {"sft": {"wall_s": sft}, "ppo": {"wall_s": ppo}}, "total": {"wall_s": sft + ppo}}
+
+    rows = compared([run(60, 400), run(62, 380), run(70, 390)], [run(30, 400), run(40, 360), run(35, 370)])
+    assert rows["sft"] == {"before_s": 62, "after_s": 35, "ratio": pytest.approx(35 / 62)}
+    assert rows["ppo"]["ratio"] == pytest.approx(370 / 390)
+    assert rows["total"] == {"before_s": 460, "after_s": 405, "ratio": pytest.approx(405 / 460)}
+    one_sided = compared([run(60, 400)], [{"stages": {"sft": {"wall_s": 30}}, "total": {"wall_s": 30}}])
+    assert one_sided["ppo"] == {"before_s": 400, "after_s": None, "ratio": None}
+
+    before = {"sft": {"sft/perplexity": 16.0, "time/sft_s": 60.0}, "evaluate": {"eval/kl": 7.0, "eval/x": math.nan}}
+    after = {"sft": {"sft/perplexity": 16.0, "time/sft_s": 30.0}, "evaluate": {"eval/kl": 7.07, "eval/x": math.nan}}
+    after["evaluate"]["eval/new"] = 1.0
+    moved = differing_metrics(before, after)
+    assert set(moved) == {"evaluate:eval/kl", "evaluate:eval/new"}
+    assert moved["evaluate:eval/kl"]["relative"] == pytest.approx(0.01)
+    assert moved["evaluate:eval/new"] == {"before": None, "after": 1.0, "relative": None}
