@@ -23,6 +23,24 @@ def file_md5(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def save_for_file(path: str | os.PathLike, record: dict, *, data_file: str | os.PathLike) -> None:
+    """Write `record` as JSON to `path`, marked with the file it was measured on (its name and md5)."""
+    marked = {**record, "data_file": Path(data_file).name, "data_md5": file_md5(data_file)}
+    Path(path).write_text(json.dumps(marked) + "\n")
+
+
+def saved_for_file(path: str | os.PathLike, *, data_file: str | os.PathLike, **expected: Any) -> dict | None:
+    """The record `save_for_file` wrote to `path`, when it was measured on `data_file` as it is now (the same md5)
+    and has each `expected` key's value; None otherwise (nothing saved, another file, other settings)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    record = json.loads(path.read_text())
+    if record.get("data_md5") != file_md5(data_file) or any(record.get(k) != v for k, v in expected.items()):
+        return None
+    return record
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -24,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlhflow.fsutil import file_md5
+from rlhflow.fsutil import save_for_file, saved_for_file
 from rlhflow.logits import kl_per_token
 from rlhflow.policy import pad_sequences, prompt_ids, sequence_logprobs
 
@@ -85,20 +84,14 @@ HELD_OUT_PERPLEXITY_FILE = "held_out_perplexity.json"
 
 
 def save_held_out_perplexity(model_dir, value: float, *, rows: int, data_file) -> None:
-    record = {"perplexity": value, "rows": rows, "data_file": Path(data_file).name, "data_md5": file_md5(data_file)}
-    (Path(model_dir) / HELD_OUT_PERPLEXITY_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    save_for_file(Path(model_dir) / HELD_OUT_PERPLEXITY_FILE, {"perplexity": value, "rows": rows}, data_file=data_file)
 
 
 def saved_held_out_perplexity(model_dir, *, rows: int, data_file) -> float | None:
     """The perplexity saved in `model_dir` for the first `rows` prompts of `data_file` as it is now; None when
     there is none for them."""
-    path = Path(model_dir) / HELD_OUT_PERPLEXITY_FILE
-    if not path.exists():
-        return None
-    record = json.loads(path.read_text())
-    if record.get("rows") != rows or record.get("data_md5") != file_md5(data_file):
-        return None
-    return float(record["perplexity"])
+    record = saved_for_file(Path(model_dir) / HELD_OUT_PERPLEXITY_FILE, data_file=data_file, rows=rows)
+    return None if record is None else float(record["perplexity"])
 
 
 @torch.no_grad()

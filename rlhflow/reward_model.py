@@ -25,7 +25,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
 
 from rlhflow import distributed
-from rlhflow.fsutil import file_md5
+from rlhflow.fsutil import save_for_file, saved_for_file
 from rlhflow.hf_trainer import checkpoint_args, log_callback, train_resuming, use_bf16
 from rlhflow.models import disable_dropout, resolve_model
 
@@ -429,13 +429,8 @@ HELD_OUT_SCORES_FILE = "held_out_scores.json"
 
 
 def save_pair_scores(model_dir: str | os.PathLike, pairs: PairEvaluation, *, data_file: str | os.PathLike) -> None:
-    record = {
-        "data_file": Path(data_file).name,
-        "data_md5": file_md5(data_file),
-        "chosen": pairs.chosen.tolist(),
-        "rejected": pairs.rejected.tolist(),
-    }
-    (Path(model_dir) / HELD_OUT_SCORES_FILE).write_text(json.dumps(record) + "\n")
+    scores = {"chosen": pairs.chosen.tolist(), "rejected": pairs.rejected.tolist()}
+    save_for_file(Path(model_dir) / HELD_OUT_SCORES_FILE, scores, data_file=data_file)
 
 
 def saved_pair_scores(
@@ -443,10 +438,7 @@ def saved_pair_scores(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The raw (chosen, rejected) scores saved in `model_dir` for `data_file` as it is now; None when there are
     none for it."""
-    path = Path(model_dir) / HELD_OUT_SCORES_FILE
-    if not path.exists():
-        return None
-    record = json.loads(path.read_text())
-    if record.get("data_md5") != file_md5(data_file):
+    record = saved_for_file(Path(model_dir) / HELD_OUT_SCORES_FILE, data_file=data_file)
+    if record is None:
         return None
     return torch.tensor(record["chosen"], dtype=torch.float32), torch.tensor(record["rejected"], dtype=torch.float32)
