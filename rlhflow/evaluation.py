@@ -295,7 +295,6 @@ def evaluate(cfg: Config) -> PolicyEvaluation:
     """The policy (`ppo.out_dir`) against the SFT model on the test split's first `evaluate.n_prompts` prompts,
     scored by the proxy and the judge; the proxy's accuracy on every held-out pair; perplexities on the chosen
     responses of the first `evaluate.perplexity_rows` prompts. Figures that are NaN (no value) are left out."""
-
     from rlhflow.data.readers import read_jsonl
     from rlhflow.metrics import perplexity, sampled_kl, saved_held_out_perplexity
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device

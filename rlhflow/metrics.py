@@ -30,6 +30,22 @@ from rlhflow.policy import pad_sequences, prompt_ids, sequence_logprobs
 Messages = list[dict[str, str]]
 
 
+def _batches_by_length(queries, answers, pad_token_id: int, batch_size: int, by_length: bool, device):
+    """Rows (prompt ids, response ids) in batches of `batch_size`, in order of length (`by_length`; else as given), so
+    that a batch pads little. Yields each batch's row indices, query_response, attention mask, context length and
+    response mask (prompts left-padded, responses right-padded)."""
+    order = list(range(len(answers)))
+    if by_length:
+        order.sort(key=lambda i: len(queries[i]) + len(answers[i]))
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        query, query_mask = pad_sequences([queries[i] for i in rows], pad_token_id, side="left")
+        response, response_mask = pad_sequences([answers[i] for i in rows], pad_token_id, side="right")
+        query_response = torch.cat([query, response], dim=1).to(device)
+        attention = torch.cat([query_mask, response_mask], dim=1).to(device)
+        yield rows, query_response, attention, query.shape[1], response_mask.to(device)
+
+
 @torch.no_grad()
 def response_nll(
     model,
@@ -56,18 +72,10 @@ def response_nll(
         ids = tokenizer(r, add_special_tokens=False)["input_ids"]
         answers.append(ids + [tokenizer.eos_token_id] if len(ids) < max_response_length else ids[:max_response_length])
     row_nll = [0.0] * len(answers)
-    order = list(range(len(answers)))
-    if by_length:
-        order.sort(key=lambda i: len(queries[i]) + len(answers[i]))
-    for start in range(0, len(order), batch_size):
-        rows = order[start : start + batch_size]
-        query, query_mask = pad_sequences([queries[i] for i in rows], tokenizer.pad_token_id, side="left")
-        resp, resp_mask = pad_sequences([answers[i] for i in rows], tokenizer.pad_token_id, side="right")
-        query_response = torch.cat([query, resp], dim=1).to(device)
-        attention = torch.cat([query_mask, resp_mask], dim=1).to(device)
-        logp = sequence_logprobs(model, query_response, attention, query.shape[1], 1.0)
-        sums = (logp.double() * resp_mask.to(device)).sum(dim=1).tolist()
-        for i, row_sum in zip(rows, sums):
+    batches = _batches_by_length(queries, answers, tokenizer.pad_token_id, batch_size, by_length, device)
+    for rows, query_response, attention, context_length, resp_mask in batches:
+        logp = sequence_logprobs(model, query_response, attention, context_length, 1.0)
+        for i, row_sum in zip(rows, (logp.double() * resp_mask).sum(dim=1).tolist()):
             row_nll[i] = -row_sum
     return sum(row_nll), sum(len(a) for a in answers)
 
@@ -117,28 +125,21 @@ def sampled_kl(
     """`response_kl` of every response in `outputs` (GenerationOutputs, as sampled), float64 [N] in their order.
     The rows are taken out of their sampling batches and scored in batches of `batch_size` in order of length
     (`by_length`; else in the given order), so that a batch pads little."""
-    rows = []
+    queries, answers = [], []
     for o in outputs:
         ctx = o.context_length
         for ids, mask, response, response_mask in zip(
             o.query_response[:, :ctx], o.attention_mask[:, :ctx], o.response, o.response_mask
         ):
-            rows.append((ids[mask.bool()].tolist(), response[response_mask.bool()].tolist()))
+            queries.append(ids[mask.bool()].tolist())
+            answers.append(response[response_mask.bool()].tolist())
     device = next(policy.parameters()).device
-    kl = torch.zeros(len(rows), dtype=torch.float64)
-    order = list(range(len(rows)))
-    if by_length:
-        order.sort(key=lambda i: len(rows[i][0]) + len(rows[i][1]))
-    for start in range(0, len(order), batch_size):
-        batch = order[start : start + batch_size]
-        query, query_mask = pad_sequences([rows[i][0] for i in batch], pad_token_id, side="left")
-        response, response_mask = pad_sequences([rows[i][1] for i in batch], pad_token_id, side="right")
-        query_response = torch.cat([query, response], dim=1).to(device)
-        attention = torch.cat([query_mask, response_mask], dim=1).to(device)
-        kl[batch] = (
-            response_kl(
-                policy, reference, query_response, attention, query.shape[1], response_mask.to(device), temperature
-            )
+    kl = torch.zeros(len(answers), dtype=torch.float64)
+    for rows, query_response, attention, context_length, response_mask in _batches_by_length(
+        queries, answers, pad_token_id, batch_size, by_length, device
+    ):
+        kl[rows] = (
+            response_kl(policy, reference, query_response, attention, context_length, response_mask, temperature)
             .double()
             .cpu()
         )
