@@ -28,9 +28,11 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
 # (also when the Docker daemon's default runtime is nvidia and no --gpus flag is given, as for Prefect workers).
 ENV NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
+# git for DVC's experiments and the runs' commit records (without a .git the pipeline runs on; it says so once)
 RUN apt-get update && apt-get install -y --no-install-recommends git make && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app
+# the runtime stack only: the test and documentation tools (requirements-dev.txt) stay out of the image
 COPY requirements.txt pyproject.toml README.md ./
 RUN pip install torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} \
     && pip install -r requirements.txt \

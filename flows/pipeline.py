@@ -49,9 +49,40 @@ StageName = Literal[tuple(STAGE_NAMES)]  # an enum in the parameter form
 TRAINING_LIMIT = "rlhf-training"
 TRAINING_LIMIT_DEFAULT_SLOTS = 1
 
-# Transient failures (a busy disk, a Prefect or MLflow server restarting) are retried: 2, 4, 8 s (+ jitter).
+# errors a retry may fix, by class name where the class belongs to a library imported lazily
+_TRANSIENT_NAMES = {
+    "OperationalError",
+    "LockError",
+    "ConnectError",
+    "ConnectTimeout",
+    "ReadTimeout",
+    "RemoteProtocolError",
+}
+
+
+def is_transient(err: BaseException) -> bool:
+    """A failure a retry may fix: the network, a server restarting, a busy database or lock; not a missing file, a
+    bad setting or a directory that is no git repository, which fail the same way every time."""
+    if isinstance(err, (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError)):
+        return False
+    if isinstance(err, (ConnectionError, TimeoutError, OSError)):
+        return True
+    return any(cls.__name__ in _TRANSIENT_NAMES for cls in type(err).__mro__)
+
+
+def _retry_if_transient(task, task_run, state) -> bool:
+    err = getattr(state, "data", None)
+    return is_transient(err) if isinstance(err, BaseException) else True
+
+
+# Transient failures (a busy disk, a Prefect or MLflow server restarting) are retried: 2, 4, 8 s (+ jitter); other
+# errors fail at once.
 TRANSIENT_RETRIES = dict(
-    retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=2), retry_jitter_factor=0.5, cache_policy=NO_CACHE
+    retries=3,
+    retry_delay_seconds=exponential_backoff(backoff_factor=2),
+    retry_jitter_factor=0.5,
+    retry_condition_fn=_retry_if_transient,
+    cache_policy=NO_CACHE,
 )
 
 
@@ -247,7 +278,8 @@ def _run_stages(
             run_url = report.mlflow_run_url(uri, parent.info.experiment_id, parent.info.run_id)
             print(
                 f"MLflow parent run {parent.info.run_id} in experiment {cfg.tracking.experiment!r} at "
-                f"{tracking.redact(uri)}: {run_url}"
+                f"{tracking.redact(uri)}: {run_url} (all runs: "
+                f"{report.mlflow_experiment_url(uri, parent.info.experiment_id)})"
             )
             for name in names:
                 if get_stage(name).accelerator:  # a second pipeline run waits here for the first one's stage

@@ -35,6 +35,9 @@ SUMMARY_METRICS = [
     ("eval/judge_win_rate_lc_supported", "  ... supported by the data (1) or not (0)"),
     ("eval/proxy_judge_gap", "proxy minus judge win rate"),
     ("eval/kl", "KL(policy || SFT), nats/response"),
+    ("dev/prompts", "dev prompts (choosing only)"),
+    ("dev/expected_half_width", "  ... expected 95% half-width"),
+    ("dev/judge_win_rate_both_ended", "  ... judge win rate, both ended"),
     ("eval/perplexity", "perplexity, policy"),
     ("eval/perplexity_sft", "perplexity, SFT model"),
 ]
@@ -60,6 +63,11 @@ def mlflow_ui_base(tracking_uri: str) -> str:
     if tracking_uri.startswith(("http://", "https://")):
         return tracking_uri.rstrip("/")
     return "http://127.0.0.1:5000"
+
+
+def mlflow_experiment_url(tracking_uri: str, experiment_id: str) -> str:
+    """The experiment's Training runs view (a bare #/experiments/<id> opens MLflow 3's GenAI overview instead)."""
+    return f"{mlflow_ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs"
 
 
 def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
@@ -111,7 +119,8 @@ def report_markdown(
 ) -> str:
     lines = ["# RLHF pipeline run", ""]
     if run_url:
-        lines += [f"MLflow run: [{run_url}]({run_url})", ""]
+        runs = run_url.rsplit("/", 1)[0]  # the experiment's Training runs view, where runs are compared
+        lines += [f"MLflow run: [{run_url}]({run_url}); compare it with other runs: [{runs}]({runs})", ""]
     if error:
         lines += [f"**Failed:** {error}", ""]
     lines += ["## Stages", "", "| stage | outcome | wall time |", "|---|---|---|"]

@@ -1,7 +1,7 @@
 """Sweeps: a grid of pipeline runs, and the reward-KL frontier they draw against best-of-n sampling.
 
     python -m flows.sweep --grid ppo.kl_coef=0.02,0.05,0.1,0.2 [--grid key=v1,v2 ...] [--set key=value ...]
-                          [--best-of-n 1,2,4,8,16]
+                          [--seeds N] [--best-of-n 1,2,4,8,16]
 
 Each point of the grid (every combination of the values) is a full pipeline run (flows/pipeline.py): an MLflow
 parent run nested under the sweep's run, and a DVC experiment. Stages a point does not change are up to date and
@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
+import re
 import sys
 import time
 from dataclasses import dataclass, field
 
 from prefect import flow
 
+from flows import report
 from flows.pipeline import rlhf_pipeline, with_overrides
 from rlhflow.config import Config, parse_config_args
 from rlhfops import tracking, workspace
@@ -39,17 +42,105 @@ REPORT_DIR = "reports/sweep"
 SWEEP_TAG = "sweep"
 
 
+POINT_TAG = "sweep.point"  # on each point's pipeline run: the grid point (its overrides), seeds grouped by it
+SEED_TAG = "sweep.seed"
+# the best point: the highest of this on the dev split (mean over its seeds); the first one present
+CHOICE_METRICS = ("dev/judge_win_rate_both_ended", "dev/judge_win_rate_vs_sft")
+# figures shown per point with their across-seed interval
+SEED_METRICS = (
+    "eval/judge_win_rate_vs_sft",
+    "eval/judge_win_rate_both_ended",
+    "eval/judge_win_rate_lc",
+    "eval/answers_ended",
+    "eval/kl",
+    "dev/judge_win_rate_both_ended",
+)
+
+
 @dataclass
 class PointOutcome:
-    overrides: list[str]
+    overrides: list[str]  # the grid point's overrides (its seed not included)
     status: str  # finished | reused | failed: <error>
     run_id: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     algorithm: str = "ppo"  # align.algorithm: what made the point's policy
+    seed: int | None = None  # the training seed, when the sweep runs several
 
     @property
     def label(self) -> str:
         return ", ".join(self.overrides)
+
+    @property
+    def run_label(self) -> str:
+        return self.label + ("" if self.seed is None else f", seed={self.seed}")
+
+
+@dataclass
+class SeedGroup:
+    """A grid point's runs over the training seeds: each figure's mean and across-seed interval."""
+
+    label: str
+    outcomes: list[PointOutcome]
+
+    @property
+    def finished(self) -> list[PointOutcome]:
+        return [o for o in self.outcomes if not o.status.startswith("failed")]
+
+    def figure(self, key: str) -> tuple[float, float, float]:
+        from rlhflow.evaluation.stats import across_seeds
+
+        return across_seeds([o.metrics.get(key, float("nan")) for o in self.finished])
+
+    def choice_value(self) -> float:
+        for key in CHOICE_METRICS:
+            value = self.figure(key)[0]
+            if not math.isnan(value):
+                return value
+        return float("nan")
+
+
+def seed_groups(outcomes: list[PointOutcome]) -> list[SeedGroup]:
+    groups: dict[str, list[PointOutcome]] = {}
+    for o in outcomes:
+        groups.setdefault(o.label, []).append(o)
+    return [SeedGroup(label, members) for label, members in groups.items()]
+
+
+def best_point(groups: list[SeedGroup]) -> SeedGroup | None:
+    """The point with the highest dev-split choice figure (CHOICE_METRICS), or None when no point has one."""
+    scored = [g for g in groups if not math.isnan(g.choice_value())]
+    return max(scored, key=lambda g: g.choice_value()) if scored else None
+
+
+def seed_table(groups: list[SeedGroup]) -> str:
+    """Markdown: per point, the seeds that finished and each SEED_METRICS figure as mean (interval)."""
+
+    def cell(v: tuple[float, float, float]) -> str:
+        if math.isnan(v[0]):
+            return ""
+        return f"{v[0]:.3f}" + ("" if math.isnan(v[1]) else f" ({v[1]:.3f} to {v[2]:.3f})")
+
+    lines = [
+        "| point | seeds | " + " | ".join(SEED_METRICS) + " |",
+        "|---" * (2 + len(SEED_METRICS)) + "|",
+    ]
+    for g in groups:
+        cells = [g.label, f"{len(g.finished)}/{len(g.outcomes)}"] + [cell(g.figure(k)) for k in SEED_METRICS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def seed_metrics(groups: list[SeedGroup]) -> dict[str, float]:
+    """The seed table as MLflow metrics of the sweep run: point/<point>/<figure>_{mean,ci_low,ci_high}."""
+    out = {}
+    for g in groups:
+        name = re.sub(r"[^A-Za-z0-9_.\-/ ]", "_", g.label.replace("=", "_").replace(", ", "/"))
+        for key in SEED_METRICS:
+            mean, low, high = g.figure(key)
+            for suffix, value in (("mean", mean), ("ci_low", low), ("ci_high", high)):
+                if not math.isnan(value):
+                    out[f"point/{name}/{key.replace('/', '_')}_{suffix}"] = value
+    return out
 
 
 def parse_grid(specs: list[str]) -> dict[str, list[str]]:
@@ -88,28 +179,39 @@ def finished_point(cfg: Config):
     return None
 
 
-def run_point(cfg: Config, overrides: list[str], sweep_run_id: str) -> PointOutcome:
+def run_point(cfg: Config, overrides: list[str], sweep_run_id: str, seed: int | None = None) -> PointOutcome:
     import mlflow
 
+    label = ", ".join(overrides) + ("" if seed is None else f", seed={seed}")
+    client = mlflow.MlflowClient()
     done = finished_point(cfg)
     if done is not None:
-        print(f"sweep: {', '.join(overrides)}: finished before (MLflow run {done.info.run_id}), not rerun")
-        return PointOutcome(overrides, "reused", done.info.run_id, dict(done.data.metrics), cfg.align.algorithm)
-    print(f"sweep: {', '.join(overrides)}: running")
-    try:
-        metrics = rlhf_pipeline(config=cfg, parent_run=sweep_run_id)
-    except Exception as err:  # reported; the other points go on
-        print(f"sweep: {', '.join(overrides)}: FAILED: {type(err).__name__}: {err}")
-        return PointOutcome(overrides, f"failed: {type(err).__name__}: {err}"[:300], algorithm=cfg.align.algorithm)
-    client = mlflow.MlflowClient()
-    run = client.search_runs(
-        [client.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
-        f"tags.mlflow.parentRunId = '{sweep_run_id}' and tags.{tracking.PARAMS_DIGEST_TAG} = "
-        f"'{tracking.params_digest(cfg)}'",
-        order_by=["attributes.start_time DESC"],
-        max_results=1,
-    )
-    return PointOutcome(overrides, "finished", run[0].info.run_id if run else None, metrics, cfg.align.algorithm)
+        print(f"sweep: {label}: finished before (MLflow run {done.info.run_id}), not rerun")
+        outcome = PointOutcome(
+            overrides, "reused", done.info.run_id, dict(done.data.metrics), cfg.align.algorithm, seed
+        )
+    else:
+        print(f"sweep: {label}: running")
+        try:
+            metrics = rlhf_pipeline(config=cfg, parent_run=sweep_run_id)
+        except Exception as err:  # reported; the other points go on
+            print(f"sweep: {label}: FAILED: {type(err).__name__}: {err}")
+            error = f"failed: {type(err).__name__}: {err}"[:300]
+            return PointOutcome(overrides, error, algorithm=cfg.align.algorithm, seed=seed)
+        run = client.search_runs(
+            [client.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
+            f"tags.mlflow.parentRunId = '{sweep_run_id}' and tags.{tracking.PARAMS_DIGEST_TAG} = "
+            f"'{tracking.params_digest(cfg)}'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
+        outcome = PointOutcome(
+            overrides, "finished", run[0].info.run_id if run else None, metrics, cfg.align.algorithm, seed
+        )
+    if outcome.run_id:  # the seeds of one point group under one tag in the MLflow runs view
+        client.set_tag(outcome.run_id, POINT_TAG, outcome.label)
+        client.set_tag(outcome.run_id, SEED_TAG, str(cfg.seed))
+    return outcome
 
 
 def best_of_n_baseline(cfg: Config, ns: list[int], missing_eos_penalty: float | None):
@@ -218,6 +320,29 @@ def policy_point(outcome: PointOutcome, missing_eos_penalty: float | None = None
     )
 
 
+def group_point(group: SeedGroup, missing_eos_penalty: float | None = None):
+    """A grid point on the frontier: its one run's point, or with several seeds the mean of each coordinate and the
+    across-seed interval of each reward."""
+    from rlhflow.evaluation.frontier import FrontierPoint
+    from rlhflow.evaluation.stats import across_seeds
+
+    per_seed = [policy_point(o, missing_eos_penalty) for o in group.finished if "eval/kl" in o.metrics]
+    if len(group.outcomes) == 1:
+        return per_seed[0] if per_seed else None
+    if not per_seed:
+        return None
+    extras = sorted({k for p in per_seed for k in (p.extra or {})})
+    extra = {k: across_seeds([(p.extra or {}).get(k, math.nan) for p in per_seed])[0] for k in extras}
+    return FrontierPoint(
+        per_seed[0].method,
+        f"{group.label} ({len(per_seed)} seeds)",
+        float(sum(p.kl for p in per_seed) / len(per_seed)),
+        across_seeds([p.proxy_reward[0] for p in per_seed]),
+        across_seeds([p.judge_reward[0] for p in per_seed]),
+        extra | {"seeds": float(len(per_seed))},
+    )
+
+
 def write_frontier(cfg: Config, outcomes: list[PointOutcome], baseline: list) -> tuple[str, list]:
     """The frontier's table, plot and CSV, on the objective proxy - cfg.ppo.missing_eos_penalty * not_ended;
     returns the markdown and the files written."""
@@ -229,7 +354,9 @@ def write_frontier(cfg: Config, outcomes: list[PointOutcome], baseline: list) ->
 
     penalty = cfg.ppo.missing_eos_penalty
     objective = objective_name(penalty)
-    points = baseline + [policy_point(o, penalty) for o in outcomes if "eval/kl" in o.metrics]
+    groups = seed_groups(outcomes)
+    several_seeds = any(len(g.outcomes) > 1 for g in groups)
+    points = baseline + [p for p in (group_point(g, penalty) for g in groups) if p is not None]
     report_dir = cfg.path(REPORT_DIR)
     report_dir.mkdir(parents=True, exist_ok=True)
     csv = cfg.path(cfg.metrics_dir) / FRONTIER_CSV
@@ -238,6 +365,19 @@ def write_frontier(cfg: Config, outcomes: list[PointOutcome], baseline: list) ->
     fig.savefig(report_dir / "frontier.png", dpi=110)
     plots.close(fig)
     failed = [o for o in outcomes if o.status.startswith("failed")]
+    best = best_point(groups)
+    choice = (
+        f"Best point, chosen on the dev split ({CHOICE_METRICS[0]}, else {CHOICE_METRICS[1]}; mean over seeds): "
+        f"**{best.label}** at {best.choice_value():.3f}. Its test figures above are reported, not chosen on."
+        if best
+        else "No point has a dev-split figure (validate.dev_fraction 0?): no best point is chosen."
+    )
+    seeds_note = (
+        "Policy points with several seeds show each figure's mean over the seeds and the across-seed 95% interval "
+        "(Student t); "
+        if several_seeds
+        else ""
+    )
     lines = [
         "# Sweep: reward against KL to the SFT model",
         "",
@@ -247,11 +387,17 @@ def write_frontier(cfg: Config, outcomes: list[PointOutcome], baseline: list) ->
         f"(best-of-n's resampled by conversation). The optimised reward is the one PPO maximises before its KL "
         f"term, `{objective}`: best-of-n selects by it (the KL term is the same for every candidate) and is at its "
         "analytic KL, log n - (n-1)/n. `judge_win_rate_lc` is the judge's length-controlled win rate against the "
-        "SFT model.",
+        "SFT model. " + seeds_note,
+        "",
+        "## Per point, over its seeds",
+        "",
+        seed_table(groups),
+        "",
+        choice,
         "",
         "| point | status | MLflow run |",
         "|---|---|---|",
-        *[f"| {o.label} | {o.status} | {o.run_id or ''} |" for o in outcomes],
+        *[f"| {o.run_label} | {o.status} | {o.run_id or ''} |" for o in outcomes],
         "",
         *([f"{len(failed)} point(s) failed; the others are in the table.", ""] if failed else []),
         "![frontier](frontier.png)",
@@ -267,6 +413,7 @@ def rlhf_sweep(
     overrides: list[str] | None = None,
     best_of_n: list[int] | None = None,
     config: Config | None = None,
+    seeds: int = 1,
 ) -> list[dict]:
     """A grid of pipeline runs and the reward-KL frontier against best-of-n from the SFT model.
 
@@ -275,19 +422,24 @@ def rlhf_sweep(
         overrides: params.yaml overrides for every point, e.g. ["ppo.steps=10"]
         best_of_n: the n of the best-of-n baseline (default 1, 2, 4, 8, 16); empty list: no baseline
         config: every hyperparameter (params.yaml; its values are the defaults)
+        seeds: training seeds per point (seed, seed + 1, ...); the splits and the judge stay fixed
     """
     import mlflow
 
     base = with_overrides(config, overrides)
-    points = grid_points(grid)
-    configs = [with_overrides(base, point) for point in points]  # a bad key or value fails here, before any work
+    if seeds < 1:
+        raise ValueError(f"seeds must be at least 1, got {seeds}")
+    runs = [  # (grid point, its seed or None)
+        (point, None if seeds == 1 else base.seed + i) for point in grid_points(grid) for i in range(seeds)
+    ]
+    # a bad key or value fails here, before any work
+    configs = [with_overrides(base, point + ([] if seed is None else [f"seed={seed}"])) for point, seed in runs]
     ns = DEFAULT_BEST_OF_N if best_of_n is None else sorted(set(best_of_n))
     with workspace.exclusive(f"sweep over {', '.join(grid)}"):
         tracking.setup(base)
-        with tracking.start_run(
-            base, name="sweep", params={"grid": {k: ",".join(v) for k, v in grid.items()}}, tags={SWEEP_TAG: "rlhf"}
-        ) as sweep:
-            outcomes = [run_point(cfg, point, sweep.info.run_id) for cfg, point in zip(configs, points)]
+        params = {"grid": {k: ",".join(v) for k, v in grid.items()}, "seeds": seeds}
+        with tracking.start_run(base, name="sweep", params=params, tags={SWEEP_TAG: "rlhf"}) as sweep:
+            outcomes = [run_point(cfg, point, sweep.info.run_id, seed) for cfg, (point, seed) in zip(configs, runs)]
             finished = [o for o in outcomes if not o.status.startswith("failed")]
             penalty = base.ppo.missing_eos_penalty  # the frontier's one objective, as write_frontier's
             baseline = best_of_n_baseline(configs[0], ns, penalty) if ns and finished else []
@@ -295,10 +447,19 @@ def rlhf_sweep(
             for path in files:
                 mlflow.log_artifact(str(path), artifact_path="frontier")
             mlflow.set_tag("sweep.points", ",".join(o.run_id for o in outcomes if o.run_id))
+            uri = tracking.tracking_uri(base)
+            print(
+                f"sweep run: {report.mlflow_run_url(uri, sweep.info.experiment_id, sweep.info.run_id)}; its points, "
+                f"grouped by tag {POINT_TAG}: {report.mlflow_experiment_url(uri, sweep.info.experiment_id)}"
+            )
             mlflow.set_tag("mlflow.note.content", markdown.split("![frontier]")[0])
             mlflow.log_metrics(
                 {"sweep/points_finished": len(finished), "sweep/points_failed": len(outcomes) - len(finished)}
+                | seed_metrics(seed_groups(outcomes))
             )
+            best = best_point(seed_groups(outcomes))
+            if best is not None:
+                mlflow.set_tag("sweep.best_point", best.label)
     try:
         from prefect.artifacts import create_markdown_artifact
 
@@ -309,26 +470,38 @@ def rlhf_sweep(
     failed = [o.label for o in outcomes if o.status.startswith("failed")]
     if failed and not finished:
         raise RuntimeError(f"every point of the sweep failed: {failed}")
-    return [{"point": o.label, "status": o.status, "run_id": o.run_id} for o in outcomes]
+    return [{"point": o.label, "seed": o.seed, "status": o.status, "run_id": o.run_id} for o in outcomes]
 
 
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--grid", action="append", default=[], help="key=v1,v2,... (repeat for a grid of several keys)")
-    pre.add_argument(
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument(
+        "--grid", action="append", default=[], help="key=v1,v2,... (repeat for a grid of several keys; required)"
+    )
+    own.add_argument(
+        "--seeds", type=int, default=1, help="training seeds per point: seed, seed + 1, ... (default 1: seed alone)"
+    )
+    own.add_argument(
         "--best-of-n",
         default=",".join(map(str, DEFAULT_BEST_OF_N)),
         help="n of the best-of-n baseline; 'none' for no baseline",
     )
-    known, rest = pre.parse_known_args(argv)
-    if not known.grid:
-        pre.error("at least one --grid key=v1,v2 is needed")
-    cfg, _ = parse_config_args(rest, "Run a grid of pipeline runs and draw the reward-KL frontier against best-of-n.")
-    ns = [] if known.best_of_n.strip().lower() == "none" else [int(n) for n in known.best_of_n.split(",") if n.strip()]
+    cfg, args = parse_config_args(
+        argv,
+        "Run a grid of pipeline runs and draw the reward-KL frontier against best-of-n; the best point is chosen "
+        "on the dev split.",
+        parents=(own,),
+    )
+    if not args.grid:
+        own.error("at least one --grid key=v1,v2 is needed (--help lists the options and the params.yaml keys)")
+    if args.seeds < 1:
+        own.error(f"--seeds must be at least 1, got {args.seeds}")
+    best_of_n = args.best_of_n.strip().lower()
+    ns = [] if best_of_n == "none" else [int(n) for n in best_of_n.split(",") if n.strip()]
     start = time.perf_counter()
-    rlhf_sweep(grid=parse_grid(known.grid), config=cfg, best_of_n=ns)
+    rlhf_sweep(grid=parse_grid(args.grid), config=cfg, best_of_n=ns, seeds=args.seeds)
     print(f"{'sweep wall time':44s} {time.perf_counter() - start:9.1f}s")
 
 

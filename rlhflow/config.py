@@ -17,6 +17,7 @@ import yaml
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from rlhflow.align_config import AlignConfig
+from rlhflow.config_help import params_epilog
 from rlhflow.config_section import Section, inherit, inherited_keys, without_inherited
 from rlhflow.evaluate_config import EvaluateConfig
 
@@ -71,7 +72,16 @@ class DataConfig(Section):
 
 
 class ValidateConfig(Section):
-    test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="share of conversations held out for evaluation")
+    test_fraction: float = Field(
+        0.1, gt=0.0, lt=1.0, description="share of conversations held out for the report (the test split)"
+    )
+    dev_fraction: float = Field(
+        0.1,
+        ge=0.0,
+        lt=1.0,
+        description="share of conversations held out for choosing (the dev split: champion decisions, a sweep's "
+        "best point); 0: no dev split, and nothing is chosen on held-out data",
+    )
     judge_fraction: float = Field(
         0.25,
         gt=0.0,
@@ -82,7 +92,7 @@ class ValidateConfig(Section):
     split_seed: int = Field(
         0,
         ge=0,
-        description="seed of the conversation hash that assigns train/judge/test; separate from `seed`, so a "
+        description="seed of the conversation hashes that assign train/judge/dev/test; separate from `seed`, so a "
         "training-seed sweep keeps the same test set and judge",
     )
     min_tokens: int = Field(1, ge=1)
@@ -106,10 +116,10 @@ class ValidateConfig(Section):
 
     @model_validator(mode="after")
     def _splits_leave_training_data(self) -> ValidateConfig:
-        if self.test_fraction + self.judge_fraction >= 1:
+        if self.test_fraction + self.dev_fraction + self.judge_fraction >= 1:
             raise ValueError(
-                f"validate.test_fraction ({self.test_fraction}) + validate.judge_fraction "
-                f"({self.judge_fraction}) must leave prompts for training (sum < 1)"
+                f"validate.test_fraction ({self.test_fraction}) + validate.dev_fraction ({self.dev_fraction}) + "
+                f"validate.judge_fraction ({self.judge_fraction}) must leave prompts for training (sum < 1)"
             )
         return self
 
@@ -555,7 +565,12 @@ def parse_config_args(
     """The command line every entry point shares: `--params FILE` and repeatable `--set key=value` overrides,
     loaded and validated; a bad value exits with status 2 and the key named. `parents`: the entry point's own
     options (argparse parents, made with add_help=False), parsed and listed by --help with these."""
-    parser = argparse.ArgumentParser(description=description, parents=list(parents))
+    parser = argparse.ArgumentParser(
+        description=description,
+        parents=list(parents),
+        epilog=params_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--params", default=None, help="params file (default: the repo's params.yaml)")
     add_overrides_argument(
         parser, "override one params.yaml value for this run, e.g. --set ppo.kl_coef=0.1 (repeatable)"

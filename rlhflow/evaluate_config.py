@@ -10,6 +10,32 @@ from pydantic import Field
 from rlhflow.config_section import Section
 
 
+class ChampionConfig(Section):
+    """The champion rule's level and guards (rlhflow/evaluation/champion.py, docs/mlflow.md)."""
+
+    alpha: float = Field(
+        0.05,
+        gt=0,
+        lt=1,
+        description="the chance, over every challenge to come, that a challenger no better than its champion is "
+        "ever promoted; version k is tested at alpha * 6 / (pi^2 k^2)",
+    )
+    kl_budget: float | None = Field(
+        None,
+        gt=0,
+        description="the most KL to the SFT model (nats, on the dev prompts) a champion may have; unset: none",
+    )
+    min_ended: float | None = Field(
+        0.5, ge=0, le=1, description="the least share of ended answers on the dev prompts a champion may have"
+    )
+    max_length_ratio: float | None = Field(
+        2.0,
+        ge=1,
+        description="a challenger whose mean answer length is more than this many times the champion's, or less "
+        "than its inverse, is not promoted; unset: no bound",
+    )
+
+
 class EvaluateConfig(Section):
     n_prompts: int | None = Field(
         None,
@@ -57,8 +83,9 @@ class EvaluateConfig(Section):
     )
     promote: Literal["auto", "force", "never"] = Field(
         "auto",
-        description="champion rule (docs/mlflow.md): auto promotes a challenger that beats a champion of the same "
-        "splits and judge head to head (lower bound of the 95% interval); force promotes it whatever the "
-        "comparison; never moves no alias",
+        description="champion rule (docs/mlflow.md): auto promotes a challenger that passes the guards and beats a "
+        "champion of the same splits and judge head to head on the dev split (`champion`); force promotes it "
+        "whatever the comparison; never moves no alias",
     )
+    champion: ChampionConfig = ChampionConfig()
     report_dir: str = "reports/evaluate"

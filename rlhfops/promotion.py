@@ -22,12 +22,14 @@ def challenge_champion(
     name: str,
     candidate: str,
     basis: dict[str, str],
-    head_to_head: Callable[[Any], HeadToHead],
+    head_to_head: Callable[[Any, int], HeadToHead | None],
     promote: str = "auto",
 ) -> ChampionDecision:
-    """Decide whether `candidate` (evaluated on `basis`) replaces the current champion. `head_to_head(version)`
-    measures the candidate against the champion on the same items; it is called only for a champion of the same
-    basis. Records `basis` on the candidate; the alias is not moved yet (`apply_champion_decision`)."""
+    """Decide whether `candidate` (evaluated on `basis`) replaces the current champion.
+    `head_to_head(version, challenge)` measures the candidate against the champion on the same items (None: there is
+    nothing to compare on); it is called only for a champion of the same basis, with `challenge`, the candidate's
+    version number (the alpha spent on it: champion.alpha_spent). Records `basis` on the candidate; the alias is not
+    moved yet (`apply_champion_decision`)."""
     for key, value in basis.items():
         client.set_model_version_tag(name, candidate, BASIS_TAG_PREFIX + key, value)
     current = version_by_alias(client, name, CHAMPION)
@@ -36,7 +38,9 @@ def challenge_champion(
     if previous not in (None, candidate) and promote != "never":
         difference = basis_difference(basis, evaluation_basis(client, name, previous))
         if difference is None:
-            comparison = head_to_head(current)
+            comparison = head_to_head(current, int(candidate))
+            if comparison is None:
+                difference = "no dev split to compare on (validate.dev_fraction is 0)"
     return decide(name, candidate, previous, not_comparable=difference, comparison=comparison, promote=promote)
 
 
@@ -49,7 +53,17 @@ def apply_champion_decision(client, decision: ChampionDecision, run_id: str | No
         "decision": "promoted" if decision.promoted else "kept",
         "reason": decision.reason,
         **(
-            {"metric": c.metric, "value": f"{c.value:.6g}", "ci_low": f"{c.low:.6g}", "ci_high": f"{c.high:.6g}"}
+            {
+                "metric": c.metric,
+                "value": f"{c.value:.6g}",
+                "ci_low": f"{c.low:.6g}",
+                "ci_high": f"{c.high:.6g}",
+                "p_value": f"{c.test.p_value:.6g}",
+                "level": f"{c.level:.6g}",
+                "challenge": str(c.challenge),
+                "wins_losses_ties": f"{c.test.wins}/{c.test.losses}/{c.test.ties}",
+                "guards_failed": "; ".join(c.guards_failed) or "none",
+            }
             if c
             else {}
         ),

@@ -189,11 +189,32 @@ def is_dvc_project(root: Path = REPO_ROOT) -> bool:
     return (root / ".dvc").is_dir() and (root / "dvc.yaml").is_file()
 
 
+def in_git_work_tree(root: Path = REPO_ROOT) -> bool:
+    """Whether `root` is inside a git work tree (a `.git` in it or above it)."""
+    return any((d / ".git").exists() for d in (root.resolve(), *root.resolve().parents))
+
+
+_told_no_git: set[str] = set()
+
+
 @contextlib.contextmanager
 def dvc_repo(root: Path = REPO_ROOT) -> Iterator[Any]:
+    """DVC's Repo at `root`. Outside a git work tree (a release archive, the Docker image) DVC runs without git
+    (`core.no_scm`): stages, lock entries and the cache work as in a clone; what needs git (experiments, the git
+    commit on records) is left out, said once per process."""
     from dvc.repo import Repo
 
-    repo = Repo(str(root))
+    config = None
+    if not in_git_work_tree(root):
+        config = {"core": {"no_scm": True}}
+        if str(root) not in _told_no_git:
+            _told_no_git.add(str(root))
+            print(
+                f"{root} is not a git repository: DVC runs without git (core.no_scm); lock entries and the cache "
+                "are recorded as usual, runs record no git commit",
+                flush=True,
+            )
+    repo = Repo(str(root), config=config)
     try:
         yield repo
     finally:

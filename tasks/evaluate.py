@@ -1,11 +1,13 @@
-"""Stage evaluate: on one held-out prompt per test conversation, sample the policy and compare its answers with the
-SFT model's (the sft_answers stage), scored by the proxy reward model (the one the policy optimised) and by the judge
-(never optimised against): the ended / cut / degenerate share of each side, win rates overall and where both answers
-ended, length-controlled win rates (flagged when unsupported), with 95% intervals over conversations, the proxy-judge
-gap; KL of the policy to the reference; perplexity of both on held-out reference responses; drift (length, EOS,
-distinct-n, repetition); reward-model accuracy beside the length rule, calibration and ranking agreement on held-out
-pairs (what each is: rlhflow/evaluation/compare.py). Then the champion decisions for the registered reward model and
-policy (rlhflow/evaluation/champion.py: only against a champion of the same splits and judge, head to head).
+"""Stage evaluate: on one held-out prompt per test and dev conversation, sample the policy and compare its answers with
+the SFT model's (the sft_answers stage), scored by the proxy reward model (the one the policy optimised) and by the
+judge (never optimised against): the ended / cut / degenerate share of each side, win rates overall and where both
+answers ended, length-controlled win rates (flagged when unsupported), with 95% intervals over conversations, the
+proxy-judge gap; KL of the policy to the reference; perplexity of both on held-out reference responses; drift
+(length, EOS, distinct-n, repetition); reward-model accuracy beside the length rule, calibration and ranking
+agreement on held-out pairs (what each is: rlhflow/evaluation/compare.py). Every figure is reported on the test split
+(eval/...); the figures choices read are measured on the dev split (dev/...). Then the champion decisions for the
+registered reward model and policy (rlhflow/evaluation/champion.py: only against a champion of the same splits and
+judge, head to head on the dev split, with guards and a level that falls with each challenge).
 
 Metrics go to the stage run, the parent run and metrics/evaluate.json; plots and the samples table to the stage
 run; the report (reports/evaluate/report.md) says which version is champion and why."""
@@ -30,7 +32,11 @@ def evaluation_basis(cfg: Config) -> dict[str, str]:
     from rlhfops.hashing import dir_md5, file_md5
 
     validated = cfg.path(cfg.validate_.out_dir)
-    basis = {f"{split}_split_md5": file_md5(validated / f"{split}.jsonl") for split in ("train", "test")}
+    basis = {
+        f"{split}_split_md5": file_md5(path) if path.exists() else "none"
+        for split in ("train", "dev", "test")
+        for path in [validated / f"{split}.jsonl"]
+    }
     basis["judge_md5"] = dir_md5(cfg.path(cfg.judge.out_dir))
     return basis
 
@@ -52,9 +58,12 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     def against_champion(name: str, compare):
         """`compare(result, cfg, model_dir)` against the registered version's model dir."""
 
-        def head_to_head(version):
+        def head_to_head(version, challenge: int):
+            if result.dev is None:  # nothing is chosen on the test split
+                return None
             with tempfile.TemporaryDirectory() as tmp:
-                return compare(result, cfg, str(registry.registered_model_dir(client, name, version.version, tmp)))
+                model_dir = str(registry.registered_model_dir(client, name, version.version, tmp))
+                return compare(result, cfg, model_dir, challenge)
 
         return head_to_head
 
@@ -62,8 +71,8 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     if cfg.tracking.log_models and cfg.tracking.register_models:
         basis = evaluation_basis(cfg)
         challenges = [  # the reward model's figures do not depend on the judge
-            (registry.REWARD_MODEL, cfg.reward_model.out_dir, ev.reward_model_against, ("train", "test")),
-            (registry.POLICY, cfg.ppo.out_dir, ev.policy_against, ("train", "test", "judge")),
+            (registry.REWARD_MODEL, cfg.reward_model.out_dir, ev.reward_model_against, ("train", "dev", "test")),
+            (registry.POLICY, cfg.ppo.out_dir, ev.policy_against, ("train", "dev", "test", "judge")),
         ]
         for name, out_dir, compare, basis_of in challenges:
             version = registry.version_of_model_dir(client, name, cfg.path(out_dir))

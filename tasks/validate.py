@@ -1,6 +1,7 @@
-"""Stage validate: read the preference data, run the Great Expectations suite, write the train, judge and test
+"""Stage validate: read the preference data, run the Great Expectations suite, write the train, judge, dev and test
 splits (by conversation, rlhflow/data/splits.py: the judge's reward model trains on conversations that neither the
-proxy reward model nor PPO sees, and no branch of a test conversation is trained on). The split depends on
+proxy reward model nor PPO sees, no branch of a held-out conversation is trained on, dev is for choosing and test
+for the report). The split depends on
 validate.split_seed alone, not on the training seed.
 
 Blank and over-long rows are dropped and counted per reason (validate.blank / validate.overlong), up to
@@ -46,7 +47,12 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
             _source(cfg, cfg.data.test_preferences), hf_split=cfg.data.hf_split, max_rows=v.max_rows
         )
     splits = assign_splits(
-        data, test_fraction=v.test_fraction, judge_fraction=v.judge_fraction, seed=v.split_seed, test=test
+        data,
+        test_fraction=v.test_fraction,
+        dev_fraction=v.dev_fraction,
+        judge_fraction=v.judge_fraction,
+        seed=v.split_seed,
+        test=test,
     )
     # with a held-out file, training rows of a conversation that the test file holds are left out
     shared_with_test = (
@@ -71,7 +77,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
                 raise
             written = {split: result.kept(split, df) for split, df in splits.items()}
             with atomic_dir(out_dir) as tmp_out:
-                for split, df in written.items():  # train.jsonl, judge.jsonl, test.jsonl
+                for split, df in written.items():  # train.jsonl, judge.jsonl, dev.jsonl, test.jsonl
                     write_jsonl(df, tmp_out / f"{split}.jsonl")
     except DataValidationError:
         if failed_dir.exists():
@@ -82,8 +88,9 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     mlflow.log_artifacts(str(report_dir), artifact_path="validation")
     tracking.log_dataset(out_dir / "train.jsonl", name="preferences-train", context="training")
     tracking.log_dataset(out_dir / "test.jsonl", name="preferences-test", context="evaluation")
-    if (out_dir / "judge.jsonl").exists():
-        tracking.log_dataset(out_dir / "judge.jsonl", name="preferences-judge", context="judge")
+    for split, context in (("judge", "judge"), ("dev", "selection")):
+        if (out_dir / f"{split}.jsonl").exists():
+            tracking.log_dataset(out_dir / f"{split}.jsonl", name=f"preferences-{split}", context=context)
     for reason, count in sorted(result.dropped_per_reason.items()):
         print(f"validate: dropped {count} row(s): {reason}", flush=True)
     summary = result.summary() | {

@@ -103,24 +103,24 @@ def tiny_pipeline_overrides(root: Path | str, model_dir: Path, *, tracking: bool
     return overrides
 
 
+def copy_project(dest: Path, *, untracked: bool = True) -> None:
+    """The project's files into `dest`: the tracked ones with their working-tree content (what `git archive` of a
+    commit of this tree holds), and with `untracked` the files git does not ignore."""
+    dest.mkdir(parents=True, exist_ok=True)
+    listing = ["git", "ls-files", "--cached"] + (["--others", "--exclude-standard"] if untracked else [])
+    for rel in subprocess.run(listing, cwd=REPO, capture_output=True, text=True, check=True).stdout.split():
+        if (REPO / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, dest / rel)
+
+
 def make_dvc_repo(repo: Path, model_dir: Path, timeout: float = 900) -> Callable[..., subprocess.CompletedProcess]:
     """A git repo at `repo` holding the project's tracked files with params.yaml set to the tiny pipeline (paths
     relative to the repo, tracking to its default store `<repo>/mlflow.db`), committed. Returns `run(*cmd)`, which
     runs a command there with the project's venv first on PATH."""
     from rlhflow.config import load_config, write_params
 
-    repo.mkdir(parents=True, exist_ok=True)
-    files = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    for rel in files:
-        if (REPO / rel).is_file():
-            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / rel, repo / rel)
+    copy_project(repo)
     write_params(
         load_config(repo / "params.yaml", tiny_pipeline_overrides(".", model_dir, tracking=False)), repo / "params.yaml"
     )

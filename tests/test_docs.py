@@ -124,7 +124,7 @@ def test_relative_links_resolve(md: Path):
 
 def test_mkdocs_build_strict(tmp_path):
     if importlib.util.find_spec("mkdocs") is None:
-        pytest.skip("mkdocs is not installed (pip install mkdocs==1.6.1, as in requirements.txt)")
+        pytest.skip("mkdocs is not installed (pip install mkdocs==1.6.1, as in requirements-dev.txt)")
     proc = subprocess.run(
         [
             sys.executable,

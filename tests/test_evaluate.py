@@ -12,6 +12,8 @@ import pytest
 import yaml
 from conftest import make_dvc_repo
 
+from rlhflow.data.readers import read_jsonl
+from rlhflow.data.splits import conversation_keys
 from rlhfops import promotion
 from rlhfops.stages import STAGES
 
@@ -29,23 +31,27 @@ def _register(client, name: str, tmp_path, version: str) -> None:
 def test_the_champion_is_challenged_only_on_the_same_splits_and_judge(tmp_path):
     import mlflow
 
-    from rlhflow.evaluation.champion import HeadToHead
+    from rlhflow.evaluation.champion import HeadToHead, SignTest, alpha_spent
 
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     name = "rlhf-policy"
     client.create_registered_model(name)
     basis = {"train_split_md5": "a" * 32, "test_split_md5": "b" * 32, "judge_md5": "c" * 32}
     other_splits = basis | {"test_split_md5": "d" * 32}
-    # each version's head-to-head result against whichever champion it meets: (win rate, low, high)
-    measured = {"2": (0.58, 0.45, 0.70), "5": (0.66, 0.55, 0.77)}
+    # each version's head-to-head result against whichever champion it meets: (win rate, low, high), sign test
+    measured = {
+        "2": ((0.58, 0.45, 0.70), SignTest(60, 50, 10, 0.19)),
+        "5": ((0.66, 0.55, 0.77), SignTest(80, 40, 10, 0.0002)),
+    }
     calls = []
 
     def challenge(version, version_basis, promote="auto"):
         _register(client, name, tmp_path, version)
 
-        def head_to_head(champion):
-            calls.append((version, str(champion.version)))
-            return HeadToHead("judge win rate over the champion", *measured[version], threshold=0.5)
+        def head_to_head(champion, number):
+            calls.append((version, str(champion.version), number))
+            interval, test = measured[version]
+            return HeadToHead("judge win rate over the champion", *interval, test, alpha_spent(0.05, number), number)
 
         decision = promotion.challenge_champion(client, name, version, version_basis, head_to_head, promote)
         promotion.apply_champion_decision(client, decision, run_id=f"run-{version}")
@@ -53,9 +59,9 @@ def test_the_champion_is_challenged_only_on_the_same_splits_and_judge(tmp_path):
 
     first = challenge("1", basis)
     assert first.promoted and first.verdict == "first champion" and "no champion yet" in first.reason
-    # same splits and judge: head to head; a win rate above 0.5 whose interval reaches below 0.5 does not promote
+    # same splits and judge: head to head at the level of challenge 2; p = 0.19 does not promote
     close = challenge("2", basis)
-    assert calls == [("2", "1")] and not close.promoted and close.verdict == "head to head"
+    assert calls == [("2", "1", 2)] and not close.promoted and close.verdict == "head to head"
     assert "v2 does not beat champion v1 head to head: judge win rate over the champion 0.580" in close.reason
     # other splits: not comparable, nothing measured, nothing promoted
     other = challenge("3", other_splits)
@@ -65,26 +71,29 @@ def test_the_champion_is_challenged_only_on_the_same_splits_and_judge(tmp_path):
     forced = challenge("4", other_splits, promote="force")
     assert forced.promoted and len(calls) == 1 and "promoted by evaluate.promote=force" in forced.reason
     assert str(client.get_model_version_by_alias(name, "champion").version) == "4"
-    # same basis as the new champion, and the interval's low end above 0.5: promoted
+    # same basis as the new champion, and p under the level of challenge 5 (0.05 * 6 / (pi^2 25) = 0.0012): promoted
     better = challenge("5", other_splits)
-    assert calls[-1] == ("5", "4") and better.promoted
+    assert calls[-1] == ("5", "4", 5) and better.promoted
     assert str(client.get_model_version_by_alias(name, "champion").version) == "5"
 
     tags = client.get_model_version(name, "2").tags  # the decision and its basis, kept on the version
     assert tags["champion.decision"] == "kept" and tags["champion.compared_with"] == "v1"
     assert float(tags["champion.value"]) == 0.58 and float(tags["champion.ci_low"]) == 0.45
+    assert float(tags["champion.p_value"]) == 0.19 and tags["champion.challenge"] == "2"
+    assert float(tags["champion.level"]) == pytest.approx(alpha_spent(0.05, 2), rel=1e-5)
+    assert tags["champion.wins_losses_ties"] == "60/50/10" and tags["champion.guards_failed"] == "none"
     assert tags["champion.verdict"] == "head to head" and tags["champion.evaluation_run"] == "run-2"
     assert tags["basis.test_split_md5"] == "b" * 32 and tags["basis.judge_md5"] == "c" * 32
     assert client.get_model_version(name, "3").tags["champion.verdict"] == "not comparable"
 
     # the champion challenged by itself (evaluate re-run, model unchanged): nothing measured, nothing moves
     again = promotion.challenge_champion(
-        client, name, "5", other_splits, lambda champion: pytest.fail("must not measure the champion itself")
+        client, name, "5", other_splits, lambda champion, k: pytest.fail("must not measure the champion itself")
     )
     assert not again.promoted and again.champion == "5"
     # never: no alias moves and nothing is measured
     _register(client, name, tmp_path, "6")
-    never = promotion.challenge_champion(client, name, "6", other_splits, lambda c: pytest.fail(), promote="never")
+    never = promotion.challenge_champion(client, name, "6", other_splits, lambda c, k: pytest.fail(), promote="never")
     assert not never.promoted and never.champion == "5" and never.verdict == "never"
 
 
@@ -96,9 +105,9 @@ def test_a_champion_without_a_recorded_basis_is_not_comparable():
 
 
 def test_a_nan_comparison_never_promotes():
-    from rlhflow.evaluation.champion import HeadToHead, decide
+    from rlhflow.evaluation.champion import HeadToHead, SignTest, decide
 
-    nan = HeadToHead("m", math.nan, math.nan, math.nan, threshold=0.5)
+    nan = HeadToHead("m", math.nan, math.nan, math.nan, SignTest(0, 0, 0, math.nan), level=0.03, challenge=1)
     assert not decide("m", "2", "1", not_comparable=None, comparison=nan).promoted
 
 
@@ -279,8 +288,14 @@ def test_dvc_exp_run_with_another_kl_coef_is_compared_and_challenges_the_champio
     assert str(candidate.version) != champion_before
     assert candidate.tags["champion.compared_with"] == f"v{champion_before}"
     assert candidate.tags["champion.verdict"] == "head to head"
-    assert candidate.tags["champion.metric"] == "judge win rate over the champion"  # the judge decides
-    promoted = float(candidate.tags["champion.ci_low"]) > 0.5
+    # the judge decides, on the dev split, where both answers ended, at the level of this challenge
+    assert candidate.tags["champion.metric"] == "judge win rate over the champion, both ended"
+    assert candidate.tags["champion.challenge"] == str(candidate.version)
+    wins, losses, ties = map(int, candidate.tags["champion.wins_losses_ties"].split("/"))
+    dev_conversations = conversation_keys(read_jsonl(repo / "data/validated/dev.jsonl"))
+    assert wins + losses + ties <= dev_conversations.nunique()  # compared on dev prompts only
+    p_value, level = float(candidate.tags["champion.p_value"]), float(candidate.tags["champion.level"])
+    promoted = p_value <= level and candidate.tags["champion.guards_failed"] == "none"
     assert candidate.tags["champion.decision"] == ("promoted" if promoted else "kept")
     assert str(client.get_model_version_by_alias("rlhf-policy", "champion").version) == (
         str(candidate.version) if promoted else champion_before
@@ -288,7 +303,7 @@ def test_dvc_exp_run_with_another_kl_coef_is_compared_and_challenges_the_champio
     champion = client.get_model_version(  # the basis it was compared on is the champion's
         "rlhf-policy", champion_before
     ).tags
-    for key in ("train_split_md5", "test_split_md5", "judge_md5"):
+    for key in ("train_split_md5", "dev_split_md5", "test_split_md5", "judge_md5"):
         assert candidate.tags[f"basis.{key}"] == champion[f"basis.{key}"]
     report = (repo / "reports/evaluate/report.md").read_text()
     assert f"champion v{champion_before} head to head: judge win rate over the champion" in report

@@ -183,3 +183,12 @@ def test_running_moments_match_the_whole_sample():
     copy = core.RunningMoments()
     copy.load_state_dict(rm.state_dict())
     assert (copy.mean, copy.var, copy.count) == (rm.mean, rm.var, rm.count)
+
+
+def test_explained_variance_is_one_for_a_perfect_critic_and_zero_for_the_mean():
+    returns = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 5.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.float)
+    assert core.explained_variance(returns.clone(), returns, mask).item() == pytest.approx(1.0)
+    mean = core.masked_mean(returns, mask)
+    assert core.explained_variance(torch.full_like(returns, mean.item()), returns, mask).item() == pytest.approx(0.0)
+    assert core.explained_variance(-returns, returns, mask).item() < 0  # worse than the mean

@@ -4,6 +4,8 @@ frontier against best-of-n on disk and in MLflow."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 import pytest
 from conftest import tiny_pipeline_overrides
@@ -58,3 +60,62 @@ def test_a_sweep_runs_its_points_and_draws_the_frontier(prefect_server, one_thre
         len(client.search_runs([experiment], "attributes.run_name = 'pipeline' and attributes.status = 'FINISHED'"))
         == 2
     )
+
+
+def test_the_best_point_is_chosen_on_the_dev_split_and_seeds_are_aggregated():
+    from flows.sweep import PointOutcome, best_point, seed_groups, seed_metrics, seed_table
+
+    def outcome(kl_coef: str, seed: int, test: float, dev: float) -> PointOutcome:
+        metrics = {"eval/judge_win_rate_both_ended": test, "dev/judge_win_rate_both_ended": dev, "eval/kl": 1.0}
+        return PointOutcome([f"ppo.kl_coef={kl_coef}"], "finished", f"run-{kl_coef}-{seed}", metrics, seed=seed)
+
+    # the test split favours 0.1, the dev split 0.2: the choice follows dev
+    outcomes = [outcome("0.1", s, test=0.9, dev=0.5 + 0.01 * s) for s in range(3)]
+    outcomes += [outcome("0.2", s, test=0.5, dev=0.6 + 0.01 * s) for s in range(3)]
+    outcomes.append(PointOutcome(["ppo.kl_coef=0.2"], "failed: boom", seed=3))
+    groups = seed_groups(outcomes)
+    assert [g.label for g in groups] == ["ppo.kl_coef=0.1", "ppo.kl_coef=0.2"]
+    assert best_point(groups).label == "ppo.kl_coef=0.2"
+    mean, low, high = groups[1].figure("dev/judge_win_rate_both_ended")
+    assert mean == pytest.approx(0.61) and low == pytest.approx(0.61 - 4.303 * 0.01 / 3**0.5, abs=1e-3)
+    table = seed_table(groups)
+    assert "| ppo.kl_coef=0.2 | 3/4 |" in table and "0.610 (0.585 to 0.635)" in table
+    metrics = seed_metrics(groups)
+    assert metrics["point/ppo.kl_coef_0.2/dev_judge_win_rate_both_ended_mean"] == pytest.approx(0.61)
+    assert "point/ppo.kl_coef_0.1/eval_kl_ci_low" in metrics
+
+
+def test_sweep_help_lists_every_option_and_params_key():
+    import subprocess
+    import sys
+
+    shown = subprocess.run([sys.executable, "-m", "flows.sweep", "--help"], capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    for text in ("--grid", "--seeds", "--best-of-n", "--set", "ppo.kl_coef = ", "validate.dev_fraction = "):
+        assert text in shown.stdout, text
+    missing = subprocess.run([sys.executable, "-m", "flows.sweep"], capture_output=True, text=True)
+    assert missing.returncode == 2 and "at least one --grid" in missing.stderr
+
+
+@pytest.mark.system
+@pytest.mark.slow
+def test_a_sweep_with_seeds_groups_them(prefect_server, one_thread, tmp_path, tiny_model_dir):
+    import mlflow
+
+    from flows.sweep import rlhf_sweep
+
+    overrides = tiny_pipeline_overrides(tmp_path, tiny_model_dir)
+    outcomes = rlhf_sweep(grid={"ppo.kl_coef": ["0.05"]}, overrides=overrides, best_of_n=[], seeds=2)
+    assert [(o["seed"], o["status"]) for o in outcomes] == [(0, "finished"), (1, "finished")]
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.get_experiment_by_name("rlhf").experiment_id
+    sweep = client.search_runs([experiment], "tags.sweep = 'rlhf'")[0]
+    points = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{sweep.info.run_id}'")
+    assert {r.data.tags["sweep.point"] for r in points} == {"ppo.kl_coef=0.05"}
+    assert sorted(r.data.tags["sweep.seed"] for r in points) == ["0", "1"]
+    assert sorted(r.data.params["seed"] for r in points) == ["0", "1"]
+    assert sweep.data.params["seeds"] == "2" and sweep.data.tags["sweep.best_point"] == "ppo.kl_coef=0.05"
+    assert "point/ppo.kl_coef_0.05/eval_kl_mean" in sweep.data.metrics
+    report = Path(client.download_artifacts(sweep.info.run_id, "frontier/frontier.md", str(tmp_path))).read_text()
+    assert "ppo.kl_coef=0.05 (2 seeds)" in report and "| ppo.kl_coef=0.05 | 2/2 |" in report
+    assert "chosen on the dev split" in report

@@ -1,4 +1,4 @@
-"""Train / judge / test splits by conversation.
+"""Train / judge / dev / test splits by conversation.
 
 A preference dataset can hold one conversation at several depths: hh-rlhf has a dialogue and its continuation
 as separate rows, and the rejected answer of one is often the next assistant turn of the other. Splitting by
@@ -80,21 +80,38 @@ def split_by_conversation(df: pd.DataFrame, test_fraction: float, seed: int) -> 
 
 
 def assign_splits(
-    df: pd.DataFrame, *, test_fraction: float, judge_fraction: float, seed: int, test: pd.DataFrame | None = None
+    df: pd.DataFrame,
+    *,
+    test_fraction: float,
+    judge_fraction: float,
+    seed: int,
+    dev_fraction: float = 0.0,
+    test: pd.DataFrame | None = None,
 ) -> dict[str, pd.DataFrame]:
-    """train / judge / test splits by conversation. The judge's share is split off the training conversations by a
-    second, independent hash, so the judge reward model never sees a conversation the proxy or PPO trains on.
-    With `test` given (a held-out file), `df` is split into train and judge only, `judge_fraction` is the judge's
-    share of `df`, and rows of `df` in a conversation the test file holds are left out (see `outside_conversations`)."""
-    held_out_file = test is not None
+    """train / judge / dev / test splits by conversation. The held-out conversations (a share test_fraction +
+    dev_fraction) are cut from the rest by one hash and divided into dev (for choosing: champion decisions, a
+    sweep's best point) and test (for the report only) by a second; the judge's share is split off the training
+    conversations by a third, so the judge reward model never sees a conversation the proxy or PPO trains on. With
+    dev_fraction 0 there is no dev split. With `test` given (a held-out file), `df` is split into train, judge and
+    dev only, each fraction a share of `df`, and rows of `df` in a conversation the test file holds are left out
+    (see `outside_conversations`)."""
     if test is None:
-        train, test = split_by_conversation(df, test_fraction, seed)
+        train, held_out = split_by_conversation(df, test_fraction + dev_fraction, seed)
+        if dev_fraction > 0:
+            test, dev = split_by_conversation(held_out, dev_fraction / (test_fraction + dev_fraction), seed + 2)
+        else:
+            test, dev = held_out, None
+        rest = 1 - test_fraction - dev_fraction  # the training conversations' share of df
     else:
-        train = outside_conversations(df, test)
+        train, dev, rest = outside_conversations(df, test), None, 1.0
+        if dev_fraction > 0:
+            train, dev = split_by_conversation(train, dev_fraction, seed + 2)
+            rest -= dev_fraction
     splits = {"train": train}
     if judge_fraction > 0:
-        share_of_train = judge_fraction if held_out_file else judge_fraction / (1 - test_fraction)
-        splits["train"], splits["judge"] = split_by_conversation(train, share_of_train, seed + 1)
+        splits["train"], splits["judge"] = split_by_conversation(train, judge_fraction / rest, seed + 1)
+    if dev is not None:
+        splits["dev"] = dev
     splits["test"] = test
     return splits
 

@@ -78,6 +78,24 @@ class Answers:
         n = max(len(self), 1)
         return {name: sum(c == name for c in self.classes) / n for name in CLASSES}
 
+    def split(self, sizes: dict[str, int]) -> dict[str, Answers]:
+        """Consecutive parts of these answers: the first sizes[first] rows, then the next sizes[second], ..."""
+        parts, start = {}, 0
+        for name, size in sizes.items():
+            cut = slice(start, start + size)
+            parts[name] = Answers(
+                self.texts[cut],
+                self.ended[cut],
+                self.tokens[cut],
+                self.repetition[cut],
+                self.classes[cut],
+                {k: v[cut] for k, v in self.extra.items()},
+            )
+            start += size
+        if start != len(self):
+            raise ValueError(f"parts of {start} rows for {len(self)} answers")
+        return parts
+
     def to_json(self) -> dict:
         return asdict(self)
 

@@ -3,12 +3,23 @@
 A figure is comparable with another only when both were measured on the same data by the same judge. Every
 registered version therefore carries its evaluation basis (`basis.*` tags: the md5s of the split files it was
 trained and evaluated on, and of the judge model that scored it). A challenger is compared with a champion of the
-same basis only, head to head on the same items:
-- the policy: the challenger's and the champion's responses to the same held-out prompts, each model prompted and
-  decoded with its own tokenizer, scored by the judge; the challenger wins when the lower bound of its 95%
-  paired-bootstrap interval of the win rate over the champion is above 0.5;
-- a reward model: both on the same held-out pairs; it wins when the lower bound of the paired difference in
-  accuracy is above 0.
+same basis only, head to head on the same items of the dev split (chosen on dev, reported on test: the test split
+never decides):
+- the policy: the challenger's and the champion's answers to the dev prompts, each model prompted and decoded with
+  its own tokenizer, judged on the pairs where both answers ended (a cut or looping answer loses on form, not on
+  content; the raw win rate rewards the shorter model);
+- a reward model: both on the dev pairs, compared by which one ranks each pair as people did.
+Guards a user sets come first (`evaluate.champion`): a KL budget to the SFT model, a minimum share of ended answers
+and a bound on the length ratio to the champion; a challenger outside them is kept out whatever it wins.
+
+The test is a one-sided sign test over conversations (each conversation's mean verdict: a win, a loss or a tie; ties
+drop out), exact under the null hypothesis that the challenger is no better. The error rate stays bounded over
+repeated challenges by alpha spending: the challenge of registered version k is tested at level
+alpha_k = alpha * 6 / (pi^2 k^2); since sum_k 6 / (pi^2 k^2) = 1, the chance that any challenger no better than its
+champion is ever promoted stays at or below alpha, however many challenges come and however they depend on each
+other (they reuse the dev prompts). Version numbers are never reused, so runs challenging at the same time never
+share a level. The price is power that falls with k (`promotion_power`; table in docs/mlflow.md).
+
 Otherwise the decision is "not comparable (reason)" and nothing is promoted, unless `evaluate.promote=force`.
 With no champion yet the challenger becomes champion; `evaluate.promote=never` moves no alias at all.
 """
@@ -16,29 +27,131 @@ With no champion yet the challenger becomes champion; `evaluate.promote=never` m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rlhflow.evaluate_config import ChampionConfig
 
 BASIS_TAG_PREFIX = "basis."
 
 
+def alpha_spent(alpha: float, challenge: int) -> float:
+    """The level of challenge number `challenge` (1, 2, ...): alpha * 6 / (pi^2 k^2), summing to alpha over all k."""
+    if challenge < 1:
+        raise ValueError(f"challenge numbers start at 1, got {challenge}")
+    return alpha * 6 / (math.pi**2 * challenge**2)
+
+
+def binomial_upper_tail(successes: int, trials: int) -> float:
+    """P(X >= successes) for X ~ Binomial(trials, 1/2), exactly."""
+    if successes <= 0:
+        return 1.0
+    if successes > trials:
+        return 0.0
+    return sum(math.comb(trials, i) for i in range(successes, trials + 1)) / 2**trials
+
+
+@dataclass(frozen=True)
+class SignTest:
+    wins: int  # conversations the challenger won (its mean verdict above the tie point)
+    losses: int
+    ties: int
+    p_value: float  # one-sided: P(at least `wins` of wins + losses | no better)
+
+
+def sign_test(scores: Sequence[float], clusters: Sequence[Hashable], tie: float = 0.5) -> SignTest:
+    """The one-sided sign test of per-item `scores` (e.g. 1 win, 0.5 tie, 0 loss; or a difference with `tie` 0),
+    aggregated per cluster (conversation) first, so several samples of one conversation count once."""
+    scores = np.asarray(scores, dtype=float)
+    if len(scores) != len(clusters):
+        raise ValueError(f"{len(clusters)} cluster labels for {len(scores)} scores")
+    index: dict[Hashable, int] = {}
+    codes = np.array([index.setdefault(c, len(index)) for c in clusters], dtype=int)
+    means = np.bincount(codes, weights=scores, minlength=len(index)) / np.maximum(np.bincount(codes), 1) - tie
+    wins, losses = int((means > 1e-12).sum()), int((means < -1e-12).sum())
+    ties = len(means) - wins - losses
+    return SignTest(wins, losses, ties, binomial_upper_tail(wins, wins + losses))
+
+
+def critical_wins(trials: int, level: float) -> int | None:
+    """The fewest wins out of `trials` decided conversations that the sign test promotes at `level` (None: none)."""
+    tail, needed = 0, None
+    for w in range(trials, -1, -1):  # P(X >= w) grows as w falls
+        tail += math.comb(trials, w)
+        if tail / 2**trials > level:
+            break
+        needed = w
+    return needed
+
+
+def _binomial_pmf(k: int, n: int, p: float) -> float:
+    if p <= 0 or p >= 1:
+        return float(k == (n if p >= 1 else 0))
+    log = math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * math.log(p) + (n - k) * math.log1p(-p)
+    return math.exp(log)
+
+
+def promotion_power(conversations: int, win: float, tie: float, level: float) -> float:
+    """The chance that the sign test promotes at `level` when each of `conversations` is, independently, a win with
+    probability `win`, a tie with probability `tie` and otherwise a loss: exact, summing over the number of ties."""
+    decided = 1.0 - tie
+    if decided <= 0:
+        return 0.0
+    power = 0.0
+    for n in range(1, conversations + 1):  # conversations that are not ties
+        p_n = _binomial_pmf(n, conversations, decided)
+        if p_n < 1e-15:
+            continue
+        needed = critical_wins(n, level)
+        if needed is not None:
+            power += p_n * sum(_binomial_pmf(w, n, win / decided) for w in range(needed, n + 1))
+    return float(power)
+
+
+def guard_failures(rule: ChampionConfig, *, kl: float, ended: float, length_ratio: float) -> tuple[str, ...]:
+    """The guards of `rule` (evaluate.champion) the challenger fails, each named with its figure and bound."""
+    failed = []
+    if rule.kl_budget is not None and not kl <= rule.kl_budget:
+        failed.append(f"KL to SFT {kl:.3g} nats is over the budget {rule.kl_budget:g}")
+    if rule.min_ended is not None and not ended >= rule.min_ended:
+        failed.append(f"ended share {ended:.3f} is under {rule.min_ended:g}")
+    r = rule.max_length_ratio
+    if r is not None and not 1 / r <= length_ratio <= r:
+        failed.append(f"length ratio to the champion {length_ratio:.2f} is outside [{1 / r:.2f}, {r:g}]")
+    return tuple(failed)
+
+
 @dataclass(frozen=True)
 class HeadToHead:
-    """The challenger against the champion on the same items: `value` (its win rate over the champion, or its
-    accuracy minus the champion's) with a 95% interval; it wins when `low` is above `threshold`."""
+    """The challenger against the champion on the same dev items: `value` (its win rate over the champion, or its
+    accuracy minus the champion's) with a 95% interval, for the record; the decision is the sign test's p-value
+    against the level of this challenge (`alpha_spent`), after the guards."""
 
     metric: str
     value: float
     low: float
     high: float
-    threshold: float
+    test: SignTest
+    level: float  # alpha spent on this challenge
+    challenge: int  # the challenger's version number
+    guards_failed: tuple[str, ...] = field(default_factory=tuple)
 
     @property
     def challenger_wins(self) -> bool:
-        return not math.isnan(self.low) and self.low > self.threshold
+        return not self.guards_failed and self.test.p_value <= self.level
 
     def __str__(self) -> str:
-        interval = f"95% interval {self.low:.3f}-{self.high:.3f}"
-        return f"{self.metric} {self.value:.3f} ({interval}; promotes when its low end is above {self.threshold})"
+        t = self.test
+        text = (
+            f"{self.metric} {self.value:.3f} (95% interval {self.low:.3f}-{self.high:.3f}); sign test over "
+            f"conversations {t.wins} won, {t.losses} lost, {t.ties} tied: p = {t.p_value:.3g}, promotes at p <= "
+            f"{self.level:.3g} (challenge {self.challenge})"
+        )
+        if self.guards_failed:
+            text += "; guards failed: " + "; ".join(self.guards_failed)
+        return text
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """A policy against the SFT model on held-out prompts, reward models on held-out pairs, challengers against champions.
 
 What the evaluate stage measures, and how (each figure computed here or in the one module named):
-- prompts: one per test conversation (`evaluation_prompts`), all of them unless `evaluate.n_prompts` says fewer;
+- prompts: one per held-out conversation (`evaluation_prompts`), all of them unless `evaluate.n_prompts` says
+  fewer, of both held-out splits: test for every figure reported (eval/...), dev for the figures choices read
+  (dev/...: the champion rule, a sweep's best point); the test split never chooses;
 - answers: both models sample with the evaluation's settings (rlhflow.sampling.evaluation_sampling) up to
   `evaluate.max_new_tokens`; the SFT model's answers and their scores are the sft_answers stage's output
   (`sample_reference`), sampled once for every evaluate and sweep point; each answer is ended, cut or degenerate
@@ -15,7 +17,7 @@ What the evaluate stage measures, and how (each figure computed here or in the o
   (rlhflow.reward_model.evaluate_pairs), calibration and ranking agreement (rlhflow.evaluation.metrics);
 - drift: answer length, EOS share, distinct-n, repetition; KL to the SFT model and perplexity
   (rlhflow.evaluation.metrics);
-- head-to-head comparisons for the champion rule (rlhflow.evaluation.champion).
+- head-to-head comparisons on the dev split for the champion rule (rlhflow.evaluation.champion).
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from typing import Any
 import numpy as np
 
 from rlhflow.config import Config
+from rlhflow.evaluate_config import ChampionConfig
 from rlhflow.evaluation import stats
 from rlhflow.evaluation.answers import Answers
-from rlhflow.evaluation.champion import HeadToHead
+from rlhflow.evaluation.champion import HeadToHead, alpha_spent, guard_failures, sign_test
 from rlhflow.evaluation.frontier import objective_scores
 from rlhflow.evaluation.judges import verdicts_from_scores
 from rlhflow.evaluation.metrics import (
@@ -61,6 +64,44 @@ def evaluation_prompts(test_file: Path, n_prompts: int | None):
     test = test.assign(conversation=conversation_keys(test).to_numpy())
     prompts = test.drop_duplicates("conversation")[["prompt", "prompt_messages", "conversation"]]
     return prompts.head(n_prompts) if n_prompts is not None else prompts
+
+
+# the held-out splits answered: test for the report, dev for choosing (the champion rule, a sweep's best point)
+HELD_OUT = ("test", "dev")
+
+
+def held_out_files(cfg: Config) -> dict[str, Path]:
+    """test.jsonl, and dev.jsonl where validate wrote one (validate.dev_fraction > 0)."""
+    validated = cfg.path(cfg.validate_.out_dir)
+    return {s: validated / f"{s}.jsonl" for s in HELD_OUT if s == "test" or (validated / f"{s}.jsonl").exists()}
+
+
+@dataclass
+class HeldOutPrompts:
+    """The evaluation prompts of each held-out split, one row per answer (k samples per prompt in a row), and the
+    order in which both models answer them all at once: test first, then dev."""
+
+    prompts: dict[str, list]  # per split: prompt messages
+    texts: dict[str, list[str]]  # per split: prompt texts
+    conversations: dict[str, list[str]]  # per split: each row's conversation, the bootstrap's clusters
+    counts: dict[str, int]  # per split: distinct prompts
+
+    @classmethod
+    def load(cls, cfg: Config) -> HeldOutPrompts:
+        k = cfg.evaluate.samples_per_prompt
+        frames = {split: evaluation_prompts(f, cfg.evaluate.n_prompts) for split, f in held_out_files(cfg).items()}
+        return cls(
+            {s: repeated(list(df["prompt_messages"]), k) for s, df in frames.items()},
+            {s: repeated(list(df["prompt"]), k) for s, df in frames.items()},
+            {s: repeated(list(df["conversation"]), k) for s, df in frames.items()},
+            {s: len(df) for s, df in frames.items()},
+        )
+
+    def all(self) -> list:
+        return [p for split in self.prompts for p in self.prompts[split]]
+
+    def sizes(self) -> dict[str, int]:
+        return {split: len(p) for split, p in self.prompts.items()}
 
 
 def sample(model, tokenizer, prompt_messages, cfg: Config, *, max_new_tokens: int | None = None):
@@ -95,9 +136,9 @@ def as_precision(model, dtype):
 
 
 def sample_reference(cfg: Config, out_dir: Path) -> dict[str, float]:
-    """The sft_answers stage: the SFT model's answers to the evaluation prompts, classified, with the proxy's scores
-    (and the judge's, for a judge that scores answers one at a time), written to `out_dir` with what they are keyed
-    by: the SFT model's md5, the test split's md5 and the sampling settings. Returns the answers' class shares."""
+    """The sft_answers stage: the SFT model's answers to the evaluation prompts of both held-out splits, classified,
+    with the proxy's scores (and the judge's, for a judge that scores answers one at a time), written to `out_dir`
+    with what they are keyed by (`reference_key`). Returns the answers' class shares per split."""
     from rlhflow.evaluation.judges import load_judge
     from rlhflow.fsutil import write_json_atomic
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device, resolve_precision
@@ -107,15 +148,13 @@ def sample_reference(cfg: Config, out_dir: Path) -> dict[str, float]:
     e = cfg.evaluate
     device = pick_device(cfg.device)
     sft_dir = cfg.path(cfg.sft.out_dir)
-    test_file = cfg.path(cfg.validate_.out_dir) / "test.jsonl"
-    prompts_df = evaluation_prompts(test_file, e.n_prompts)
-    prompts = repeated(list(prompts_df["prompt_messages"]), e.samples_per_prompt)
-    settings = evaluation_sampling(cfg)
+    held_out = HeldOutPrompts.load(cfg)
+    prompts = held_out.all()
 
     tokenizer = load_tokenizer(str(sft_dir))
     sft = load_causal_lm(str(sft_dir), pad_token_id=tokenizer.pad_token_id).to(device).eval()
     sft = as_precision(sft, resolve_precision(e.precision, device))
-    answers = Answers.from_outputs(settings.sample(sft, tokenizer, prompts), e.degenerate_repetition)
+    answers = Answers.from_outputs(evaluation_sampling(cfg).sample(sft, tokenizer, prompts), e.degenerate_repetition)
     del sft
 
     rm = RewardModel.load(
@@ -125,24 +164,30 @@ def sample_reference(cfg: Config, out_dir: Path) -> dict[str, float]:
     judge = load_judge(cfg.judge, cfg.path(cfg.judge.out_dir), batch_size=cfg.judge.eval_batch_size, device=device)
     if judge.pointwise:
         answers.extra["judge"] = [float(x) for x in judge.score(prompts, answers.texts)]
-    record = {"key": reference_key(cfg, prompts=len(prompts_df)), "answers": answers.to_json()}
-    write_json_atomic(Path(out_dir) / REFERENCE_FILE, record)
-    return {f"sft_answers/{name}": share for name, share in answers.shares().items()} | {
-        "sft_answers/answers": float(len(answers))
+    parts = answers.split(held_out.sizes())
+    record = {
+        "key": reference_key(cfg, prompts=held_out.counts),
+        "answers": {split: part.to_json() for split, part in parts.items()},
     }
+    write_json_atomic(Path(out_dir) / REFERENCE_FILE, record)
+    metrics = {"sft_answers/answers": float(len(answers))}
+    for split, part in parts.items():
+        prefix = "sft_answers/" if split == "test" else f"sft_answers/{split}_"
+        metrics.update({f"{prefix}{name}": share for name, share in part.shares().items()})
+    return metrics
 
 
-def reference_key(cfg: Config, *, prompts: int) -> dict:
-    """What the SFT answers depend on besides the code: the SFT model, the test split, the number of evaluation
-    prompts (`prompts`) and every sampling and classification setting. The sft_answers stage writes it with the
-    answers; evaluate takes them only under the same key."""
+def reference_key(cfg: Config, *, prompts: dict[str, int]) -> dict:
+    """What the SFT answers depend on besides the code: the SFT model, the held-out split files, the number of
+    evaluation prompts of each (`prompts`) and every sampling and classification setting. The sft_answers stage
+    writes it with the answers; evaluate takes them only under the same key."""
     from rlhflow.fsutil import dir_md5, file_md5
     from rlhflow.sampling import evaluation_sampling
 
     e = cfg.evaluate
     return {
         "sft_md5": dir_md5(cfg.path(cfg.sft.out_dir)),
-        "test_md5": file_md5(cfg.path(cfg.validate_.out_dir) / "test.jsonl"),
+        "held_out_md5": {split: file_md5(path) for split, path in held_out_files(cfg).items()},
         "prompts": prompts,
         "samples_per_prompt": e.samples_per_prompt,
         "sampling": evaluation_sampling(cfg).key(),
@@ -151,10 +196,10 @@ def reference_key(cfg: Config, *, prompts: int) -> dict:
     }
 
 
-def load_reference(cfg: Config, *, prompts: int) -> Answers:
-    """The sft_answers stage's output for `prompts` evaluation prompts; an error naming what differs when it was
-    sampled for another SFT model, other prompts or other settings (the flow reruns that stage first; a stage run by
-    hand may not have)."""
+def load_reference(cfg: Config, *, prompts: dict[str, int]) -> dict[str, Answers]:
+    """The sft_answers stage's output per held-out split, for `prompts` evaluation prompts of each; an error naming
+    what differs when it was sampled for another SFT model, other prompts or other settings (the flow reruns that
+    stage first; a stage run by hand may not have)."""
     path = cfg.path(cfg.evaluate.reference_dir) / REFERENCE_FILE
     if not path.exists():
         raise FileNotFoundError(f"{path}: the SFT model's evaluation answers are missing; run the sft_answers stage")
@@ -166,7 +211,7 @@ def load_reference(cfg: Config, *, prompts: int) -> Answers:
             f"{path} was sampled with other {', '.join(differs)} than this evaluation's; rerun the sft_answers stage "
             "(the pipeline flow and `dvc repro` do)"
         )
-    return Answers.from_json(record["answers"])
+    return {split: Answers.from_json(answers) for split, answers in record["answers"].items()}
 
 
 # ---- figures ------------------------------------------------------------------------------------------------------
@@ -277,20 +322,79 @@ def reward_model_metrics(pairs, rows: list[dict]) -> tuple[dict[str, float], lis
     return metrics, buckets
 
 
+# ---- the dev split's figures, for choosing ------------------------------------------------------------------------
+
+# what the dev split reports (as dev/...): what a choice reads, not the whole evaluation
+DEV_KEYS = (
+    "eval/prompts",
+    "eval/expected_half_width",
+    "eval/both_ended_prompts",
+    "eval/win_rate",
+    "eval/judge_win_rate",
+    "eval/objective_mean",
+    "eval/answers_",
+    "eval/answer_tokens",
+    "eval/eos_fraction",
+)
+
+
+def dev_metrics(metrics: dict[str, float], kl: float) -> dict[str, float]:
+    """The choosing figures of a comparison on the dev split (`comparison_metrics` and `text_metrics` of its
+    answers), renamed dev/...: the policy's, not the SFT side's (..._sft); NaN ones left out."""
+    chosen = {
+        "dev/" + k.removeprefix("eval/"): v
+        for k, v in metrics.items()
+        if k.startswith(DEV_KEYS) and (k.endswith("_vs_sft") or not k.endswith("_sft")) and not math.isnan(v)
+    }
+    return chosen | ({"dev/kl": kl} if not math.isnan(kl) else {})
+
+
+@dataclass
+class DevAnswers:
+    """The evaluated policy on the dev split: what the champion rule compares and guards."""
+
+    prompts: list
+    conversations: list[str]
+    answers: Answers
+    kl: float  # mean KL to the SFT model on these answers
+    pair_rows: list[dict]  # the dev split's pairs
+    pairs: Any  # the proxy's verdict on each of them
+
+
 # ---- head to head, for the champion rule ------------------------------------------------------------------------
 
 
-def policy_head_to_head(verdicts, conversations: list[str]) -> HeadToHead:
-    """The challenger's win rate over the champion by the judge on the same prompts; it wins above 0.5."""
+def policy_head_to_head(
+    verdicts, conversations: list[str], rule: ChampionConfig, challenge: int, guards_failed: tuple[str, ...] = ()
+) -> HeadToHead:
+    """The challenger's win rate over the champion by the judge on the pairs given (both answers ended), with the
+    sign test over their conversations at the level of this challenge."""
     weights = stats.resample_weights(len(verdicts.wins), clusters=conversations, seed=BOOTSTRAP_SEED)
-    return HeadToHead("judge win rate over the champion", *stats.mean_interval(verdicts.wins, weights), threshold=0.5)
+    return HeadToHead(
+        "judge win rate over the champion, both ended",
+        *stats.mean_interval(verdicts.wins, weights),
+        test=sign_test(verdicts.wins, conversations, tie=0.5),
+        level=alpha_spent(rule.alpha, challenge),
+        challenge=challenge,
+        guards_failed=guards_failed,
+    )
 
 
-def reward_model_head_to_head(challenger_correct, champion_correct, conversations: list[str]) -> HeadToHead:
-    """The challenger's accuracy minus the champion's on the same pairs; it wins above 0."""
+def reward_model_head_to_head(
+    challenger_correct, champion_correct, conversations: list[str], rule: ChampionConfig, challenge: int
+) -> HeadToHead:
+    """The challenger's accuracy minus the champion's on the same pairs, with the sign test over their
+    conversations (pairs both rank alike are ties) at the level of this challenge."""
     weights = stats.resample_weights(len(challenger_correct), clusters=conversations, seed=BOOTSTRAP_SEED)
     value = stats.difference_interval(challenger_correct, champion_correct, weights)
-    return HeadToHead("accuracy minus the champion's", *value, threshold=0.0)
+    difference = np.asarray(challenger_correct, dtype=float) - np.asarray(champion_correct, dtype=float)
+    return HeadToHead(
+        "accuracy minus the champion's",
+        *value,
+        test=sign_test(difference, conversations, tie=0.0),
+        level=alpha_spent(rule.alpha, challenge),
+        challenge=challenge,
+    )
 
 
 # ---- the evaluate stage's measurements ---------------------------------------------------------------------------
@@ -303,20 +407,25 @@ class PolicyEvaluation:
     metrics: dict[str, float]
     samples: dict[str, list]  # per answer: the prompt, both answers, their classes, proxy and judge figures, the KL
     buckets: list  # the reward model's confidence buckets (calibration)
-    prompts: list  # the evaluation prompts (as messages), one row per answer
-    conversations: list[str]  # each row's conversation: the bootstrap's clusters
-    policy_texts: list[str]
-    pair_rows: list[dict]  # the held-out pairs
-    pairs: Any  # the proxy's verdict on each pair (rlhflow.reward_model.evaluate_pairs)
+    pairs: Any  # the proxy's verdict on each test pair (rlhflow.reward_model.evaluate_pairs)
+    dev: DevAnswers | None  # the policy on the dev split (None: no dev split)
     judge: Any  # the loaded judge (rlhflow.evaluation.judges.Judge)
     device: Any
 
 
+def _verdicts(judge, prompts, policy: Answers, sft: Answers):
+    """The judge's verdicts of policy against SFT (row by row) and, for a pointwise judge, both sides' scores."""
+    if judge.pointwise:
+        scores = (policy.extra["judge"], sft.extra["judge"])
+        return verdicts_from_scores(*scores), scores
+    return judge.compare(prompts, policy.texts, sft.texts), None
+
+
 def evaluate(cfg: Config) -> PolicyEvaluation:
-    """The policy (`ppo.out_dir`) against the SFT model's answers (the sft_answers stage) on one prompt per test
-    conversation, scored by the proxy and the judge; the proxy's accuracy on every held-out pair; perplexities on
-    the chosen responses of the first `evaluate.perplexity_rows` prompts. Figures that are NaN (no value) are left
-    out."""
+    """The policy (`ppo.out_dir`) against the SFT model's answers (the sft_answers stage) on one prompt per held-out
+    conversation, scored by the proxy and the judge: every figure on the test split (eval/...), the choosing figures
+    on the dev split (dev/...); the proxy's accuracy on every test pair; perplexities on the chosen responses of the
+    first `evaluate.perplexity_rows` test prompts. Figures that are NaN (no value) are left out."""
     from rlhflow.data.readers import read_jsonl
     from rlhflow.evaluation.judges import load_judge
     from rlhflow.evaluation.metrics import perplexity, sampled_kl, saved_held_out_perplexity
@@ -335,27 +444,18 @@ def evaluate(cfg: Config) -> PolicyEvaluation:
     rm = RewardModel.load(rm_dir, batch_size=cfg.reward_model.eval_batch_size, device=device)
     judge = load_judge(cfg.judge, cfg.path(cfg.judge.out_dir), batch_size=cfg.judge.eval_batch_size, device=device)
 
-    test_file = cfg.path(cfg.validate_.out_dir) / "test.jsonl"
-    test = read_jsonl(test_file)
-    prompts_df = evaluation_prompts(test_file, e.n_prompts)
-    prompts = repeated(list(prompts_df["prompt_messages"]), e.samples_per_prompt)
-    conversations = repeated(list(prompts_df["conversation"]), e.samples_per_prompt)
-
-    sft_answers = load_reference(cfg, prompts=len(prompts_df))
+    files = held_out_files(cfg)
+    held_out = HeldOutPrompts.load(cfg)
+    references = load_reference(cfg, prompts=held_out.counts)
+    everything = held_out.all()  # both splits at once: full batches, and the SFT model's random streams
     policy_low = as_precision(policy, dtype)
-    policy_out = evaluation_sampling(cfg).sample(policy_low, tokenizer, prompts)
-    policy_answers = Answers.from_outputs(policy_out, e.degenerate_repetition)
-    policy_answers.extra["proxy"] = rm.score(prompts, policy_answers.texts).tolist()
-    proxy = verdicts_from_scores(policy_answers.extra["proxy"], sft_answers.extra["proxy"])
-    judge_scores = None
+    policy_out = evaluation_sampling(cfg).sample(policy_low, tokenizer, everything)
+    answers = Answers.from_outputs(policy_out, e.degenerate_repetition)
+    answers.extra["proxy"] = rm.score(everything, answers.texts).tolist()
     if judge.pointwise:
-        policy_answers.extra["judge"] = [float(x) for x in judge.score(prompts, policy_answers.texts)]
-        judge_scores = (policy_answers.extra["judge"], sft_answers.extra["judge"])
-        judged = verdicts_from_scores(*judge_scores)
-    else:
-        judged = judge.compare(prompts, policy_answers.texts, sft_answers.texts)
+        answers.extra["judge"] = [float(x) for x in judge.score(everything, answers.texts)]
     # per answer, as sampled, in the sampling precision (both models alike)
-    kl = sampled_kl(
+    kl_all = sampled_kl(
         policy_low,
         as_precision(sft, dtype),
         policy_out,
@@ -364,7 +464,32 @@ def evaluate(cfg: Config) -> PolicyEvaluation:
         batch_size=e.batch_size,
     )
     del policy_low
+    parts = answers.split(held_out.sizes())
+    kl = dict(zip(parts, np.split(np.asarray(kl_all), np.cumsum(list(held_out.sizes().values()))[:-1])))
 
+    figures = {}
+    for split, policy_answers in parts.items():
+        sft_answers = references[split]
+        proxy = verdicts_from_scores(policy_answers.extra["proxy"], sft_answers.extra["proxy"])
+        judged, judge_scores = _verdicts(judge, held_out.prompts[split], policy_answers, sft_answers)
+        figures[split] = (
+            comparison_metrics(
+                policy_answers,
+                sft_answers,
+                proxy,
+                judged,
+                held_out.conversations[split],
+                judge_scores,
+                cfg.ppo.missing_eos_penalty,
+            )
+            | text_metrics(policy_answers)
+            | text_metrics(sft_answers, "_sft"),
+            judged,
+            judge_scores,
+        )
+
+    test_file = files["test"]
+    test = read_jsonl(test_file)
     ref_rows = test.drop_duplicates("prompt").head(e.perplexity_rows)
     ppl_args = (list(ref_rows["prompt_messages"]), list(ref_rows["chosen"]))
     # the SFT model's figure as the sft stage measured it on the same rows; measured here when it has none for them
@@ -375,20 +500,29 @@ def evaluate(cfg: Config) -> PolicyEvaluation:
     # the proxy's scores of these pairs as its stage saved them (the same model, loaded the same way)
     pairs = evaluate_pairs(rm, pair_rows, scores=saved_pair_scores(rm_dir, data_file=test_file))
     rm_metrics, buckets = reward_model_metrics(pairs, pair_rows)
+    test_figures, judged, judge_scores = figures["test"]
     metrics = {
-        **comparison_metrics(
-            policy_answers, sft_answers, proxy, judged, conversations, judge_scores, cfg.ppo.missing_eos_penalty
-        ),
-        "eval/kl": float(kl.mean()),
+        **test_figures,
+        "eval/kl": float(kl["test"].mean()),
         "eval/perplexity": perplexity(policy, tokenizer, *ppl_args, batch_size=e.batch_size),
         "eval/perplexity_sft": sft_perplexity,
-        **text_metrics(policy_answers),
-        **text_metrics(sft_answers, "_sft"),
         **rm_metrics,
     }
-    prompt_texts = repeated(list(prompts_df["prompt"]), e.samples_per_prompt)
+    dev = None
+    if "dev" in parts:
+        metrics.update(dev_metrics(figures["dev"][0], float(kl["dev"].mean())))
+        dev_rows = read_jsonl(files["dev"]).to_dict("records")
+        dev = DevAnswers(
+            held_out.prompts["dev"],
+            held_out.conversations["dev"],
+            parts["dev"],
+            float(kl["dev"].mean()),
+            dev_rows,
+            evaluate_pairs(rm, dev_rows),
+        )
+    policy_answers, sft_answers = parts["test"], references["test"]
     samples = {
-        "prompt": prompt_texts,
+        "prompt": held_out.texts["test"],
         "sft_response": sft_answers.texts,
         "ppo_response": policy_answers.texts,
         "sft_class": sft_answers.classes,
@@ -396,7 +530,7 @@ def evaluate(cfg: Config) -> PolicyEvaluation:
         "sft_reward": [float(x) for x in sft_answers.extra["proxy"]],
         "ppo_reward": [float(x) for x in policy_answers.extra["proxy"]],
         "judge_preference": [float(x) for x in judged.preference],
-        "kl": [float(x) for x in kl],
+        "kl": [float(x) for x in kl["test"]],
     }
     if judge_scores is not None:
         samples["sft_judge"], samples["ppo_judge"] = judge_scores[1], judge_scores[0]
@@ -404,45 +538,57 @@ def evaluate(cfg: Config) -> PolicyEvaluation:
         metrics={k: v for k, v in metrics.items() if not math.isnan(v)},  # NaN: "no value", in MLflow and DVC alike
         samples=samples,
         buckets=buckets,
-        prompts=prompts,
-        conversations=conversations,
-        policy_texts=policy_answers.texts,
-        pair_rows=pair_rows,
         pairs=pairs,
+        dev=dev,
         judge=judge,
         device=device,
     )
 
 
-def policy_against(result: PolicyEvaluation, cfg: Config, model_dir: str) -> HeadToHead:
-    """The evaluated policy head to head with another one (the champion's model dir) on the same prompts, judged by
-    the same judge; the other policy samples with its own tokenizer (its chat template and special tokens), as it
-    would be served, with the evaluation's settings."""
+def policy_against(result: PolicyEvaluation, cfg: Config, model_dir: str, challenge: int) -> HeadToHead:
+    """The evaluated policy head to head with another one (the champion's model dir) on the dev prompts, judged by
+    the same judge on the pairs where both answers ended, after the guards (evaluate.champion); the other policy
+    samples with its own tokenizer (its chat template and special tokens), as it would be served, with the
+    evaluation's settings."""
     from rlhflow.models import load_causal_lm, load_tokenizer, resolve_precision
     from rlhflow.sampling import evaluation_sampling
 
+    dev, e = result.dev, cfg.evaluate
     tokenizer = load_tokenizer(model_dir)
     other = load_causal_lm(model_dir, pad_token_id=tokenizer.pad_token_id).to(result.device).eval()
-    other = as_precision(other, resolve_precision(cfg.evaluate.precision, result.device))
-    other_texts = texts_of(evaluation_sampling(cfg).sample(other, tokenizer, result.prompts))
+    other = as_precision(other, resolve_precision(e.precision, result.device))
+    other_answers = Answers.from_outputs(
+        evaluation_sampling(cfg).sample(other, tokenizer, dev.prompts), e.degenerate_repetition
+    )
+    mine = dev.answers
+    both = np.flatnonzero(mine.is_class("ended") & other_answers.is_class("ended"))
+    prompts = [dev.prompts[i] for i in both]
+    texts, other_texts = [mine.texts[i] for i in both], [other_answers.texts[i] for i in both]
     if result.judge.pointwise:
-        verdicts = verdicts_from_scores(
-            result.judge.score(result.prompts, result.policy_texts), result.judge.score(result.prompts, other_texts)
-        )
+        verdicts = verdicts_from_scores(result.judge.score(prompts, texts), result.judge.score(prompts, other_texts))
     else:
-        verdicts = result.judge.compare(result.prompts, result.policy_texts, other_texts)
-    return policy_head_to_head(verdicts, result.conversations)
+        verdicts = result.judge.compare(prompts, texts, other_texts)
+    rule = e.champion
+    guards = guard_failures(
+        rule,
+        kl=dev.kl,
+        ended=mine.shares()["ended"],
+        length_ratio=float(np.mean(mine.tokens)) / max(float(np.mean(other_answers.tokens)), 1e-9),
+    )
+    return policy_head_to_head(verdicts, [dev.conversations[i] for i in both], rule, challenge, guards)
 
 
-def reward_model_against(result: PolicyEvaluation, cfg: Config, model_dir) -> HeadToHead:
-    """The proxy head to head with another reward model (the champion's model dir) on the same held-out pairs."""
+def reward_model_against(result: PolicyEvaluation, cfg: Config, model_dir, challenge: int) -> HeadToHead:
+    """The proxy head to head with another reward model (the champion's model dir) on the dev split's pairs."""
     import pandas as pd
 
     from rlhflow.data.splits import conversation_keys
-    from rlhflow.reward_model import RewardModel, evaluate_pairs, saved_pair_scores
+    from rlhflow.reward_model import RewardModel, evaluate_pairs
 
+    dev = result.dev
     other = RewardModel.load(model_dir, batch_size=cfg.reward_model.eval_batch_size, device=result.device)
-    test_file = cfg.path(cfg.validate_.out_dir) / "test.jsonl"  # where result.pair_rows come from
-    other_pairs = evaluate_pairs(other, result.pair_rows, scores=saved_pair_scores(model_dir, data_file=test_file))
-    conversations = list(conversation_keys(pd.DataFrame(result.pair_rows)))
-    return reward_model_head_to_head(result.pairs.correct.tolist(), other_pairs.correct.tolist(), conversations)
+    other_pairs = evaluate_pairs(other, dev.pair_rows)
+    conversations = list(conversation_keys(pd.DataFrame(dev.pair_rows)))
+    return reward_model_head_to_head(
+        dev.pairs.correct.tolist(), other_pairs.correct.tolist(), conversations, cfg.evaluate.champion, challenge
+    )

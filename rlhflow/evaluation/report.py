@@ -90,6 +90,17 @@ def report_markdown(
             f"conversations has a 95% half-width of about +-{metrics.get('eval/expected_half_width', math.nan):.3f}. "
             f"Sampling: {settings}.",
             "",
+        ]
+        if "dev/prompts" in metrics:
+            lines += [
+                f"Choices (the champion rule, a sweep's best point) read the dev split instead: "
+                f"{int(metrics['dev/prompts'])} other held-out conversations, half-width about "
+                f"+-{metrics.get('dev/expected_half_width', math.nan):.3f}; there the judge win rate is "
+                f"{fmt('dev/judge_win_rate_vs_sft')}, {fmt('dev/judge_win_rate_both_ended')} where both ended. "
+                "Nothing is chosen on the test split, so the figures below are not selected on.",
+                "",
+            ]
+        lines += [
             "## Answers: ended, cut at the limit, degenerate",
             "",
             "| | SFT | policy |",

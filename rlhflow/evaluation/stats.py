@@ -8,6 +8,7 @@
   together. Every statistic of a comparison is computed on the same weights, so differences (proxy minus judge,
   model minus the length rule, challenger minus champion) get intervals of their own;
 - `expected_half_width`: the 95% half-width a proportion near p has on n independent items, for planning;
+- `across_seeds`: the mean of one figure over training seeds and its Student-t interval (the seed-to-seed spread);
 - `shorter_answer_correct`: the length rule ("the shorter answer is the preferred one"), per pair;
 - `length_controlled_win_rate`: AlpacaEval 2.0's length-controlled win rate (Dubois et al. 2024, arXiv 2404.04475),
   with a check that the data support reading the model at zero length difference.
@@ -48,6 +49,21 @@ def expected_half_width(n: int, p: float = 0.5, confidence: float = CONFIDENCE) 
     if n <= 0:
         return math.nan
     return _z(confidence) * math.sqrt(p * (1 - p) / n)
+
+
+def across_seeds(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
+    """Mean of a figure over training seeds, with the Student-t interval mean +- t * sd / sqrt(n) of the seed
+    distribution's mean (NaN bounds for one seed; NaN values, e.g. a failed run's, left out)."""
+    from scipy.stats import t
+
+    x = np.asarray([v for v in values if not math.isnan(v)], dtype=float)
+    if not len(x):
+        return math.nan, math.nan, math.nan
+    mean = float(x.mean())
+    if len(x) < 2:
+        return mean, math.nan, math.nan
+    half = float(t.ppf(0.5 + confidence / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
+    return mean, mean - half, mean + half
 
 
 def resample_weights(

@@ -61,6 +61,15 @@ def masked_var(
     return var
 
 
+def explained_variance(
+    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, sum_across: SumAcross | None = None
+) -> torch.Tensor:
+    """1 - Var(returns - values) / Var(returns) over the masked tokens: 1 for a critic that predicts the returns,
+    0 for one no better than their mean, negative for a worse one (the critic's health, as CleanRL logs it)."""
+    var_returns = masked_var(returns, mask, sum_across=sum_across)
+    return 1 - masked_var(returns - values, mask, sum_across=sum_across) / var_returns.clamp(min=1e-12)
+
+
 def masked_whiten(
     x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8, sum_across: SumAcross | None = None
 ) -> torch.Tensor:

@@ -29,6 +29,7 @@ share it; the time/ entries are the main process's):
   ppo/entropy                     mean per-token entropy of the sampling policy (logits / temperature)
   ppo/policy_loss, ppo/value_loss, ppo/clipfrac, ppo/value_clipfrac, ppo/approxkl   means over minibatches
   ppo/returns_mean, ppo/advantages_mean   token means (advantages before whitening)
+  ppo/explained_variance          1 - Var(returns - values) / Var(returns) over the rollout's tokens
   ppo/response_length, ppo/eos_fraction, ppo/lr
   ppo/reward_norm_mean, ppo/reward_norm_std   with reward_normalization=sft: the fixed SFT score statistics
   ppo/responses                   responses in the update over all processes (the global batch)
@@ -379,6 +380,8 @@ class PPOTrainer(Checkpoints):
             "ppo/entropy": token_mean(entropy),
             "ppo/returns_mean": token_mean(returns),
             "ppo/advantages_mean": token_mean(advantages),  # before whitening
+            # the rollout's values against the returns they are trained towards, before this update's epochs
+            "ppo/explained_variance": float(core.explained_variance(old_values, returns, mask, self.sum_across)),
             "ppo/response_length": response_mean(mask.sum(1)),
             "ppo/eos_fraction": response_mean(gen.ended),
             "ppo/responses": float(all_raw_scores.numel()),  # the global batch: responses over all processes
