@@ -74,7 +74,12 @@ class EvaluateConfig(Section):
         description="sampling temperature of the evaluation samples and of the KL computed on them; "
         "unset: ppo.temperature, the temperature the policy was trained at (top-k / top-p are ppo's too)",
     )
-    batch_size: int = Field(16, ge=1)
+    batch_size: int = Field(
+        48,
+        ge=1,
+        description="answers sampled (and KL / perplexity rows) per batch; nearly every batch holds an answer that "
+        "runs to the limit, so larger batches finish sooner (48 vs 16: 1.17x on 2 CPU cores)",
+    )
     perplexity_rows: int = Field(64, ge=1)
     reference_dir: str = Field(
         "data/sft_answers",
