@@ -229,7 +229,7 @@ def best_of_n_baseline(cfg: Config, ns: list[int], missing_eos_penalty: float | 
         models=[dir_md5(d) for d in model_dirs],
         test=file_md5(test),
         samples=samples,
-        prompts=cfg.evaluate.n_prompts,
+        prompts=[cfg.evaluate.n_prompts, "one per test conversation"],
         sampling=[cfg.eval_temperature, cfg.evaluate.max_new_tokens, cfg.ppo.top_k, cfg.ppo.top_p, cfg.seed],
     )
     cache = cfg.path(cfg.metrics_dir) / ".flow" / "best_of_n.json"
@@ -254,8 +254,8 @@ def best_of_n_baseline(cfg: Config, ns: list[int], missing_eos_penalty: float | 
 
 
 def _sample_best_of_n(cfg: Config, samples: int) -> dict[str, list]:
-    from rlhflow.data.readers import read_jsonl
     from rlhflow.data.splits import conversation_key
+    from rlhflow.evaluation.compare import evaluation_prompts
     from rlhflow.evaluation.frontier import sample_best_of_n_scores
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device
     from rlhflow.reward_model import RewardModel
@@ -269,8 +269,10 @@ def _sample_best_of_n(cfg: Config, samples: int) -> dict[str, list]:
         cfg.path(cfg.reward_model.out_dir), batch_size=cfg.reward_model.eval_batch_size, device=device
     )
     judge = RewardModel.load(cfg.path(cfg.judge.out_dir), batch_size=cfg.judge.eval_batch_size, device=device)
-    test = read_jsonl(cfg.path(cfg.validate_.out_dir) / "test.jsonl")
-    prompts = list(test.drop_duplicates("prompt").head(cfg.evaluate.n_prompts)["prompt_messages"])  # evaluate's
+    # evaluate's test prompts: one per test conversation
+    prompts = list(
+        evaluation_prompts(cfg.path(cfg.validate_.out_dir) / "test.jsonl", cfg.evaluate.n_prompts)["prompt_messages"]
+    )
     proxy_scores, judge_scores, ended = sample_best_of_n_scores(sft, tokenizer, prompts, proxy, judge, cfg, samples)
     print(f"sweep: {samples} SFT samples for each of {len(prompts)} prompts in {time.perf_counter() - start:.0f} s")
     return {
