@@ -45,8 +45,8 @@ def nulls(d):
     rows = [row(i, chosen=None) if i in (2, 6) else row(i) for i in range(N_ROWS)]  # lines 3 and 7
     return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}"], [
         r"expect_column_values_to_not_be_null\(chosen\): 2 rows",
-        r"(train|judge|test) row 3:",
-        r"(train|judge|test) row 7:",
+        r"(train|judge|dev|test) row 3:",
+        r"(train|judge|dev|test) row 7:",
     ]
 
 
@@ -54,9 +54,9 @@ def empty_strings(d):  # with validate.blank=fail: listed, not dropped
     rows = [row(i, rejected="") if i == 4 else row(i, prompt="   ") if i == 8 else row(i) for i in range(N_ROWS)]
     return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}", "validate.blank=fail"], [
         r"expect_column_values_to_not_match_regex\(rejected\): 1 row with a blank rejected \(empty or whitespace "
-        r"only\) — (train|judge|test) row 5:",
+        r"only\) — (train|judge|dev|test) row 5:",
         r"expect_column_values_to_not_match_regex\(prompt\): 1 row with a blank prompt \(empty or whitespace only\) "
-        r"— (train|judge|test) row 9:",
+        r"— (train|judge|dev|test) row 9:",
     ]
 
 
@@ -64,8 +64,8 @@ def chosen_equal_to_rejected(d):
     rows = [row(i, rejected=row(i)["chosen"]) if i in (1, 3) else row(i) for i in range(N_ROWS)]
     return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}"], [
         r"unique_within_record\(chosen, rejected\): 2 rows",
-        r"(train|judge|test) row 2:",
-        r"(train|judge|test) row 4:",
+        r"(train|judge|dev|test) row 2:",
+        r"(train|judge|dev|test) row 4:",
     ]
 
 
@@ -96,7 +96,7 @@ def over_long_texts(d):  # with validate.overlong=fail: listed, not dropped
     rows = [row(i, chosen="water the plant " * 300) if i == 7 else row(i) for i in range(N_ROWS)]
     return [f"data.preferences={write_rows(d / 'p.jsonl', rows)}", "validate.overlong=fail"], [
         r"expect_column_values_to_be_between\(chosen_tokens\): 1 row with a chosen shorter than 1 or longer than "
-        r"512 tokens — (train|judge|test) row 8: chosen_tokens="
+        r"512 tokens — (train|judge|dev|test) row 8: chosen_tokens="
     ]
 
 

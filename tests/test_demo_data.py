@@ -55,7 +55,7 @@ def test_written_demo_reads_back_and_passes_validation(tmp_path):
         {"train": train, "test": test}, cfg=validate_cfg, tokenizer=tiny_tokenizer(), report_dir=tmp_path / "r"
     )
     assert result.success
-    assert result.summary()["validate/test_rows"] > 100
+    assert result.summary()["validate/test_rows"] > 60  # about a tenth of 960 pairs
 
 
 def test_command_line(tmp_path, capsys):

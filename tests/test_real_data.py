@@ -54,12 +54,15 @@ def test_shipped_data_passes_validate_with_the_default_tokenizer(tmp_path):
     assert metrics["validate/dropped_rows"] == 23 and metrics["validate/dropped_fraction"] <= 0.05
     assert "validate: dropped 18 row(s): overlong_prompt" in done.stdout
 
-    splits = {name: read_jsonl(tmp_path / "validated" / f"{name}.jsonl") for name in ("train", "judge", "test")}
+    splits = {name: read_jsonl(tmp_path / "validated" / f"{name}.jsonl") for name in ("train", "judge", "dev", "test")}
     assert sum(len(df) for df in splits.values()) == 1500 - 23
     assert all(metrics[f"validate/{name}_rows"] == len(df) for name, df in splits.items())
     conversations = {name: set(conversation_keys(df)) for name, df in splits.items()}
     assert not conversations["train"] & conversations["judge"], "the judge trains on the proxy's conversations"
-    assert not conversations["judge"] & conversations["test"] and not conversations["train"] & conversations["test"]
+    for a, b in [("judge", "test"), ("train", "test"), ("train", "dev"), ("judge", "dev"), ("dev", "test")]:
+        assert not conversations[a] & conversations[b], (a, b)
+    # the shipped file's held-out conversations: 153 to choose on, 128 to report
+    assert (len(conversations["dev"]), len(conversations["test"])) == (153, 128)
     assert metrics["validate/cross_split_prefix_pairs"] == 0
     assert all(metrics[f"validate/{name}_conversations"] == len(c) for name, c in conversations.items())
     pairs = {name: set(zip(df["chosen"], df["rejected"])) for name, df in splits.items()}
@@ -72,7 +75,7 @@ def test_shipped_data_passes_validate_with_the_default_tokenizer(tmp_path):
     again = [o.replace(str(tmp_path), str(tmp_path / "seed7")) for o in overrides] + ["seed=7"]
     done = run_stage_cli("tasks.validate", again)
     assert done.returncode == 0, done.stderr[-3000:]
-    for name in ("train", "judge", "test"):
+    for name in ("train", "judge", "dev", "test"):
         assert file_md5(tmp_path / "seed7/validated" / f"{name}.jsonl") == file_md5(
             tmp_path / "validated" / f"{name}.jsonl"
         ), name
