@@ -56,7 +56,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     client = mlflow.MlflowClient()
 
     def against_champion(name: str, compare):
-        """`compare(result, cfg, model_dir)` against the registered version's model dir."""
+        """`compare(result, cfg, model_dir, challenge)` against the registered version's model dir, on the dev split."""
 
         def head_to_head(version, challenge: int):
             if result.dev is None:  # nothing is chosen on the test split
