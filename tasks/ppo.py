@@ -22,21 +22,10 @@ NAME = "ppo"
 REGISTERED_NAME = registry.POLICY
 
 
-# PPO settings that may change between a run and its resumption: the run length, where checkpoints go, and the
-# memory knobs (how a minibatch's gradient is computed, not what it is)
-RESUMABLE_PPO_SETTINGS = {
-    "steps",
-    "checkpoint_every",
-    "checkpoint_dir",
-    "out_dir",
-    "gradient_checkpointing",
-    "micro_batch_size",
-}
-
-
 def checkpoint_fingerprint(cfg: Config) -> str:
     """What a checkpoint must have been made from to be resumed: the same PPO settings (the run length and memory
     knobs aside), seed, SFT model, reward model and training prompts."""
+    from rlhflow.ppo.checkpoints import RESUMABLE_SETTINGS
     from rlhfops.hashing import inputs_fingerprint
 
     files = [
@@ -44,7 +33,7 @@ def checkpoint_fingerprint(cfg: Config) -> str:
         cfg.path(cfg.reward_model.out_dir) / "model.safetensors",
         cfg.path(cfg.validate_.out_dir) / "train.jsonl",
     ]
-    settings = cfg.ppo.model_dump(exclude=RESUMABLE_PPO_SETTINGS)
+    settings = cfg.ppo.model_dump(exclude=RESUMABLE_SETTINGS)
     return inputs_fingerprint(files, ppo=settings, seed=cfg.seed)
 
 

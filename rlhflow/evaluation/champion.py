@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rlhflow.evaluate_config import ChampionConfig
+from rlhflow.evaluation.stats import cluster_codes
 
 BASIS_TAG_PREFIX = "basis."
 
@@ -65,11 +66,8 @@ def sign_test(scores: Sequence[float], clusters: Sequence[Hashable], tie: float 
     """The one-sided sign test of per-item `scores` (e.g. 1 win, 0.5 tie, 0 loss; or a difference with `tie` 0),
     aggregated per cluster (conversation) first, so several samples of one conversation count once."""
     scores = np.asarray(scores, dtype=float)
-    if len(scores) != len(clusters):
-        raise ValueError(f"{len(clusters)} cluster labels for {len(scores)} scores")
-    index: dict[Hashable, int] = {}
-    codes = np.array([index.setdefault(c, len(index)) for c in clusters], dtype=int)
-    means = np.bincount(codes, weights=scores, minlength=len(index)) / np.maximum(np.bincount(codes), 1) - tie
+    codes = cluster_codes(clusters, len(scores))
+    means = np.bincount(codes, weights=scores) / np.maximum(np.bincount(codes), 1) - tie
     wins, losses = int((means > 1e-12).sum()), int((means < -1e-12).sum())
     ties = len(means) - wins - losses
     return SignTest(wins, losses, ties, binomial_upper_tail(wins, wins + losses))

@@ -66,6 +66,14 @@ def across_seeds(values: Sequence[float], confidence: float = CONFIDENCE) -> tup
     return mean, mean - half, mean + half
 
 
+def cluster_codes(clusters: Sequence[Hashable], n: int) -> np.ndarray:
+    """Each item's cluster as 0, 1, ... in order of first appearance (one label per item, `n` items)."""
+    if len(clusters) != n:
+        raise ValueError(f"clusters has {len(clusters)} labels for {n} items")
+    index: dict[Hashable, int] = {}
+    return np.array([index.setdefault(c, len(index)) for c in clusters], dtype=np.int64)
+
+
 def resample_weights(
     n: int, clusters: Sequence[Hashable] | None = None, resamples: int = RESAMPLES, seed: int = 0
 ) -> np.ndarray:
@@ -73,13 +81,7 @@ def resample_weights(
     clusters (e.g. conversation ids, one label per item) are drawn with replacement, each drawn cluster bringing all
     its items. `clusters=None`: every item is its own cluster (the ordinary bootstrap). One matrix is shared by every
     statistic of a comparison, which makes the resampling paired."""
-    if clusters is None:
-        codes = np.arange(n)
-    else:
-        if len(clusters) != n:
-            raise ValueError(f"clusters has {len(clusters)} labels for {n} items")
-        index: dict[Hashable, int] = {}
-        codes = np.array([index.setdefault(c, len(index)) for c in clusters], dtype=np.int64)
+    codes = np.arange(n) if clusters is None else cluster_codes(clusters, n)
     k = int(codes.max()) + 1 if n else 0
     if k == 0:
         return np.zeros((resamples, 0))

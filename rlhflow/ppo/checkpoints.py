@@ -14,9 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 CHECKPOINT_PREFIX = "step-"
-# config fields that may change between a run and its resumption without changing what the run means (the memory
-# knobs change only how a minibatch's gradient is computed: a run that ran out of memory resumes with them set)
-_RESUMABLE_CHANGES = {
+# PPO settings that may change between a run and its resumption without changing what the run means: the run
+# length, where checkpoints go, and the memory knobs (how a minibatch's gradient is computed, not what it is: a run
+# that ran out of memory resumes with them set). tasks/ppo.py keys a checkpoint dir on the others.
+RESUMABLE_SETTINGS = {
     "steps",
     "checkpoint_every",
     "checkpoint_dir",
@@ -84,7 +85,7 @@ class Checkpoints:
         path = Path(path)
         state = json.loads((path / "trainer_state.json").read_text())
         # a linear learning-rate schedule spans `steps`: another run length changes the updates already made
-        resumable = _RESUMABLE_CHANGES - ({"steps"} if self.cfg.lr_schedule == "linear" else set())
+        resumable = RESUMABLE_SETTINGS - ({"steps"} if self.cfg.lr_schedule == "linear" else set())
         changed = sorted(
             k for k, v in self.cfg.model_dump().items() if k not in resumable and state["config"].get(k) != v
         )
