@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> None:
         "--variant",
         action="append",
         default=[],
-        help="key=value of the sampling settings (temperature, top_p, repetition_penalty), applied to the first model "
-        "only, beside its default settings (repeatable)",
+        help="key=value of the sampling settings (temperature, top_p, repetition_penalty; decoder=generate: "
+        "transformers' generate), applied to the first model only, beside its default settings (repeatable)",
     )
     parser.add_argument("--json", default="bench/.work/answer_lengths.json")
     parser.add_argument("--set", action="append", default=[], help="params.yaml override, as for the pipeline")
@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     first_name, first_path = runs[0][:2]
     for variant in args.variant:
         key, value = variant.split("=", 1)
-        runs.append((first_name, first_path, dataclasses.replace(base, **{key: float(value)}), variant))
+        setting = value if key == "decoder" else float(value)
+        runs.append((first_name, first_path, dataclasses.replace(base, **{key: setting}), variant))
 
     rows = []
     for name, path, settings, label in runs:

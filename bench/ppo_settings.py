@@ -5,12 +5,16 @@ by SFT samples), each as the real `ppo` stage on the outputs of a default run.
     make run                                  # once: data/validated, models/sft, models/reward_model
     .venv/bin/python -m bench.ppo_settings    # every setting in SETTINGS
     .venv/bin/python -m bench.ppo_settings --settings shared,lora --set ppo.steps=8
+    .venv/bin/python -m bench.ppo_settings --settings shared,shared_detached,separate --seeds 3   # the critics
 
 Each setting runs `python -m tasks.ppo --set ...` in a fresh process, in turn, writing its policy, checkpoints and
 metrics under bench/.work/ppo_settings/<setting>/ (model logging off, MLflow experiment `ppo-settings`), so the
 default run's outputs are only read. Per setting it prints the process's peak RSS (`wait4`), the median update
 time and its split (from the stage's own timers), the final reward-model score and KL (means over the last quarter
-of updates, `ppo/score_mean_final` and `ppo/kl_final`), the first update's score, and the last KL coefficient.
+of updates, `ppo/score_mean_final` and `ppo/kl_final`), the first update's score, the last KL coefficient, and
+how well the value model predicts the returns (`ppo/explained_variance` and the value loss over the last quarter).
+With `--seeds N` each setting runs at training seeds 0..N-1 (`seed`; the data splits stay fixed) and the table gives
+each figure's mean over seeds with its 95% Student-t interval.
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
     "lora": (
         "LoRA r=16 + shared value head, reference = base with adapter off, lr 1e-4",
         ["ppo.lora.enabled=true", "ppo.learning_rate=1e-4"],
+    ),
+    "shared_detached": (
+        "value head on the policy backbone, input detached, its own learning rate 1e-3",
+        ["ppo.value_head_detach=true", "ppo.value_learning_rate=1e-3"],
     ),
     "k3": ("shared, k3 KL estimator", ["ppo.kl_estimator=k3"]),
     "epochs4": ("shared, 4 PPO epochs per rollout batch (TRL's default)", ["ppo.ppo_epochs=4"]),
@@ -78,6 +86,7 @@ def run_setting(name: str, overrides: list[str], work: Path, threads: int) -> di
     metrics = json.loads((out / "metrics" / "ppo.json").read_text())
     history = pd.read_csv(out / "metrics" / "ppo_history.csv")
     update_s = history[TIMERS].sum(axis=1)
+    quarter = max(1, len(history) // 4)  # the final quarter of updates, as the stage's *_final metrics
     return {
         "setting": name,
         "peak_rss_mib": usage.ru_maxrss / 1024,
@@ -88,14 +97,35 @@ def run_setting(name: str, overrides: list[str], work: Path, threads: int) -> di
         "score_final": metrics["ppo/score_mean_final"],
         "kl_final": metrics["ppo/kl_final"],
         "kl_coef_last": float(history["ppo/kl_coef"].iloc[-1]),
+        "explained_variance_final": float(history["ppo/explained_variance"].tail(quarter).mean()),
+        "value_loss_final": float(history["ppo/value_loss"].tail(quarter).mean()),
         "updates": int(metrics["ppo/updates"]),
     }
+
+
+SEED_FIGURES = ["score_final", "kl_final", "explained_variance_final", "value_loss_final", "update_s", "peak_rss_mib"]
+
+
+def seed_table(rows: list[dict], names: list[str]) -> str:
+    """Markdown: per setting, each figure's mean over the seeds with its 95% Student-t interval."""
+    from rlhflow.evaluation.stats import across_seeds
+
+    lines = ["| setting | seeds | " + " | ".join(SEED_FIGURES) + " |", "|---|---|" + "---|" * len(SEED_FIGURES)]
+    for name in names:
+        mine = [r for r in rows if r["setting"] == name]
+        cells = []
+        for figure in SEED_FIGURES:
+            mean, low, high = across_seeds([r[figure] for r in mine])
+            cells.append(f"{mean:.3f} ({low:.3f} to {high:.3f})" if len(mine) > 1 else f"{mean:.3f}")
+        lines.append(f"| `{name}` | {len(mine)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, from {', '.join(SETTINGS)}")
     add_overrides_argument(parser, "params override for every setting", dest="extra")
+    parser.add_argument("--seeds", type=int, default=1, help="training seeds 0..N-1 per setting (`seed`)")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--work-dir", default=str(REPO / "bench" / ".work" / "ppo_settings"))
     args = parser.parse_args(argv)
@@ -111,15 +141,26 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in names:
         description, overrides = SETTINGS[name]
-        row = run_setting(name, overrides + args.extra, work, args.threads)
-        rows.append(row)
-        print(
-            f"  {name}: {row['update_s']:.1f} s/update, peak RSS {row['peak_rss_mib']:.0f} MiB, "
-            f"score {row['score_first']:+.3f} -> {row['score_final']:+.3f}, KL {row['kl_final']:.2f}",
-            flush=True,
-        )
-        (work / "results.json").write_text(json.dumps(rows, indent=1))
+        for seed in range(args.seeds):
+            label = name if args.seeds == 1 else f"{name}/seed{seed}"
+            seeded = [f"seed={seed}"] if args.seeds > 1 else []
+            row = run_setting(label, overrides + args.extra + seeded, work, args.threads)
+            row.update(setting=name, seed=seed)
+            rows.append(row)
+            print(
+                f"  {label}: {row['update_s']:.1f} s/update, peak RSS {row['peak_rss_mib']:.0f} MiB, "
+                f"score {row['score_first']:+.3f} -> {row['score_final']:+.3f}, KL {row['kl_final']:.2f}, "
+                f"explained variance {row['explained_variance_final']:.3f}",
+                flush=True,
+            )
+            (work / "results.json").write_text(json.dumps(rows, indent=1))
 
+    if args.seeds > 1:
+        print(f"\nPPO settings on the default pipeline, {args.seeds} training seeds each (mean, 95% interval):\n")
+        print(seed_table(rows, names))
+        for name in names:
+            print(f"  {name}: {SETTINGS[name][0]}")
+        return
     base = rows[0]
     print(f"\nPPO settings on the default pipeline ({base['updates']} updates each; ratios against {base['setting']})")
     table = pd.DataFrame(rows).set_index("setting")
@@ -138,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         "score_final",
         "kl_final",
         "kl_coef_last",
+        "explained_variance_final",
     ]
     print(table[columns].to_string(float_format=lambda v: f"{v:.3f}"))
     for name in names:

@@ -20,6 +20,8 @@ from rlhflow.align_config import AlignConfig
 from rlhflow.config_help import params_epilog
 from rlhflow.config_section import Section, inherit, inherited_keys, without_inherited
 from rlhflow.evaluate_config import EvaluateConfig
+from rlhflow.lora_config import LoraConfig, LoraSettings
+from rlhflow.ppo_config import PPOConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PARAMS = REPO_ROOT / "params.yaml"
@@ -122,24 +124,6 @@ class ValidateConfig(Section):
                 f"validate.judge_fraction ({self.judge_fraction}) must leave prompts for training (sum < 1)"
             )
         return self
-
-
-class LoraSettings(Section):
-    """The LoRA adapter's shape: params.yaml's top-level `lora` section, which `sft.lora` and `ppo.lora` inherit."""
-
-    r: int = Field(16, ge=1, description="rank of the adapter matrices")
-    alpha: int = Field(32, ge=1, description="scaling numerator: the update is scaled by alpha / r")
-    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input")
-    target_modules: list[str] = Field(
-        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        description="the linear layers that get an adapter",
-    )
-
-
-class LoraConfig(LoraSettings):
-    """A stage's LoRA: whether it trains an adapter; every other key it does not set comes from `lora`."""
-
-    enabled: bool = False
 
 
 class SFTConfig(Section):
@@ -278,120 +262,6 @@ class JudgeConfig(RewardModelConfig):
         missing = [f"judge.{key}" for key in needed if not getattr(self, key)]
         if missing:
             raise ValueError(f"judge.kind={self.kind} needs {' and '.join(missing)} (unset)")
-        return self
-
-
-class AdaptiveKLConfig(Section):
-    enabled: bool = False
-    target: float = Field(6.0, gt=0, description="target KL per response (nats)")
-    horizon: int = Field(10_000, ge=1)
-
-
-class PPOConfig(Section):
-    steps: int = Field(20, ge=1, description="PPO updates (each one rollout batch)")
-    batch_size: int = Field(
-        8,
-        ge=1,
-        description="prompts per rollout, over all processes of an `accelerate launch` "
-        "(each of N takes batch_size / N)",
-    )
-    mini_batch_size: int = Field(4, ge=1, description="responses per optimisation step, over all processes")
-    ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
-    learning_rate: float = Field(2e-5, gt=0)
-    lr_schedule: Literal["constant", "linear"] = Field(
-        "constant",
-        description="learning rate per update: constant, or linear: learning_rate * (1 - (u - 1) / steps) "
-        "for update u, decaying to 0 at the end of the run (annealed per update, as TRL does)",
-    )
-    adam_eps: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
-    # sampling
-    temperature: float = Field(0.7, gt=0)
-    top_k: int = Field(0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(48, ge=1)
-    max_prompt_length: int = Field(192, ge=1)
-    stop_strings: list[str] = Field(default_factory=list, description="extra stop strings besides EOS")
-    rollout_logprobs: Literal["auto", "generation", "forward"] = Field(
-        "auto",
-        description="where the rollout's old log-probs, entropy and shared-head values come from: the "
-        "sampling pass's own logits and hidden states (one forward pass fewer per update) or a separate forward "
-        "pass; auto: generation when the policy is float32, forward in lower precision, where KV-cache decoding "
-        "and a full forward pass differ by more than rounding",
-    )
-    # advantage estimation
-    gamma: float = Field(1.0, ge=0, le=1)
-    # lam=1: every response token gets credit for the final score while the value head is still untrained;
-    # with few updates (the CPU default) lam=0.95 leaves early tokens almost no signal (0.95^47 ~ 0.09)
-    lam: float = Field(1.0, ge=0, le=1)
-    whiten_advantages: bool = True
-    reward_normalization: Literal["none", "whiten", "running", "sft"] = Field(
-        "none",
-        description="scores -> rewards: none; whiten: (score - mean) / std over each rollout batch; running: "
-        "over all scores so far; sft: with the mean and std of the SFT policy's scores on reward_norm_prompts "
-        "training prompts, sampled before the first update and fixed for the run (Huang et al., N+ details)",
-    )
-    reward_norm_prompts: int = Field(
-        64,
-        ge=1,
-        description="reward_normalization=sft: training prompts whose SFT "
-        "samples give the statistics (over all processes)",
-    )
-    # losses
-    cliprange: float = Field(0.2, gt=0)
-    cliprange_value: float | None = Field(0.2, gt=0)
-    vf_coef: float = Field(0.1, ge=0)
-    entropy_coef: float = Field(0.0, ge=0)
-    # KL penalty against the reference
-    kl_coef: float = Field(0.05, ge=0)
-    kl_estimator: Literal["k1", "k3"] = "k1"
-    adaptive_kl: AdaptiveKLConfig = AdaptiveKLConfig()
-    missing_eos_penalty: float | None = Field(
-        1.0, description="subtracted from the score of responses that never emit EOS or a stop string"
-    )
-    # reward source and models
-    reward_fn: str | None = Field(
-        None,
-        description="'module:function' scoring (prompts, responses, **reward_fn_kwargs) -> list[float], "
-        "e.g. 'rlhflow.reward_functions:contains_word'; default: the trained reward model",
-    )
-    reward_fn_kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for reward_fn")
-    value_model: Literal["shared", "separate"] = Field(
-        "shared", description="shared: a value head on the policy backbone; separate: a critic model of its own"
-    )
-    critic_init: Literal["auto", "reward_model", "sft"] = Field(
-        "auto",
-        description="the separate critic's start: a copy of the reward model (backbone and score head) or of "
-        "the SFT model; auto: the reward model when it reads the policy's tokens (e.g. reward_model.backbone=sft), "
-        "else the SFT model",
-    )
-    lora: LoraConfig = Field(
-        LoraConfig(), description="LoRA adapters; keys it does not set: the top-level lora section's"
-    )
-    checkpoint_every: int = Field(8, ge=0, description="updates between checkpoints (0: none)")
-    out_dir: str = "models/policy"
-    checkpoint_dir: str = "checkpoints/ppo"
-    precision: Literal["auto", "fp32", "bf16"] = Field(
-        "fp32",
-        description="bf16: autocast with fp32 master weights (the frozen reference and reward model held in bf16); "
-        "log-probs, KL, advantages and losses in fp32; auto: bf16 where the device runs it natively (CUDA "
-        "capability >= 8.0; a CPU with AVX512-BF16 or AMX), else fp32",
-    )
-    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass (less memory)")
-    micro_batch_size: int | None = Field(
-        None,
-        ge=1,
-        description="responses per forward/backward pass inside each process's share of a minibatch (gradient "
-        "accumulation); unset: the whole share at once",
-    )
-
-    @model_validator(mode="after")
-    def _minibatches_divide_batch(self) -> PPOConfig:
-        if self.batch_size % self.mini_batch_size:
-            raise ValueError(
-                f"ppo.batch_size ({self.batch_size}) must be a multiple of ppo.mini_batch_size ({self.mini_batch_size})"
-            )
         return self
 
 
@@ -586,7 +456,7 @@ def parse_config_args(
 def write_params(cfg: Config, path: str | os.PathLike) -> None:
     header = (
         "# Every hyperparameter of the pipeline, one section per stage. Types, bounds and descriptions:\n"
-        "# rlhflow/config.py. Override one value for a run: --set section.key=value\n"
+        "# rlhflow/config.py and the *_config.py beside it. Override one value for a run: --set section.key=value\n"
         "# judge takes each reward_model key it does not set, except out_dir and checkpoint_dir; sft.lora and\n"
         "# ppo.lora take each lora key they do not set.\n"
     )

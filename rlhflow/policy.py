@@ -27,6 +27,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 from transformers.generation import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
 from rlhflow.cpu_packed_linear import packed_linears
+from rlhflow.decoding import logits_processors, sample_dropping_finished
 from rlhflow.logits import entropy_from_logits, logprobs_from_logits
 from rlhflow.models import autocast
 
@@ -240,6 +241,7 @@ def generate(
     return_logits: bool = False,
     return_hidden: bool = False,
     compute_dtype: torch.dtype = torch.float32,
+    drop_finished: bool = False,
 ) -> GenerationOutput:
     """Sample one response per prompt (do_sample, KV cache) from logits / temperature, then top-k / top-p.
 
@@ -253,6 +255,7 @@ def generate(
     `generator_seed` makes the sampling reproducible without touching the global RNG.
     return_logits / return_hidden keep the sampling pass's raw logits and last hidden states (PPO's old
     log-probs and shared-head values without a second forward pass). compute_dtype bf16: sampling under autocast.
+    drop_finished: ended rows leave the batch (`rlhflow.decoding`; not with return_logits / return_hidden).
     On CPU in float32 the linear layers run on oneDNN-packed weights while sampling (`rlhflow.cpu_packed_linear`)."""
     stop_strings = [s for s in stop_strings if s]
     eos_ids = stop_token_ids(tokenizer, model, stop_strings)  # before the model's generation_config is set aside
@@ -286,14 +289,31 @@ def generate(
     ):
         if generator_seed is not None:
             torch.manual_seed(generator_seed)
-        gen_out = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            generation_config=gen_config,
-            stopping_criteria=StoppingCriteriaList([stops] if stops else []),
-        )
+        if drop_finished and not (return_logits or return_hidden):
+            processors = logits_processors(
+                temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty
+            )
+            out, stopped = sample_dropping_finished(
+                model,
+                input_ids,
+                attention_mask,
+                max_new_tokens=max_new_tokens,
+                processors=processors,
+                stop_ids=eos_ids,
+                pad_id=tokenizer.pad_token_id,
+                stop_criterion=stops.criterion if stops else None,
+            )
+            if stops:
+                stops.stopped_after = stopped
+        else:
+            gen_out = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=gen_config,
+                stopping_criteria=StoppingCriteriaList([stops] if stops else []),
+            )
+            out = gen_out.sequences
     model.train(was_training)
-    out = gen_out.sequences
 
     response = out[:, context_length:].clone()
     B, T = response.shape
@@ -489,8 +509,9 @@ class Critic(nn.Module):
 
 
 class PolicyAndValue(nn.Module):
-    """The trainable pair. shared: the value head reads the policy's last hidden state (one forward pass);
-    separate: a `Critic` with its own backbone (a second forward pass). compute_dtype bf16: the transformers run
+    """The trainable pair. shared: the value head reads the policy's last hidden state (one forward pass; with
+    `detach_value_input` no value-loss gradient reaches the backbone); separate: a `Critic` with its own backbone
+    (a second forward pass). compute_dtype bf16: the transformers run
     under autocast (their fp32 weights are the master copy); log-probs, entropy and values come out in fp32."""
 
     def __init__(
@@ -499,6 +520,7 @@ class PolicyAndValue(nn.Module):
         value_model: str = "shared",
         critic: Critic | None = None,
         compute_dtype: torch.dtype = torch.float32,
+        detach_value_input: bool = False,
     ):
         super().__init__()
         if value_model not in ("shared", "separate"):
@@ -506,6 +528,7 @@ class PolicyAndValue(nn.Module):
         self.policy = policy
         self.value_model = value_model
         self.compute_dtype = compute_dtype
+        self.detach_value_input = detach_value_input  # shared head: the value loss trains the head alone
         if value_model == "shared":
             self.value_head = ValueHead(hidden_size_of(policy))
         else:
@@ -531,9 +554,10 @@ class PolicyAndValue(nn.Module):
                 self.policy, query_response, attention_mask, context_length, output_hidden=shared
             )
         # fp32 from here: log pi and H[pi] from the upcast logits, V from the fp32 head
-        values = (
-            self.value_head(hidden) if shared else self.critic_values(query_response, attention_mask, context_length)
-        )
+        if shared:
+            values = self.value_head(hidden.detach() if self.detach_value_input else hidden)
+        else:
+            values = self.critic_values(query_response, attention_mask, context_length)
         logprobs, entropy = logprobs_and_entropy(logits, tokens, temperature, return_entropy)
         return _zero_padding(attention_mask[:, context_length:], logprobs, values, entropy)
 

@@ -1,7 +1,8 @@
 """How the pipeline samples a model outside PPO's rollouts (the SFT stage's samples, evaluation, best-of-n). One place,
 so the stages cannot drift apart.
 
-- `sample_responses`: `generate` over all prompts in batches, each batch on its own seeded random stream.
+- `sample_responses`: `generate` over all prompts in batches, each batch on its own seeded random stream; ended
+  answers leave their batch (`rlhflow.decoding`), so a batch's cost follows its answers' lengths.
 - `Sampling`: every setting of one sampling run. PPO must sample the full softmax (its ratios and KL assume it);
   evaluation need not: `evaluate.top_p` and `evaluate.repetition_penalty` may change what the compared models say,
   the same way for both (docs/evaluation.md shows what they do to the SFT model's degenerate answers).
@@ -40,9 +41,11 @@ def sample_responses(
     stop_strings: Sequence[str] = (),
     seed: int | None = None,
     repetition_penalty: float = 1.0,
+    drop_finished: bool = True,
 ) -> list[GenerationOutput]:
     """`generate` over all prompts in batches of `batch_size`, on the model's device. Batch i samples with seed
-    `seed + i`, so two models given the same prompts and seed are compared on the same random streams."""
+    `seed + i`, so two models given the same prompts and seed are compared on the same random streams.
+    drop_finished False: transformers' own `generate`, which keeps ended rows until the batch's last one ends."""
     device = next(model.parameters()).device
     outs = []
     for start in range(0, len(prompt_messages), batch_size):
@@ -60,6 +63,7 @@ def sample_responses(
                 stop_strings=stop_strings,
                 generator_seed=None if seed is None else seed + start,
                 repetition_penalty=repetition_penalty,
+                drop_finished=drop_finished,
             )
         )
     return outs
@@ -76,10 +80,11 @@ class Sampling:
     stop_strings: tuple[str, ...]
     seed: int | None
     batch_size: int
+    decoder: str = "drop_finished"  # rlhflow.decoding; the tokens differ from transformers' generate at one seed
 
     def key(self) -> dict:
         """What the sampled answers depend on, besides the model and the prompts (batch_size too: a batch's rows
-        share one random stream)."""
+        share one random stream; the decoder too: which rows share each draw)."""
         return {**asdict(self), "stop_strings": list(self.stop_strings)}
 
     def sample(self, model, tokenizer, prompt_messages) -> list[GenerationOutput]:
@@ -96,6 +101,7 @@ class Sampling:
             stop_strings=list(self.stop_strings),
             seed=self.seed,
             repetition_penalty=self.repetition_penalty,
+            drop_finished=self.decoder == "drop_finished",
         )
 
 

@@ -278,7 +278,7 @@ def run_ppo(cfg: Config, ctx: StageContext) -> dict[str, float]:
     last = history[-max(1, len(history) // 4) :]  # the final quarter of updates, smoothed
     metrics = {
         f"{k}_final": sum(h[k] for h in last) / len(last)
-        for k in ("ppo/score_mean", "ppo/kl", "ppo/entropy", "ppo/response_length")
+        for k in ("ppo/score_mean", "ppo/kl", "ppo/entropy", "ppo/response_length", "ppo/explained_variance")
         if k in history[-1]
     }
     metrics["ppo/score_mean_first"] = history[0].get("ppo/score_mean", float("nan"))

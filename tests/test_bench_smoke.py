@@ -212,3 +212,18 @@ def test_profile_compare_reports_ratios_and_every_figure_that_moved():
     assert set(moved) == {"evaluate:eval/kl", "evaluate:eval/new"}
     assert moved["evaluate:eval/kl"]["relative"] == pytest.approx(0.01)
     assert moved["evaluate:eval/new"] == {"before": None, "after": 1.0, "relative": None}
+
+
+def test_ppo_settings_seed_table_gives_each_settings_mean_and_t_interval():
+    from bench.ppo_settings import SEED_FIGURES, seed_table
+
+    rows = [
+        {"setting": name, **{f: base + seed for f in SEED_FIGURES}}
+        for name, base in (("shared", 0.0), ("separate", 10.0))
+        for seed in range(3)
+    ]
+    lines = seed_table(rows, ["shared", "separate"]).splitlines()
+    # values base, base+1, base+2: mean base+1, sd 1, t(0.975, 2) = 4.303: half-width 4.303 / sqrt(3) = 2.484
+    assert lines[2].startswith("| `shared` | 3 | 1.000 (-1.484 to 3.484) |")
+    assert lines[3].startswith("| `separate` | 3 | 11.000 (8.516 to 13.484) |")
+    assert len(lines) == 4 and lines[2].count("(") == len(SEED_FIGURES)

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rlhflow.config import PPOConfig
-from rlhflow.policy import sequence_logprobs
+from rlhflow.policy import encode_prompts, sequence_logprobs
 from rlhflow.ppo import core
 from rlhflow.ppo.trainer import NonFiniteError, PPOTrainer
 from tests.fixtures import tiny_llama
@@ -361,3 +361,35 @@ def test_load_reward_fn_binds_its_kwargs_and_rejects_bad_specs():
         load_reward_fn("rlhflow.reward_functions")
     with pytest.raises(ValueError, match="is not a callable"):
         load_reward_fn("rlhflow.reward_functions:nope")
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_shared_value_head_detached_from_the_backbone(tok, tmp_path, detach):
+    """value_head_detach: the value loss's gradient stops at the head; without it the backbone gets one too (once
+    the head is off its zero start: a zero head passes no gradient back)."""
+    trainer = make_trainer(tok, tmp_path, value_head_detach=detach)
+    with torch.no_grad():
+        trainer.model.value_head.summary.weight.fill_(0.1)
+    ids, mask = encode_prompts(tok, [p[-1]["content"] for p in PROMPTS[:4]], 32)
+    _, values, _ = trainer.model(ids, mask, ids.shape[1] - 4, 1.0)
+    trainer.model.zero_grad(set_to_none=True)
+    (values - 1.0).pow(2).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainer.model.value_head.parameters())
+    moved = [p for p in trainer.model.policy.parameters() if p.grad is not None and p.grad.abs().sum() > 0]
+    assert (moved == []) == detach
+
+
+@pytest.mark.parametrize("value_model", ["shared", "separate"])
+def test_value_model_learns_at_its_own_rate_on_the_same_schedule(tok, tmp_path, value_model):
+    trainer = make_trainer(
+        tok, tmp_path, value_model=value_model, learning_rate=1e-2, value_learning_rate=1e-3, lr_schedule="linear"
+    )
+    policy_group, value_group = trainer.optimizer.param_groups
+    value_params = {id(p) for p in trainer.model.value_module().parameters()}
+    assert {id(p) for p in value_group["params"]} == value_params
+    assert not value_params & {id(p) for p in policy_group["params"]}
+    trainer.update()
+    trainer.update()  # update 2 of 4 on the linear schedule: 0.75 of each group's rate
+    assert (policy_group["lr"], value_group["lr"]) == pytest.approx((0.75e-2, 0.75e-3))
+    same = make_trainer(tok, tmp_path, value_model=value_model).optimizer.param_groups
+    assert [g["lr"] for g in same] == [1e-2, 1e-2]  # unset: the policy's rate

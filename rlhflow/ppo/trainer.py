@@ -181,7 +181,10 @@ class PPOTrainer(Checkpoints):
             ref_policy = linear_weights_to(ref_policy, self.dtype)
         self.ref_policy = ref_policy
 
-        self.model = PolicyAndValue(policy, cfg.value_model, critic, compute_dtype=self.dtype).to(self.device).eval()
+        self.model = PolicyAndValue(
+            policy, cfg.value_model, critic, compute_dtype=self.dtype, detach_value_input=cfg.value_head_detach
+        )
+        self.model = self.model.to(self.device).eval()
         disable_dropout(self.model)  # LoRA's dropout too: training may switch to train mode (checkpointing)
         if cfg.gradient_checkpointing:
             _checkpoint_activations(policy)
@@ -209,8 +212,20 @@ class PPOTrainer(Checkpoints):
         )
         # the fused kernel: one pass over each tensor instead of a dozen (same update rule; ~1.8x faster on CPU)
         fused = self.device.type in ("cpu", "cuda") and all(p.is_floating_point() for p in self.params)
+        # two groups: the value model may learn at its own rate (ppo.value_learning_rate); equal rates, one update rule
+        value_ids = {id(p) for p in self.model.value_module().parameters()}
+        groups = [
+            {"params": [p for p in self.params if id(p) not in value_ids], "base_lr": cfg.learning_rate},
+            {
+                "params": [p for p in self.params if id(p) in value_ids],
+                "base_lr": cfg.value_learning_rate or cfg.learning_rate,
+            },
+        ]
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.learning_rate, eps=cfg.adam_eps, weight_decay=cfg.weight_decay, fused=fused or None
+            [{**g, "lr": g["base_lr"]} for g in groups if g["params"]],
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+            fused=fused or None,
         )
         if cfg.adaptive_kl.enabled:
             self.kl_ctl = core.AdaptiveKLController(cfg.kl_coef, cfg.adaptive_kl.target, cfg.adaptive_kl.horizon)
@@ -514,7 +529,7 @@ class PPOTrainer(Checkpoints):
                 raise ValueError("reward_normalization=sft needs the SFT score statistics, which the checkpoint lacks")
             self._fit_sft_scores()  # no update yet: the policy is the SFT model
         for group in self.optimizer.param_groups:
-            group["lr"] = core.learning_rate(self.cfg.learning_rate, update, self.cfg.steps, self.cfg.lr_schedule)
+            group["lr"] = core.learning_rate(group["base_lr"], update, self.cfg.steps, self.cfg.lr_schedule)
         batch, stats = self._rollout(update)
         t0 = time.perf_counter()
         stats.update(self._optimize(batch, update))

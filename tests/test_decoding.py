@@ -1,0 +1,125 @@
+"""The evaluation's decoder (rlhflow/decoding.py) samples as transformers' generate does, while ended rows leave the
+batch and the KV cache."""
+
+import pytest
+import torch
+
+from rlhflow import decoding
+from rlhflow.decoding import logits_processors, sample_dropping_finished
+from rlhflow.policy import encode_prompts, generate
+from tests.fixtures import tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = [
+    "hello",
+    "Please explain how photosynthesis works in simple terms.",
+    "What is the capital of France?",
+    "Tell me a story",
+    "a",
+    "Write three words about the sea, and then stop.",
+]
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    """Weights large enough that greedy answers differ from row to row (a fresh tiny model repeats one token)."""
+    model = tiny_llama(tok, hidden=48).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for weight in model.parameters():
+            if weight.dim() > 1:
+                weight.copy_(torch.randn(weight.shape, generator=generator) * 0.3)
+    return model
+
+
+def _hf(model, ids, mask, *, stop_ids, max_new_tokens, pad_id, **sampling):
+    greedy = sampling.pop("greedy", False)
+    return model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=not greedy,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=stop_ids,
+        pad_token_id=pad_id,
+        **({} if greedy else sampling),
+    )
+
+
+def _a_token_rows_reach_at_different_steps(greedy: torch.Tensor, context: int, pad_id: int) -> int:
+    """A token id that the greedy answers first emit at different steps (and some never): as a stop id it ends the
+    rows at different steps."""
+    firsts: dict[int, set[int]] = {}
+    for row in greedy[:, context:].tolist():
+        seen = set()
+        for step, t in enumerate(row):
+            if t not in seen and t != pad_id:
+                seen.add(t)
+                firsts.setdefault(t, set()).add(step)
+    return max(firsts, key=lambda t: (len(firsts[t]), -min(firsts[t])))
+
+
+@pytest.mark.parametrize("evict_share", [0.0, 0.25, 2.0])  # evict at every end, the default, never
+def test_greedy_answers_equal_generate_while_rows_leave(tok, model, monkeypatch, evict_share):
+    monkeypatch.setattr(decoding, "EVICT_SHARE", evict_share)
+    ids, mask = encode_prompts(tok, PROMPTS, 64)
+    pad, P = tok.pad_token_id, ids.shape[1]
+    free = _hf(model, ids, mask, stop_ids=[], max_new_tokens=16, pad_id=pad, greedy=True)
+    stop = _a_token_rows_reach_at_different_steps(free, P, pad)
+    expected = _hf(model, ids, mask, stop_ids=[stop], max_new_tokens=16, pad_id=pad, greedy=True)
+    ends = {row.index(stop) for row in expected[:, P:].tolist() if stop in row}
+    assert len(ends) >= 2  # rows end at different steps: the batch shrinks while decoding
+    got, stopped = sample_dropping_finished(
+        model,
+        ids,
+        mask,
+        max_new_tokens=16,
+        processors=logits_processors(temperature=1e-6, top_k=0, top_p=1.0, repetition_penalty=1.0),
+        stop_ids=[stop],
+        pad_id=pad,
+    )
+    assert got.tolist() == expected.tolist() and stopped == [None] * len(PROMPTS)
+
+
+def test_sampled_tokens_equal_generate_at_one_seed_while_no_row_ends(tok, model):
+    """Same random stream, same processors in the same order (repetition penalty, temperature, top-k, top-p): the
+    same draws, as long as the batch keeps all its rows."""
+    ids, mask = encode_prompts(tok, PROMPTS, 64)
+    settings = dict(temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.3)
+    torch.manual_seed(5)
+    expected = _hf(model, ids, mask, stop_ids=[], max_new_tokens=12, pad_id=tok.pad_token_id, **settings)
+    torch.manual_seed(5)
+    got, _ = sample_dropping_finished(
+        model,
+        ids,
+        mask,
+        max_new_tokens=12,
+        processors=logits_processors(**settings),
+        stop_ids=[],
+        pad_id=tok.pad_token_id,
+    )
+    assert got.tolist() == expected.tolist()
+
+
+def test_generate_drop_finished_ends_rows_at_eos_and_stop_strings(tok, model):
+    ids, mask = encode_prompts(tok, PROMPTS * 2, 64)
+    out = generate(
+        model,
+        tok,
+        ids,
+        mask,
+        max_new_tokens=12,
+        temperature=1.0,
+        stop_strings=["e"],
+        generator_seed=0,
+        drop_finished=True,
+    )
+    assert out.ended.any()
+    for i, text in enumerate(out.texts):
+        n = int(out.response_mask[i].sum())
+        kept = out.response[i, :n].tolist()
+        assert (out.response[i, n:] == tok.pad_token_id).all() and "e" not in text
+        if out.ended[i] and kept[-1] != tok.eos_token_id:
+            assert "e" in tok.decode(kept) and "e" not in tok.decode(kept[:-1])  # cut at the completing token
+        elif not out.ended[i]:
+            assert n == 12
