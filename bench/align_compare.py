@@ -1,39 +1,105 @@
-"""PPO, GRPO, RLOO and DPO side by side on the same validated data, judged by the same evaluation.
+"""PPO, GRPO, RLOO and DPO compared like for like on the same validated data, judged by the same evaluation.
 
-    .venv/bin/python -m bench.align_compare                   # the four at their defaults, then the table
-    .venv/bin/python -m bench.align_compare --dpo-equal-time  # and DPO again, given PPO's wall time
-    .venv/bin/python -m bench.align_compare --table-only      # the table from the runs already in MLflow
+    .venv/bin/python -m bench.align_compare --betas 0.4,1,2.5 --seeds 3   # each beta curve, 3 training seeds
+    .venv/bin/python -m bench.align_compare --algorithms ppo,grpo         # one point each, default beta
+    .venv/bin/python -m bench.align_compare --dpo-equal-time              # and DPO again, given PPO's wall time
+    .venv/bin/python -m bench.align_compare --table-only ...              # the table from the runs already in MLflow
 
-The defaults are an equal budget of generated responses: PPO samples `ppo.steps * ppo.batch_size` responses,
-GRPO and RLOO `align.steps * align.batch_size` (in groups of `num_generations`), 160 each on params.yaml. DPO
-generates none; `--dpo-equal-time` adds a DPO point whose `align.steps` gives it the wall time of PPO's stage
-(from DPO's own seconds per step at its default).
+Equal budgets (`EQUAL_BUDGET`): PPO, GRPO and RLOO each generate 160 responses to 40 distinct prompts (4 per
+prompt) and take 40 optimiser steps of 4 responses: PPO 20 rollouts of 8 (`ppo.samples_per_prompt=4`, two
+minibatches each); GRPO and RLOO 20 generations of 8 split into 2 steps each (`align.steps_per_generation=2`). The
+budgets are computed from each point's settings (`rlhflow.align_config.training_budget`) and must be equal before
+anything runs. DPO generates nothing; it reads preference pairs, and `--dpo-equal-time` gives it PPO's wall time.
 
-The runs are one sweep over `align.algorithm` (flows/sweep.py: upstream stages shared, finished points reused),
-so every algorithm starts from the same SFT model and proxy and is scored by the same judge on the same prompts.
-The table (Markdown, on stdout and in `reports/align_compare.md`) takes each point's newest finished pipeline
-run: the ppo stage's wall time, the judge's win rate and length-controlled win rate against the SFT model with
-95% intervals, the proxy reward, KL to the SFT model, EOS share and answer length.
+Each algorithm's KL weight is swept (`--betas`: multiples of its default, `BETA_KEYS`) since the three define the
+penalty differently (PPO k1 summed into the reward, GRPO k3 per token in the loss, RLOO k1 in the reward): the
+table compares judge win rate against KL to the SFT model, which the evaluate stage measures the same way for every
+policy. Every algorithm's points are one sweep (flows/sweep.py: upstream stages shared and run once, finished
+points reused, `--seeds N` training seeds per point with the splits and the judge fixed).
+
+The table (Markdown, on stdout and in `reports/align_compare.md`) gives per algorithm and beta the budget, the
+ppo stage's wall time and, on the test split, the judge's win rate against the SFT model (all answers and where
+both answers ended), the proxy reward, KL to the SFT model, the ended share and answer length: with one seed each
+with its 95% conversation-bootstrap interval, with several the mean over seeds and its 95% Student-t interval.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
+from dataclasses import dataclass
 
+from rlhflow.align_config import training_budget
 from rlhflow.config import Config, add_overrides_argument, load_config
 
 ALGORITHMS = ["ppo", "grpo", "rloo", "dpo"]
+ONLINE = ("ppo", "grpo", "rloo")
 REPORT = "reports/align_compare.md"
+# each online algorithm: 160 responses, 40 prompts, 40 optimiser steps on params.yaml's ppo and align sections
+EQUAL_BUDGET: dict[str, list[str]] = {
+    "ppo": ["ppo.samples_per_prompt=4"],
+    "grpo": ["align.steps=40", "align.batch_size=4", "align.steps_per_generation=2"],
+    "rloo": ["align.steps=40", "align.batch_size=4", "align.steps_per_generation=2"],
+    "dpo": [],
+}
+BETA_KEYS = {"ppo": "ppo.kl_coef", "grpo": "align.grpo.beta", "rloo": "align.rloo.beta", "dpo": "align.dpo.beta"}
+FIGURES = [  # (column, metric, its interval's name)
+    ("judge win rate", "eval/judge_win_rate_vs_sft", "eval/judge_win_rate"),
+    ("judge win rate, both ended", "eval/judge_win_rate_both_ended", None),
+    ("proxy reward", "eval/reward_mean", None),
+    ("KL to SFT", "eval/kl", None),
+    ("ended share", "eval/answers_ended", None),
+    ("answer tokens", "eval/answer_tokens", None),
+]
 
 
-def generated_responses(cfg: Config) -> int:
-    if cfg.align.algorithm == "ppo":
-        return cfg.ppo.steps * cfg.ppo.batch_size
-    if cfg.align.algorithm == "dpo":
-        return 0
-    return cfg.align.steps * cfg.align.batch_size
+@dataclass
+class Point:
+    algorithm: str
+    beta: str
+    seed: int | None
+    overrides: list[str]
+    cfg: Config
+
+    def budget(self) -> dict[str, int]:
+        return training_budget(self.algorithm, self.cfg.ppo, self.cfg.align)
+
+
+def algorithm_overrides(algorithm: str, overrides: list[str]) -> list[str]:
+    return [*overrides, f"align.algorithm={algorithm}", *EQUAL_BUDGET[algorithm]]
+
+
+def betas(algorithm: str, overrides: list[str], scales: list[float]) -> list[str]:
+    """The algorithm's KL weights: its default (with the overrides) times each scale."""
+    cfg = load_config(overrides=algorithm_overrides(algorithm, overrides))
+    default = functools.reduce(getattr, BETA_KEYS[algorithm].split("."), cfg)
+    return [f"{default * s:.4g}" for s in scales]
+
+
+def make_points(algorithms: list[str], overrides: list[str], scales: list[float], seeds: int) -> list[Point]:
+    """Every point the comparison runs, as the sweep runs it (seed, seed + 1, ... when seeds > 1)."""
+    base_seed = load_config(overrides=overrides).seed
+    points = []
+    for algorithm in algorithms:
+        for beta in betas(algorithm, overrides, scales):
+            for i in range(seeds):
+                seed = None if seeds == 1 else base_seed + i
+                extra = [f"{BETA_KEYS[algorithm]}={beta}"] + ([] if seed is None else [f"seed={seed}"])
+                full = algorithm_overrides(algorithm, overrides) + extra
+                points.append(Point(algorithm, beta, seed, full, load_config(overrides=full)))
+    return points
+
+
+def check_equal_budgets(points: list[Point]) -> dict[str, int]:
+    """The online algorithms' common budget; exits naming each point's budget when they differ."""
+    budgets = {(p.algorithm, p.beta): p.budget() for p in points if p.algorithm in ONLINE}
+    distinct = {tuple(sorted(b.items())) for b in budgets.values()}
+    if len(distinct) > 1:
+        listed = "; ".join(f"{a} beta {beta}: {b}" for (a, beta), b in budgets.items())
+        raise SystemExit(f"the algorithms' budgets differ, nothing was run: {listed}")
+    return dict(distinct.pop()) if distinct else {}
 
 
 def _pipeline_runs(cfg: Config) -> dict[str, tuple[object, object]]:
@@ -65,91 +131,116 @@ def _pipeline_runs(cfg: Config) -> dict[str, tuple[object, object]]:
     return found
 
 
-def _interval(m: dict, name: str, interval: str | None = None) -> str:
-    """`name` with its 95% interval, `<interval>_ci_low`/`_ci_high` (default: the name's own)."""
-    if name not in m:
-        return "n/a"
+def _cell(metrics: list[dict], name: str, interval: str | None) -> str:
+    """One seed: the figure with its bootstrap interval (where it has one); several: the mean over seeds and its
+    Student-t interval."""
+    from rlhflow.evaluation.stats import across_seeds
+
+    values = [m.get(name, math.nan) for m in metrics]
+    if len(metrics) > 1:
+        mean, low, high = across_seeds(values)
+        return f"{mean:.3f} ({low:.3f} to {high:.3f})"
     interval = interval or name
-    low, high = m.get(f"{interval}_ci_low", math.nan), m.get(f"{interval}_ci_high", math.nan)
-    return f"{m[name]:.3f} ({low:.3f}-{high:.3f})"
+    m = metrics[0]
+    if f"{interval}_ci_low" in m:
+        return f"{values[0]:.3f} ({m[f'{interval}_ci_low']:.3f} to {m[f'{interval}_ci_high']:.3f})"
+    return f"{values[0]:.3f}"
 
 
-def table(points: list[tuple[str, Config]]) -> str:
+def table(points: list[Point]) -> str:
     from rlhfops import tracking
 
-    runs = _pipeline_runs(points[0][1])
-    lines = [
-        "| algorithm | point | responses generated | ppo stage (s) | judge win rate | judge LC win rate "
-        "| proxy win rate | proxy reward | KL to SFT | EOS share | answer words |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for label, cfg in points:
-        run, stage = runs.get(tracking.params_digest(cfg), (None, None))
-        if run is None:
-            lines.append(
-                f"| {cfg.align.algorithm} | {label} | {generated_responses(cfg)} | no finished run |" + " |" * 7
-            )
+    runs = _pipeline_runs(points[0].cfg)
+    head = ["algorithm", "beta", "seeds", "responses", "prompts", "optimizer steps", "ppo stage (s)"]
+    head += [column for column, _, _ in FIGURES]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    groups: dict[tuple[str, str], list[Point]] = {}
+    for p in points:
+        groups.setdefault((p.algorithm, p.beta), []).append(p)
+    for (algorithm, beta), group in groups.items():
+        found = [runs[d] for d in (tracking.params_digest(p.cfg) for p in group) if d in runs]
+        b = group[0].budget()
+        row = [algorithm, beta, f"{len(found)}/{len(group)}", b["responses"], b["prompts"], b["optimizer_steps"]]
+        if not found:
+            lines.append("| " + " | ".join(map(str, row)) + " | no finished run |" + " |" * (len(FIGURES) - 1))
             continue
-        m = run.data.metrics
-        wall = stage.data.metrics.get("time/ppo_s", math.nan) if stage is not None else math.nan
-        lines.append(
-            f"| {cfg.align.algorithm} | {label} | {generated_responses(cfg)} | {wall:.0f} "
-            f"| {_interval(m, 'eval/judge_win_rate_vs_sft', 'eval/judge_win_rate')} "
-            f"| {_interval(m, 'eval/judge_win_rate_lc')} "
-            f"| {_interval(m, 'eval/win_rate_vs_sft', 'eval/win_rate')} | {_interval(m, 'eval/reward_mean')} "
-            f"| {m.get('eval/kl', math.nan):.2f} | {m.get('eval/eos_fraction', math.nan):.2f} "
-            f"| {m.get('eval/response_length', math.nan):.1f} |"
-        )
+        walls = [s.data.metrics.get("time/ppo_s", math.nan) for _, s in found if s is not None]
+        row.append(f"{sum(walls) / len(walls):.0f}" if walls else "n/a")
+        metrics = [run.data.metrics for run, _ in found]
+        row += [_cell(metrics, name, interval) for _, name, interval in FIGURES]
+        lines.append("| " + " | ".join(map(str, row)) + " |")
     return "\n".join(lines)
 
 
-def dpo_equal_time_steps(points: list[tuple[str, Config]]) -> int | None:
-    """align.steps for a DPO run as long as PPO's stage, from the finished default runs of both."""
+def dpo_equal_time_steps(points: list[Point]) -> int | None:
+    """align.steps for a DPO run as long as PPO's stage, from finished runs of both (the first seed of each)."""
     from rlhfops import tracking
 
-    runs = _pipeline_runs(points[0][1])
+    runs = _pipeline_runs(points[0].cfg)
     seconds = {}
-    for _, cfg in points:
-        _, stage = runs.get(tracking.params_digest(cfg), (None, None))
+    for p in points:
+        _, stage = runs.get(tracking.params_digest(p.cfg), (None, None))
         if stage is not None and "time/ppo_s" in stage.data.metrics:
-            seconds[cfg.align.algorithm] = (stage.data.metrics["time/ppo_s"], cfg)
+            seconds.setdefault(p.algorithm, (stage.data.metrics["time/ppo_s"], p.cfg))
     if "ppo" not in seconds or "dpo" not in seconds:
         return None
-    ppo_s, dpo = seconds["ppo"][0], seconds["dpo"]
-    return max(1, round(ppo_s / (dpo[0] / dpo[1].align.steps)))
+    ppo_s, (dpo_s, dpo) = seconds["ppo"][0], seconds["dpo"]
+    return max(1, round(ppo_s / (dpo_s / dpo.align.steps)))
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated align.algorithm values")
+    parser.add_argument("--betas", default="1", help="comma-separated multiples of each algorithm's default beta")
+    parser.add_argument("--seeds", type=int, default=1, help="training seeds per point")
     parser.add_argument("--dpo-equal-time", action="store_true", help="add DPO at PPO's wall time")
     parser.add_argument("--table-only", action="store_true", help="no runs: the table from MLflow")
     add_overrides_argument(parser, "params.yaml overrides for every point")
     args = parser.parse_args(argv)
-    base = load_config(overrides=args.overrides)
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    points = [
-        (f"align.algorithm={a}", load_config(overrides=[*args.overrides, f"align.algorithm={a}"])) for a in algorithms
-    ]
+    unknown = sorted(set(algorithms) - set(ALGORITHMS))
+    if unknown:
+        parser.error(f"unknown algorithm(s) {unknown}; choose from {ALGORITHMS}")
+    scales = [float(s) for s in args.betas.split(",")]
+    points = make_points(algorithms, args.overrides, scales, args.seeds)
+    budget = check_equal_budgets(points)  # before any work
+    print(f"equal budget of {', '.join(a for a in algorithms if a in ONLINE)}: {budget}", flush=True)
 
     if not args.table_only:
         from flows.sweep import rlhf_sweep
 
-        rlhf_sweep(grid={"align.algorithm": algorithms}, overrides=args.overrides, best_of_n=[], config=base)
+        for algorithm in algorithms:
+            grid = {BETA_KEYS[algorithm]: betas(algorithm, args.overrides, scales)}
+            rlhf_sweep(
+                grid=grid,
+                overrides=algorithm_overrides(algorithm, args.overrides),
+                best_of_n=[],
+                config=load_config(overrides=args.overrides),
+                seeds=args.seeds,
+            )
     if args.dpo_equal_time:
         steps = dpo_equal_time_steps(points)
         if steps is None:
             sys.exit("--dpo-equal-time needs finished ppo and dpo points first")
-        extra = [*args.overrides, "align.algorithm=dpo", f"align.steps={steps}"]
+        timed = [*args.overrides, f"align.steps={steps}"]
         if not args.table_only:
             from flows.sweep import rlhf_sweep
 
-            rlhf_sweep(grid={"align.steps": [str(steps)]}, overrides=extra[:-1], best_of_n=[], config=base)
-        points.append((f"align.algorithm=dpo, align.steps={steps} (PPO's wall time)", load_config(overrides=extra)))
+            rlhf_sweep(
+                grid={"align.steps": [str(steps)]},
+                overrides=algorithm_overrides("dpo", args.overrides),
+                best_of_n=[],
+                config=load_config(overrides=args.overrides),
+                seeds=args.seeds,
+            )
+        for p in make_points(["dpo"], timed, [1.0], args.seeds):
+            p.beta = f"{p.beta}, {steps} steps (PPO's wall time)"
+            points.append(p)
 
     markdown = table(points)
     from rlhflow.fsutil import write_text_atomic
 
+    base = load_config(overrides=args.overrides)
     write_text_atomic(base.path(REPORT), markdown + "\n")
     print(markdown)
 

@@ -282,6 +282,7 @@ def trainer_args(cfg: Config, device: torch.device, work_dir: str | Path):
         top_p=p.top_p,
         repetition_penalty=1.0,
         remove_unused_columns=False,
+        steps_per_generation=a.steps_per_generation,
         num_iterations=1,
         mask_truncated_completions=False,
     )

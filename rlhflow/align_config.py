@@ -127,6 +127,13 @@ class AlignConfig(Section):
         description="steps between Trainer checkpoints (in ppo.checkpoint_dir) of grpo, rloo and dpo; a killed run "
         "resumes from the last (0: none)",
     )
+    steps_per_generation: int = Field(
+        1,
+        ge=1,
+        description="grpo and rloo: optimisation steps per generation (trl's steps_per_generation): each generation "
+        "samples batch_size * steps_per_generation completions and splits them into that many steps, as PPO "
+        "splits a rollout into minibatches",
+    )
     grpo: GRPOSettings = GRPOSettings()
     rloo: RLOOSettings = RLOOSettings()
     dpo: DPOSettings = DPOSettings()
@@ -135,9 +142,30 @@ class AlignConfig(Section):
     def _groups_fill_the_batch(self) -> AlignConfig:
         if self.algorithm in ("grpo", "rloo"):
             n = getattr(self, self.algorithm).num_generations
-            if self.batch_size % n:
+            if (self.batch_size * self.steps_per_generation) % n:
                 raise ValueError(
-                    f"align.batch_size ({self.batch_size}) must be a multiple of "
-                    f"align.{self.algorithm}.num_generations ({n}): each step samples whole groups"
+                    f"align.batch_size ({self.batch_size}) * align.steps_per_generation ({self.steps_per_generation}) "
+                    f"must be a multiple of align.{self.algorithm}.num_generations ({n}): each generation samples "
+                    "whole groups"
                 )
         return self
+
+
+def training_budget(algorithm: str, ppo, align: AlignConfig) -> dict[str, int]:
+    """What an algorithm's run spends, from its settings: responses it generates, distinct prompts they answer (DPO:
+    preference pairs it reads) and optimiser steps. Comparing algorithms like for like means equal figures here."""
+    if algorithm == "ppo":
+        return {
+            "responses": ppo.steps * ppo.batch_size,
+            "prompts": ppo.steps * ppo.batch_size // ppo.samples_per_prompt,
+            "optimizer_steps": ppo.steps * ppo.ppo_epochs * (ppo.batch_size // ppo.mini_batch_size),
+        }
+    if algorithm == "dpo":
+        return {"responses": 0, "prompts": align.steps * align.batch_size, "optimizer_steps": align.steps}
+    generations = -(-align.steps // align.steps_per_generation)  # trl samples a new batch every that many steps
+    responses = generations * align.batch_size * align.steps_per_generation
+    return {
+        "responses": responses,
+        "prompts": responses // getattr(align, algorithm).num_generations,
+        "optimizer_steps": align.steps,
+    }

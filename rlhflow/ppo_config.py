@@ -21,8 +21,14 @@ class PPOConfig(Section):
     batch_size: int = Field(
         8,
         ge=1,
-        description="prompts per rollout, over all processes of an `accelerate launch` "
+        description="responses per rollout, over all processes of an `accelerate launch` "
         "(each of N takes batch_size / N)",
+    )
+    samples_per_prompt: int = Field(
+        1,
+        ge=1,
+        description="responses sampled per prompt in a rollout: batch_size / samples_per_prompt distinct prompts "
+        "per update (GRPO and RLOO sample such groups; PPO's baseline stays its critic)",
     )
     mini_batch_size: int = Field(4, ge=1, description="responses per optimisation step, over all processes")
     ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
@@ -131,5 +137,10 @@ class PPOConfig(Section):
         if self.batch_size % self.mini_batch_size:
             raise ValueError(
                 f"ppo.batch_size ({self.batch_size}) must be a multiple of ppo.mini_batch_size ({self.mini_batch_size})"
+            )
+        if self.batch_size % self.samples_per_prompt:
+            raise ValueError(
+                f"ppo.batch_size ({self.batch_size}) must be a multiple of ppo.samples_per_prompt "
+                f"({self.samples_per_prompt}): each prompt of a rollout is sampled that many times"
             )
         return self

@@ -193,6 +193,11 @@ def test_trainer_arguments_follow_the_ppo_sampling_settings_and_stay_fp32_on_cpu
     assert args.bf16 is False and args.fp16 is False and args.gradient_checkpointing is False
     assert (args.num_generations, args.beta, args.loss_type, args.max_steps) == (4, 0.04, "dr_grpo", 20)
     assert args.save_steps == 8 and args.logging_steps == 1
+    assert (args.steps_per_generation, args.generation_batch_size) == (1, 8)  # one generation per step
+    # steps_per_generation: one generation of 8 completions (2 prompts x 4) serves 2 steps of 4, as PPO's minibatches
+    split = load_config(overrides=["align.algorithm=rloo", "align.batch_size=4", "align.steps_per_generation=2"])
+    args = align.trainer_args(split, torch.device("cpu"), tmp_path)
+    assert (args.per_device_train_batch_size, args.steps_per_generation, args.generation_batch_size) == (4, 2, 8)
     dpo = align.trainer_args(
         load_config(overrides=["align.algorithm=dpo", "align.dpo.beta=0.3"]), torch.device("cpu"), tmp_path
     )

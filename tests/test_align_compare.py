@@ -1,5 +1,5 @@
-"""bench/align_compare.py on a real MLflow store: the table takes each point's newest finished pipeline run and its
-ppo stage's wall time, and DPO's equal-time steps come from PPO's stage time and DPO's seconds per step."""
+"""bench/align_compare.py: the algorithms' budgets are equal before any run, each algorithm's beta is swept, and on a
+real MLflow store the table takes each point's newest finished pipeline run per seed, with intervals."""
 
 from __future__ import annotations
 
@@ -7,23 +7,23 @@ import mlflow
 import pytest
 
 from bench import align_compare
+from rlhflow.align_config import training_budget
 from rlhflow.config import load_config
 from rlhfops import tracking
 
 
 @pytest.fixture
-def points(tmp_path):
-    base = [f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"]
-    return [
-        (f"align.algorithm={a}", load_config(overrides=[*base, f"align.algorithm={a}"])) for a in ("ppo", "grpo", "dpo")
-    ]
+def store(tmp_path):
+    return [f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"]
 
 
-def log_point(cfg, stage_seconds: float, judge_win_rate: float, status: str = "FINISHED") -> None:
+def log_point(cfg, stage_seconds: float, judge_win_rate: float, kl: float = 2.5, status: str = "FINISHED") -> None:
     with tracking.pipeline_run(cfg) as parent:
         mlflow.log_metrics(
             {
-                "eval/kl": 2.5,
+                "eval/kl": kl,
+                "eval/kl_ci_low": kl - 0.5,
+                "eval/kl_ci_high": kl + 0.5,
                 "eval/judge_win_rate_vs_sft": judge_win_rate,
                 "eval/judge_win_rate_ci_low": judge_win_rate - 0.1,
                 "eval/judge_win_rate_ci_high": judge_win_rate + 0.1,
@@ -35,22 +35,76 @@ def log_point(cfg, stage_seconds: float, judge_win_rate: float, status: str = "F
             mlflow.end_run(status=status)
 
 
-def test_the_table_reads_each_points_newest_finished_run(points):
-    ppo, grpo, dpo = (cfg for _, cfg in points)
-    tracking.setup(ppo)
-    log_point(ppo, 400.0, 0.60)
-    log_point(ppo, 420.0, 0.85)  # newer: this one counts
-    log_point(grpo, 500.0, 0.75, status="FAILED")  # not finished: no row
-    log_point(dpo, 1000.0, 0.58)
+def test_the_equal_budget_settings_give_every_online_algorithm_the_same_budget():
+    """160 responses to 40 prompts in 40 optimiser steps for PPO, GRPO and RLOO; checked on the settings themselves."""
+    for algorithm in align_compare.ONLINE:
+        cfg = load_config(overrides=align_compare.algorithm_overrides(algorithm, []))
+        assert training_budget(algorithm, cfg.ppo, cfg.align) == {
+            "responses": 160,
+            "prompts": 40,
+            "optimizer_steps": 40,
+        }
+    # the algorithms' own defaults are not like for like: PPO 160 prompts and 40 steps, GRPO 40 prompts and 20 steps
+    cfg = load_config()
+    assert training_budget("ppo", cfg.ppo, cfg.align) == {"responses": 160, "prompts": 160, "optimizer_steps": 40}
+    assert training_budget("grpo", cfg.ppo, cfg.align) == {"responses": 160, "prompts": 40, "optimizer_steps": 20}
+
+
+def test_unequal_budgets_stop_the_comparison_before_any_run(store, monkeypatch):
+    ran = []
+    monkeypatch.setattr("flows.sweep.rlhf_sweep", lambda **kw: ran.append(kw))
+    with pytest.raises(
+        SystemExit,
+        match=r"nothing was run: ppo beta 0.05: \{'responses': 80, .*grpo beta 0.04: \{'responses': 160",
+    ):
+        align_compare.main(
+            ["--algorithms", "ppo,grpo", "--set", "ppo.steps=10", *sum([["--set", o] for o in store], [])]
+        )
+    assert ran == []
+
+
+def test_betas_are_multiples_of_each_algorithms_default_and_seeds_follow_the_sweep(store):
+    points = align_compare.make_points(["ppo", "grpo"], store, [0.5, 1.0], seeds=2)
+    assert [(p.algorithm, p.beta, p.seed) for p in points] == [
+        ("ppo", "0.025", 0),
+        ("ppo", "0.025", 1),
+        ("ppo", "0.05", 0),
+        ("ppo", "0.05", 1),
+        ("grpo", "0.02", 0),
+        ("grpo", "0.02", 1),
+        ("grpo", "0.04", 0),
+        ("grpo", "0.04", 1),
+    ]
+    assert points[1].cfg.ppo.kl_coef == 0.025 and points[1].cfg.seed == 1 and points[1].cfg.ppo.samples_per_prompt == 4
+    assert points[-1].cfg.align.grpo.beta == 0.04 and points[-1].cfg.align.steps_per_generation == 2
+
+
+def test_the_table_aggregates_seeds_and_reads_each_points_newest_finished_run(store):
+    points = align_compare.make_points(["ppo", "grpo", "rloo"], store, [1.0], seeds=2)
+    ppo0, ppo1, grpo0, grpo1 = (p.cfg for p in points[:4])
+    tracking.setup(ppo0)
+    log_point(ppo0, 400.0, 0.60)
+    log_point(ppo0, 420.0, 0.80, kl=3.0)  # newer: this one counts for seed 0
+    log_point(ppo1, 440.0, 0.90, kl=5.0)
+    log_point(grpo0, 500.0, 0.75)
+    log_point(grpo1, 500.0, 0.75, status="FAILED")  # not finished: one of two seeds found
     rows = align_compare.table(points).splitlines()[2:]
-    assert rows[0].startswith("| ppo | align.algorithm=ppo | 160 | 420 | 0.850 (0.750-0.950) |")
-    assert "no finished run" in rows[1]
-    assert rows[2].startswith("| dpo | align.algorithm=dpo | 0 | 1000 | 0.580 (0.480-0.680) |")
+    # two seeds: the mean and its t interval, 0.85 +- 12.706 * 0.0707 / sqrt(2) = 0.85 +- 0.635
+    assert rows[0].startswith("| ppo | 0.05 | 2/2 | 160 | 40 | 40 | 430 | 0.850 (0.215 to 1.485) |")
+    assert "| 4.000 (-8.706 to 16.706) |" in rows[0]  # KL 3 and 5
+    # one seed found: its own bootstrap interval
+    assert rows[1].startswith("| grpo | 0.04 | 1/2 | 160 | 40 | 40 | 500 | 0.750 (0.650 to 0.850) |")
+    assert "| 2.500 (2.000 to 3.000) |" in rows[1]
+    assert "no finished run" in rows[2] and rows[2].startswith("| rloo | 0.05 | 0/2 |")
+
+
+def test_dpo_equal_time_steps_from_ppo_and_dpo_stage_times(store):
+    points = align_compare.make_points(["ppo", "dpo"], store, [1.0], seeds=1)
+    ppo, dpo = (p.cfg for p in points)
+    tracking.setup(ppo)
+    assert align_compare.dpo_equal_time_steps(points) is None  # needs both runs
+    log_point(ppo, 420.0, 0.85)
+    assert align_compare.dpo_equal_time_steps(points) is None
+    log_point(dpo, 1000.0, 0.58)
     # DPO ran 20 steps in 1000 s: PPO's 420 s buy 8 of them
     assert align_compare.dpo_equal_time_steps(points) == round(420 / (1000 / dpo.align.steps))
-
-
-def test_equal_time_needs_both_runs(points):
-    tracking.setup(points[0][1])
-    log_point(points[0][1], 420.0, 0.85)
-    assert align_compare.dpo_equal_time_steps(points) is None

@@ -215,6 +215,8 @@ def test_dvc_metrics_equal_the_mlflow_metrics(dvc_repo):
     ]:
         assert key in evaluate
     assert any(key.startswith("rm/accuracy_conf_") for key in evaluate)
+    assert evaluate["eval/kl_ci_low"] <= evaluate["eval/kl"] <= evaluate["eval/kl_ci_high"]
+    assert evaluate["eval/kl_ci_low"] < evaluate["eval/kl_ci_high"]
 
 
 @pytest.mark.system

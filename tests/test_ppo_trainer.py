@@ -393,3 +393,15 @@ def test_value_model_learns_at_its_own_rate_on_the_same_schedule(tok, tmp_path, 
     assert (policy_group["lr"], value_group["lr"]) == pytest.approx((0.75e-2, 0.75e-3))
     same = make_trainer(tok, tmp_path, value_model=value_model).optimizer.param_groups
     assert [g["lr"] for g in same] == [1e-2, 1e-2]  # unset: the policy's rate
+
+
+def test_samples_per_prompt_samples_each_drawn_prompt_that_many_times(tok, tmp_path):
+    trainer = make_trainer(tok, tmp_path, batch_size=16, samples_per_prompt=4)
+    first, second = trainer._next_prompts(), trainer._next_prompts()
+    for idx in (first, second):
+        assert len(idx) == 16 and len(set(idx)) == 4
+        assert all(idx[g * 4 : g * 4 + 4] == [idx[g * 4]] * 4 for g in range(4))  # groups of one prompt
+    one = make_trainer(tok, tmp_path, batch_size=16)._next_prompts()
+    assert first[::4] + second[::4] == one[:8]  # the same seeded prompt order, each drawn prompt repeated
+    with pytest.raises(ValueError, match="multiple of ppo.samples_per_prompt"):
+        PPOConfig(batch_size=8, mini_batch_size=4, samples_per_prompt=3)

@@ -501,9 +501,10 @@ def evaluate(cfg: Config) -> PolicyEvaluation:
     pairs = evaluate_pairs(rm, pair_rows, scores=saved_pair_scores(rm_dir, data_file=test_file))
     rm_metrics, buckets = reward_model_metrics(pairs, pair_rows)
     test_figures, judged, judge_scores = figures["test"]
+    kl_weights = stats.resample_weights(len(kl["test"]), clusters=held_out.conversations["test"], seed=BOOTSTRAP_SEED)
     metrics = {
         **test_figures,
-        "eval/kl": float(kl["test"].mean()),
+        **_with_interval("eval/kl", stats.mean_with_interval(kl["test"], kl_weights)),  # by conversation
         "eval/perplexity": perplexity(policy, tokenizer, *ppl_args, batch_size=e.batch_size),
         "eval/perplexity_sft": sft_perplexity,
         **rm_metrics,

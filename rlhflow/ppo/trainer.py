@@ -262,13 +262,17 @@ class PPOTrainer(Checkpoints):
     # ---- rollout ---------------------------------------------------------------------------------
 
     def _next_prompts(self) -> list[int]:
-        """This process's shard of batch_size prompt indices, cycling through seeded shuffles of the whole prompt
-        set (every process draws the same global batch and keeps its own slice)."""
-        while len(self._prompt_queue) < self.cfg.batch_size:
+        """This process's shard of the rollout's batch_size prompt indices: batch_size / samples_per_prompt distinct
+        prompts, each repeated samples_per_prompt times, cycling through seeded shuffles of the whole prompt set
+        (every process draws the same global batch and keeps its own slice)."""
+        k = self.cfg.samples_per_prompt
+        distinct = self.cfg.batch_size // k
+        while len(self._prompt_queue) < distinct:
             order = list(range(len(self.prompts)))
             self.py_rng.shuffle(order)
             self._prompt_queue.extend(order)
-        idx, self._prompt_queue = self._prompt_queue[: self.cfg.batch_size], self._prompt_queue[self.cfg.batch_size :]
+        drawn, self._prompt_queue = self._prompt_queue[:distinct], self._prompt_queue[distinct:]
+        idx = [i for i in drawn for _ in range(k)]
         start = self.rank * self.local_batch_size
         return idx[start : start + self.local_batch_size]
 
