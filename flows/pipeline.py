@@ -39,7 +39,7 @@ from prefect.tasks import exponential_backoff
 from flows import report
 from rlhflow.config import Config, apply_overrides, config_from_dict, load_config, parse_config_args
 from rlhflow.evaluation import judges
-from rlhfops import restore, run_record, stage_lock, tracking, workspace
+from rlhfops import launch, restore, run_record, stage_lock, tracking, workspace
 from rlhfops.stages import STAGE_NAMES, STAGES, get_stage
 
 StageName = Literal[tuple(STAGE_NAMES)]  # an enum in the parameter form
@@ -211,6 +211,12 @@ def publish_report(markdown: str, run_url: str | None) -> None:
         )
 
 
+@task(name="launched-stage", retries=0, cache_policy=NO_CACHE)
+def launched_stage(name: str, cfg: Config, parent_run_id: str) -> dict[str, float]:
+    """A data-parallel stage in `launch.<stage>` processes (rlhfops/launch.py); no retries, as for every stage."""
+    return launch.run_in_processes(name, cfg, parent_run_id)
+
+
 def recorded_metrics(cfg: Config, name: str) -> dict[str, float]:
     """metrics/<stage>.json of the last run of a skipped stage (its wall time is not this run's)."""
     path = cfg.path(cfg.metrics_dir) / f"{name}.json"
@@ -226,9 +232,11 @@ def run_or_skip(name: str, cfg: Config, parent_id: str, force: bool) -> tuple[re
         tracking.log_metrics(metrics)  # the parent run still shows the stage's figures
         return report.StageOutcome(name, ran=False, reason="up to date"), metrics
     print(f"{name}: running ({'; '.join(reasons[:3])}{'; ...' if len(reasons) > 3 else ''})")
-    module = importlib.import_module(f"tasks.{name}")
     start = time.perf_counter()
-    metrics = module.task(cfg, parent_id)
+    if launch.processes(name, cfg) > 1:  # `accelerate launch` of the stage's CLI, under this parent run
+        metrics = launched_stage.with_options(name=name)(name, cfg, parent_id)
+    else:
+        metrics = importlib.import_module(f"tasks.{name}").task(cfg, parent_id)
     seconds = time.perf_counter() - start
     record_stage(name, cfg)
     return report.StageOutcome(name, ran=True, seconds=seconds, reason=reasons[0]), metrics

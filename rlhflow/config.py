@@ -272,6 +272,20 @@ class TrackingConfig(Section):
     register_models: bool = Field(True, description="register the reward model and policy (alias `candidate`)")
 
 
+class LaunchConfig(Section):
+    """How the flow and `dvc repro` start the data-parallel stages: more than one process runs the stage under
+    `accelerate launch` (rlhfops/launch.py); batch sizes stay global, so the run trains on the same batches."""
+
+    reward_model: int = Field(1, ge=1, description="processes of the reward_model stage")
+    judge: int = Field(1, ge=1, description="processes of the judge stage")
+    ppo: int = Field(1, ge=1, description="processes of the ppo stage")
+    accelerate_config: str | None = Field(
+        None,
+        description="accelerate config file of those launches; unset: configs/accelerate/ddp.yaml (one process per "
+        "GPU, NCCL) where CUDA is available, else configs/accelerate/cpu_2proc.yaml (gloo)",
+    )
+
+
 class Config(Section):
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -290,6 +304,7 @@ class Config(Section):
     align: AlignConfig = AlignConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     tracking: TrackingConfig = TrackingConfig()
+    launch: LaunchConfig = LaunchConfig()
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
 

@@ -43,7 +43,7 @@ def dvc_yaml() -> str:
     for s in STAGES:
         entry: dict[str, Any] = {
             "desc": s.description,
-            "cmd": f"python -m {s.module}",
+            "cmd": s.command,
             "params": s.params,
             "deps": stage_deps(s),
             "outs": s.outs,

@@ -58,7 +58,7 @@ class Fingerprint:
 
     def to_lock_entry(self, stage: Stage) -> dict[str, Any]:
         return {
-            "cmd": f"python -m {stage.module}",
+            "cmd": stage.command,
             # `hash: md5` as DVC 3 writes it; without it DVC reads the md5 as a 2.x one and looks in the old cache
             "deps": [{"path": p, "hash": "md5", "md5": h} for p, h in self.deps.items()],
             "params": {PARAMS_FILE: self.params},

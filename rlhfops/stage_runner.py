@@ -7,6 +7,7 @@ A stage module defines `run(cfg, ctx) -> dict[str, float]` (its metrics) and end
 
 from __future__ import annotations
 
+import argparse
 import builtins
 import contextlib
 import os
@@ -28,6 +29,7 @@ from prefect.cache_policies import NO_CACHE  # noqa: E402
 from rlhflow import distributed  # noqa: E402
 from rlhflow.config import Config, parse_config_args  # noqa: E402
 from rlhfops import tracking, workspace  # noqa: E402
+from rlhfops.launch import FLOW_ENV  # noqa: E402
 from rlhfops.stages import get_stage  # noqa: E402
 
 
@@ -132,7 +134,7 @@ def holding_the_workspace(name: str):
     """A stage run alone holds the workspace while it runs (rlhfops/workspace.py). Under `dvc repro` (DVC_STAGE set)
     it does not wait for a pipeline run holding it, as DVC's lock is held meanwhile: it stops before any work. The
     other processes of an `accelerate launch` run share their main process's hold."""
-    if os.environ.get("RANK", "0") != "0":
+    if os.environ.get("RANK", "0") != "0" or FLOW_ENV in os.environ:  # the flow that launched it holds it
         return contextlib.nullcontext()
     under_dvc = "DVC_STAGE" in os.environ
     return workspace.exclusive(
@@ -140,12 +142,35 @@ def holding_the_workspace(name: str):
     )
 
 
+def record_by_hand(name: str, cfg: Config) -> None:
+    """After a stage run by hand (not by `dvc repro`, which records it, nor by a flow, which does): its lock entry
+    and outputs in the DVC cache, as the flow records a stage, so that the next flow run or `dvc repro` finds it up
+    to date; or a line saying why it is not recorded."""
+    if not distributed.is_main_process() or "DVC_STAGE" in os.environ or FLOW_ENV in os.environ:
+        return
+    from rlhflow.config import REPO_ROOT
+    from rlhfops import stage_lock
+
+    stage = get_stage(name)
+    outside = [
+        p for p in (stage.resolve(cfg, t) for t in stage.outs) if not cfg.path(p).resolve().is_relative_to(REPO_ROOT)
+    ]
+    if outside:
+        print(f"{name}: not recorded in the lock: its output {outside[0]} lies outside the project {REPO_ROOT}")
+        return
+    stage_lock.record_run(stage, cfg)
+    print(f"{name}: recorded ({stage_lock.LOCK_FILE if stage_lock.is_dvc_project() else 'the flow lock'})")
+
+
 def cli(name: str, body: StageBody, argv: list[str] | None = None) -> None:
-    cfg, _ = parse_config_args(argv, f"Run the {name} stage alone: {get_stage(name).description}.")
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--parent-run-id", default=None, help="the MLflow run to nest this stage's run under")
+    cfg, args = parse_config_args(argv, f"Run the {name} stage alone: {get_stage(name).description}.", (own,))
     try:
         tracking.preflight(cfg)  # an unreachable tracking server fails here, in seconds, not after training
         with holding_the_workspace(name):
-            metrics = run_stage(name, body, cfg)
+            metrics = run_stage(name, body, cfg, parent_run_id=args.parent_run_id)
+            record_by_hand(name, cfg)
     except Exception as err:  # a clear one-paragraph error, not a traceback, for data and config problems
         if isinstance(err, (ValueError, FileNotFoundError, tracking.TrackingUnavailableError, workspace.WorkspaceBusy)):
             sys.stderr.write(f"\n{name} failed: {err}\n")

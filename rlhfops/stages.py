@@ -37,6 +37,11 @@ class Stage:
     def module(self) -> str:
         return f"tasks.{self.name}"
 
+    @property
+    def command(self) -> str:
+        """dvc.yaml's cmd: a data-parallel stage goes through the launcher, which starts `launch.<stage>` processes."""
+        return f"python -m rlhfops.launch {self.name}" if self.data_parallel else f"python -m {self.module}"
+
     def resolve(self, cfg: Config, template: str) -> str:
         """Fill `${a.b}` from the typed config, as DVC fills it from params.yaml."""
         params = cfg.to_params()
@@ -56,6 +61,11 @@ def inherited_params(section: str) -> list[str]:
     _, parent, own = next(entry for entry in Config.INHERITS if entry[0] == section)
     child_type, parent_type = (Config.model_fields[name].annotation for name in (section, parent))
     return [f"{parent}.{key}" for key in inherited_keys(child_type, parent_type, own)]
+
+
+def launch_params(stage: str) -> list[str]:
+    """The launch settings a data-parallel stage reads: its process count and the accelerate config."""
+    return [f"launch.{stage}", "launch.accelerate_config"]
 
 
 def _metrics(stage: str) -> str:
@@ -116,7 +126,7 @@ STAGES: list[Stage] = [
     Stage(
         name="reward_model",
         description="train the Bradley-Terry reward model with trl's RewardTrainer",
-        params=["seed", "reward_model"],
+        params=["seed", "reward_model", *launch_params("reward_model")],
         deps=[VALIDATED, "${sft.out_dir}", "rlhflow/reward_model.py", "tasks/reward_model.py"],
         outs=["${reward_model.out_dir}"],
         metrics=[_metrics("reward_model")],
@@ -127,7 +137,7 @@ STAGES: list[Stage] = [
         name="judge",
         description="train the judge reward model on the judge split (prompts PPO and the proxy never see)",
         # the judge section holds only what differs from reward_model; every other key is reward_model's
-        params=["judge", *inherited_params("judge")],
+        params=["judge", *inherited_params("judge"), *launch_params("judge")],
         # the LLM judge's prompt template is read, not imported: named here so an edit to it reruns the stages
         deps=[
             VALIDATED,
@@ -186,7 +196,7 @@ STAGES: list[Stage] = [
         name="ppo",
         description="policy optimisation of the SFT policy (align.algorithm: PPO against the reward model by default, "
         "or trl's GRPO, RLOO or DPO)",
-        params=["seed", "ppo", "lora", "align", "reward_model.eval_batch_size"],
+        params=["seed", "ppo", "lora", "align", "reward_model.eval_batch_size", *launch_params("ppo")],
         deps=[
             VALIDATED,
             "${sft.out_dir}",

@@ -204,7 +204,8 @@ def test_stages_declare_the_keys_they_inherit():
 
     judge = get_stage("judge").params
     own = {child: own for child, _, own in Config.INHERITS}["judge"]
-    assert set(judge) == {"judge"} | {f"reward_model.{k}" for k in inherited_keys(JudgeConfig, RewardModelConfig, own)}
+    inherited = {f"reward_model.{k}" for k in inherited_keys(JudgeConfig, RewardModelConfig, own)}
+    assert set(judge) == {"judge", "launch.judge", "launch.accelerate_config"} | inherited
     assert "reward_model.max_length" in judge and "reward_model.out_dir" not in judge
     assert "lora" in get_stage("sft").params and "lora" in get_stage("ppo").params
     # a dotted key names a value params.yaml holds (DVC fails on a missing one), never one a section inherits
