@@ -49,6 +49,12 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
         "value head on the policy backbone, input detached, its own learning rate 1e-3",
         ["ppo.value_head_detach=true", "ppo.value_learning_rate=1e-3"],
     ),
+    "bf16": ("shared, bf16 autocast (fp32 master weights, reference and reward model in bf16)", ["ppo.precision=bf16"]),
+    "checkpointing": ("shared, gradient checkpointing", ["ppo.gradient_checkpointing=true"]),
+    "micro1": (
+        "shared, micro-batches of 1 response (gradient accumulation over the minibatch)",
+        ["ppo.micro_batch_size=1"],
+    ),
     "k3": ("shared, k3 KL estimator", ["ppo.kl_estimator=k3"]),
     "epochs4": ("shared, 4 PPO epochs per rollout batch (TRL's default)", ["ppo.ppo_epochs=4"]),
     "linear_lr": ("shared, learning rate decayed linearly to 0 over the run", ["ppo.lr_schedule=linear"]),

@@ -110,6 +110,15 @@ def broadcast_parameters(module: torch.nn.Module) -> None:
             dist.broadcast(tensor.data, src=0)
 
 
+def broadcast_object(obj):
+    """The main process's `obj` on every process (pickled: small states and CPU tensors); `obj` itself alone."""
+    if world_size() == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()

@@ -4,6 +4,8 @@ Everything is built locally in about a second; nothing is downloaded."""
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import torch
@@ -86,5 +88,9 @@ def write_tiny_model(out_dir: str | Path, *, hidden: int = 32, layers: int = 2, 
 
 def prompt_length_reward(prompts, responses) -> list[float]:
     """A deterministic test reward that differs across prompts even when a tiny model's responses are alike
-    (greedy tiny models often repeat special tokens that decode to nothing): prompt plus response characters."""
+    (greedy tiny models often repeat special tokens that decode to nothing): prompt plus response characters.
+    Once the file named by $RLHF_TEST_HANG_WHEN exists it never returns: a run to kill at a known update."""
+    hang_when = os.environ.get("RLHF_TEST_HANG_WHEN")
+    if hang_when and Path(hang_when).exists():
+        time.sleep(3600)
     return [(len(p[-1]["content"]) + len(r)) / 10 for p, r in zip(prompts, responses)]

@@ -217,3 +217,41 @@ def test_ppo_two_processes_equal_one_process_with_the_same_global_batch(root, ti
     assert len(client.get_metric_history(runs_two[0].info.run_id, "ppo/kl")) == 2  # logged once per update
     assert single["ppo/updates"] == 2.0
     assert not (root / "two" / "checkpoints").exists()  # rank 0 wrote the checkpoints and removed them at the end
+
+
+def test_ppo_killed_in_two_processes_resumes_to_the_uninterrupted_run(root, tiny_model_dir):
+    """SIGKILL the whole 2-process launch inside update 2 (after update 1's checkpoint), launch again: rank 0 reads the
+    checkpoint and sends weights, optimiser and every stream to rank 1, and the run ends where the uninterrupted
+    2-process run of the `root` fixture ended."""
+    import signal
+
+    import psutil
+
+    args = overrides(root, tiny_model_dir, "resumed")
+    marker = root / "resumed" / "checkpoints" / "step-000001" / "trainer_state.json"
+    # the reward hangs once update 1's checkpoint is complete (tests/fixtures.py): the kill lands inside update 2
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RLHF_TEST_HANG_WHEN": str(marker)}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_2PROC)]
+    cmd += ["--main_process_port", str(free_port()), "-m", "tasks.ppo", *[a for o in args for a in ("--set", o)]]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(1.0)  # both processes are now inside update 2's reward
+    # the launcher and both of its processes (torchrun starts them in sessions of their own: killpg would miss them)
+    tree = psutil.Process(proc.pid)
+    for process in [*tree.children(recursive=True), tree]:
+        process.kill()
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+
+    launch_two_processes(["ppo"], args, root / "resumed.log")
+    assert "ppo: resuming from the checkpoint of update 1" in (root / "resumed.log").read_text()
+    resumed = pd.read_csv(root / "resumed" / "metrics" / "ppo_history.csv")
+    uninterrupted = pd.read_csv(root / "two" / "metrics" / "ppo_history.csv")
+    for key in PPO_GLOBAL_STATS:
+        assert resumed[key].tolist() == pytest.approx(uninterrupted[key].tolist(), rel=1e-4, abs=1e-5), key
+    assert_same_weights(
+        root / "two" / "policy", root / "resumed" / "policy", "model.safetensors", 1e-3, start=tiny_model_dir
+    )

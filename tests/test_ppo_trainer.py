@@ -405,3 +405,47 @@ def test_samples_per_prompt_samples_each_drawn_prompt_that_many_times(tok, tmp_p
     assert first[::4] + second[::4] == one[:8]  # the same seeded prompt order, each drawn prompt repeated
     with pytest.raises(ValueError, match="multiple of ppo.samples_per_prompt"):
         PPOConfig(batch_size=8, mini_batch_size=4, samples_per_prompt=3)
+
+
+def _resume_on_rank(rank: int, init_file: str, ckpt_root: str, out_dir: str) -> None:
+    """One of two gloo processes: a trainer whose checkpoint dir is its own (rank 1's is empty, as on a machine that
+    does not share rank 0's disk) resumes; it writes what it resumed to out_dir/rank<r>.json."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from tests.fixtures import tiny_tokenizer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        tok = tiny_tokenizer()
+        trainer = make_trainer(tok, Path(ckpt_root), batch_size=16, mini_batch_size=8)
+        trainer.checkpoint_dir = Path(ckpt_root) / f"rank{rank}"
+        resumed = trainer.load_checkpoint()
+        weights = sum(float(p.double().sum()) for p in trainer.model.parameters())
+        adam = sum(float(s["exp_avg"].double().sum()) for s in trainer.optimizer.state.values())
+        state = {"resumed": resumed, "step": trainer.step, "weights": weights, "adam": adam}
+        state["queue"] = trainer._prompt_queue
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(state))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_resume_in_two_processes_takes_the_main_processs_checkpoint(tok, tmp_path):
+    """Rank 0 reads the checkpoint and sends it: rank 1, whose checkpoint dir is empty, resumes the same state."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    trainer = make_trainer(tok, tmp_path)
+    trainer.update()
+    trainer.checkpoint_dir = tmp_path / "rank0"
+    trainer.save_checkpoint()
+    (tmp_path / "rank1").mkdir()
+    mp.spawn(_resume_on_rank, args=(str(tmp_path / "init"), str(tmp_path), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1] and ranks[0]["resumed"] and ranks[0]["step"] == 1
+    assert ranks[0]["weights"] == pytest.approx(sum(float(p.double().sum()) for p in trainer.model.parameters()))
+    assert ranks[0]["queue"] == trainer._prompt_queue

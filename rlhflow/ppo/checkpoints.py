@@ -76,27 +76,28 @@ class Checkpoints:
         )
 
     def load_checkpoint(self, path: str | os.PathLike | None = None) -> bool:
-        """Restore everything from `path` or the latest checkpoint in cfg.checkpoint_dir; False when none exists."""
-        if path is None:
-            found = self._checkpoints(self.checkpoint_dir)
-            if not found:
-                return False
-            path = found[-1]
-        path = Path(path)
-        state = json.loads((path / "trainer_state.json").read_text())
-        # a linear learning-rate schedule spans `steps`: another run length changes the updates already made
-        resumable = RESUMABLE_SETTINGS - ({"steps"} if self.cfg.lr_schedule == "linear" else set())
-        changed = sorted(
-            k for k, v in self.cfg.model_dump().items() if k not in resumable and state["config"].get(k) != v
-        )
-        if changed:
-            warnings.warn(f"resuming from {path} with changed PPO settings: {', '.join(changed)}", stacklevel=2)
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in load_file(str(path / "trainable.safetensors")).items():
-                params[name].copy_(tensor)
-        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=self.device))
-        rng = torch.load(path / "rng.pt", weights_only=True)
+        """Restore everything from `path` or the latest checkpoint in cfg.checkpoint_dir; False when none exists.
+
+        With several processes the main process alone reads the checkpoint and sends it to the others (weights by
+        broadcast, the rest as one pickled object), so ranks on machines that do not share the checkpoint
+        directory resume from the main process's state, never from their own."""
+        from rlhflow import distributed
+
+        state = self._read_checkpoint(path) if distributed.is_main_process() else None
+        if distributed.world_size() > 1:  # all but the weights, which follow as tensors
+            rest = None if state is None else {k: v for k, v in state.items() if k != "trainable"}
+            rest = distributed.broadcast_object(rest)
+            state = state if distributed.is_main_process() else rest
+        if state is None:
+            return False
+        if "trainable" in state:  # read here: the main process, or a single one
+            params = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for name, tensor in state["trainable"].items():
+                    params[name].copy_(tensor)
+        distributed.broadcast_parameters(self.model)  # every process from the main process's weights
+        self.optimizer.load_state_dict(state["optimizer"])
+        rng = state["rng"]
         torch.set_rng_state(rng["torch"])
         self.generator.set_state(rng["generator"])
         if "cuda" in rng and torch.cuda.is_available():
@@ -111,3 +112,25 @@ class Checkpoints:
         self.history = state["history"]
         self.step = int(state["step"])
         return True
+
+    def _read_checkpoint(self, path: str | os.PathLike | None) -> dict | None:
+        """The checkpoint at `path` (default: the latest in cfg.checkpoint_dir) in memory, or None."""
+        if path is None:
+            found = self._checkpoints(self.checkpoint_dir)
+            if not found:
+                return None
+            path = found[-1]
+        path = Path(path)
+        state = json.loads((path / "trainer_state.json").read_text())
+        # a linear learning-rate schedule spans `steps`: another run length changes the updates already made
+        resumable = RESUMABLE_SETTINGS - ({"steps"} if self.cfg.lr_schedule == "linear" else set())
+        changed = sorted(
+            k for k, v in self.cfg.model_dump().items() if k not in resumable and state["config"].get(k) != v
+        )
+        if changed:
+            warnings.warn(f"resuming from {path} with changed PPO settings: {', '.join(changed)}", stacklevel=2)
+        state["trainable"] = load_file(str(path / "trainable.safetensors"))
+        # on the CPU: load_state_dict moves each state tensor to its parameter's device (also on the other ranks)
+        state["optimizer"] = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
+        state["rng"] = torch.load(path / "rng.pt", weights_only=True)
+        return state
