@@ -102,12 +102,12 @@ class PPOConfig(Section):
         "else the SFT model",
     )
     value_head_detach: bool = Field(
-        False,
+        True,
         description="shared value head: read the backbone's hidden state without a gradient (the value loss then "
-        "trains the head alone and never moves the policy)",
+        "trains the head alone and never moves the policy); false: the value loss also trains the backbone",
     )
     value_learning_rate: float | None = Field(
-        None,
+        1e-3,
         gt=0,
         description="AdamW learning rate of the value model (head or separate critic), on ppo.lr_schedule; unset: "
         "ppo.learning_rate",

@@ -391,8 +391,9 @@ def test_value_model_learns_at_its_own_rate_on_the_same_schedule(tok, tmp_path, 
     trainer.update()
     trainer.update()  # update 2 of 4 on the linear schedule: 0.75 of each group's rate
     assert (policy_group["lr"], value_group["lr"]) == pytest.approx((0.75e-2, 0.75e-3))
-    same = make_trainer(tok, tmp_path, value_model=value_model).optimizer.param_groups
+    same = make_trainer(tok, tmp_path, value_model=value_model, value_learning_rate=None).optimizer.param_groups
     assert [g["lr"] for g in same] == [1e-2, 1e-2]  # unset: the policy's rate
+    assert PPOConfig().value_learning_rate == 1e-3 and PPOConfig().value_head_detach  # the defaults
 
 
 def test_samples_per_prompt_samples_each_drawn_prompt_that_many_times(tok, tmp_path):
