@@ -18,8 +18,12 @@ def test_stage_order_and_commands():
     assert [s.name for s in STAGES] == FLOW_ORDER
     stages = yaml.safe_load(dvc_yaml())["stages"]
     for s in STAGES:
-        assert stages[s.name]["cmd"] == f"python -m tasks.{s.name}"
+        # data-parallel stages go through the launcher, which starts launch.<stage> processes of the same module
+        launcher = f"python -m rlhfops.launch {s.name}"
+        assert stages[s.name]["cmd"] == (launcher if s.data_parallel else f"python -m tasks.{s.name}")
         assert (REPO_ROOT / "tasks" / f"{s.name}.py").exists()
+        if s.data_parallel:
+            assert {f"launch.{s.name}", "launch.accelerate_config"} <= set(s.params)
 
 
 def test_stage_properties():
