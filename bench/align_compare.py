@@ -206,41 +206,31 @@ def main(argv: list[str] | None = None) -> None:
     budget = check_equal_budgets(points)  # before any work
     print(f"equal budget of {', '.join(a for a in algorithms if a in ONLINE)}: {budget}", flush=True)
 
-    if not args.table_only:
+    base = load_config(overrides=args.overrides)
+
+    def sweep(algorithm: str, grid: dict[str, list[str]]) -> None:
         from flows.sweep import rlhf_sweep
 
-        for algorithm in algorithms:
-            grid = {BETA_KEYS[algorithm]: betas(algorithm, args.overrides, scales)}
-            rlhf_sweep(
-                grid=grid,
-                overrides=algorithm_overrides(algorithm, args.overrides),
-                best_of_n=[],
-                config=load_config(overrides=args.overrides),
-                seeds=args.seeds,
-            )
+        overrides = algorithm_overrides(algorithm, args.overrides)
+        rlhf_sweep(grid=grid, overrides=overrides, best_of_n=[], config=base, seeds=args.seeds)
+
+    if not args.table_only:
+        for algorithm in algorithms:  # each algorithm's betas, as make_points made them
+            swept = list(dict.fromkeys(p.beta for p in points if p.algorithm == algorithm))
+            sweep(algorithm, {BETA_KEYS[algorithm]: swept})
     if args.dpo_equal_time:
         steps = dpo_equal_time_steps(points)
         if steps is None:
             sys.exit("--dpo-equal-time needs finished ppo and dpo points first")
-        timed = [*args.overrides, f"align.steps={steps}"]
         if not args.table_only:
-            from flows.sweep import rlhf_sweep
-
-            rlhf_sweep(
-                grid={"align.steps": [str(steps)]},
-                overrides=algorithm_overrides("dpo", args.overrides),
-                best_of_n=[],
-                config=load_config(overrides=args.overrides),
-                seeds=args.seeds,
-            )
-        for p in make_points(["dpo"], timed, [1.0], args.seeds):
+            sweep("dpo", {"align.steps": [str(steps)]})
+        for p in make_points(["dpo"], [*args.overrides, f"align.steps={steps}"], [1.0], args.seeds):
             p.beta = f"{p.beta}, {steps} steps (PPO's wall time)"
             points.append(p)
 
     markdown = table(points)
     from rlhflow.fsutil import write_text_atomic
 
-    base = load_config(overrides=args.overrides)
     write_text_atomic(base.path(REPORT), markdown + "\n")
     print(markdown)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from rlhflow.config import Config
 from rlhflow.policy import GenerationOutput, Messages, encode_prompts, generate
@@ -80,7 +80,8 @@ class Sampling:
     stop_strings: tuple[str, ...]
     seed: int | None
     batch_size: int
-    decoder: str = "drop_finished"  # rlhflow.decoding; the tokens differ from transformers' generate at one seed
+    # rlhflow.decoding, or transformers' "generate"; the tokens differ between the two at one seed
+    decoder: Literal["drop_finished", "generate"] = "drop_finished"
 
     def key(self) -> dict:
         """What the sampled answers depend on, besides the model and the prompts (batch_size too: a batch's rows

@@ -14,6 +14,8 @@ run's id and `FLOW_ENV`, which tells their CLI that the flow holds the workspace
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import os
 import socket
@@ -27,6 +29,13 @@ from rlhflow.config import REPO_ROOT, Config, parse_config_args, write_params
 from rlhfops.stages import get_stage
 
 FLOW_ENV = "RLHFOPS_FLOW_RUN"  # set by the flow for the processes of a stage it launches
+
+
+def parent_run_option() -> argparse.ArgumentParser:
+    """The stage CLI's own option (an argparse parent): the MLflow run a flow nests the stage's run under."""
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--parent-run-id", default=None, help="the MLflow run to nest this stage's run under")
+    return own
 
 
 def processes(stage: str, cfg: Config) -> int:
@@ -96,20 +105,15 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0].startswith("-"):
         sys.exit("usage: python -m rlhfops.launch STAGE [--params FILE] [--set key=value ...]")
     stage, args = argv[0], argv[1:]
-    import argparse
-
-    own = argparse.ArgumentParser(add_help=False)
-    own.add_argument("--parent-run-id", default=None)
-    cfg, _ = parse_config_args(args, f"Run the {stage} stage in launch.{stage} processes.", parents=(own,))
-    if processes(stage, cfg) == 1:
-        import importlib
-
+    cfg, _ = parse_config_args(args, f"Run the {stage} stage in launch.{stage} processes.", (parent_run_option(),))
+    n = processes(stage, cfg)
+    if n == 1:
         from rlhfops.stage_runner import cli
 
         cli(stage, importlib.import_module(get_stage(stage).module).run, args)
         return
     cmd = command(stage, cfg, args)
-    print(f"{stage}: {processes(stage, cfg)} processes: {' '.join(cmd[1:5])} ...", flush=True)
+    print(f"{stage}: {n} processes: {' '.join(cmd[1:5])} ...", flush=True)
     os.execv(cmd[0], cmd)  # the launcher replaces this process: DVC and the flow see its exit status and signals
 
 

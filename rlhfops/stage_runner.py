@@ -7,7 +7,6 @@ A stage module defines `run(cfg, ctx) -> dict[str, float]` (its metrics) and end
 
 from __future__ import annotations
 
-import argparse
 import builtins
 import contextlib
 import os
@@ -29,7 +28,7 @@ from prefect.cache_policies import NO_CACHE  # noqa: E402
 from rlhflow import distributed  # noqa: E402
 from rlhflow.config import Config, parse_config_args  # noqa: E402
 from rlhfops import tracking, workspace  # noqa: E402
-from rlhfops.launch import FLOW_ENV  # noqa: E402
+from rlhfops.launch import FLOW_ENV, parent_run_option  # noqa: E402
 from rlhfops.stages import get_stage  # noqa: E402
 
 
@@ -163,9 +162,8 @@ def record_by_hand(name: str, cfg: Config) -> None:
 
 
 def cli(name: str, body: StageBody, argv: list[str] | None = None) -> None:
-    own = argparse.ArgumentParser(add_help=False)
-    own.add_argument("--parent-run-id", default=None, help="the MLflow run to nest this stage's run under")
-    cfg, args = parse_config_args(argv, f"Run the {name} stage alone: {get_stage(name).description}.", (own,))
+    description = f"Run the {name} stage alone: {get_stage(name).description}."
+    cfg, args = parse_config_args(argv, description, (parent_run_option(),))
     try:
         tracking.preflight(cfg)  # an unreachable tracking server fails here, in seconds, not after training
         with holding_the_workspace(name):

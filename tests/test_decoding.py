@@ -6,7 +6,7 @@ import torch
 
 from rlhflow import decoding
 from rlhflow.decoding import logits_processors, sample_dropping_finished
-from rlhflow.policy import encode_prompts, generate
+from rlhflow.policy import encode_prompts
 from tests.fixtures import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -99,27 +99,3 @@ def test_sampled_tokens_equal_generate_at_one_seed_while_no_row_ends(tok, model)
         pad_id=tok.pad_token_id,
     )
     assert got.tolist() == expected.tolist()
-
-
-def test_generate_drop_finished_ends_rows_at_eos_and_stop_strings(tok, model):
-    ids, mask = encode_prompts(tok, PROMPTS * 2, 64)
-    out = generate(
-        model,
-        tok,
-        ids,
-        mask,
-        max_new_tokens=12,
-        temperature=1.0,
-        stop_strings=["e"],
-        generator_seed=0,
-        drop_finished=True,
-    )
-    assert out.ended.any()
-    for i, text in enumerate(out.texts):
-        n = int(out.response_mask[i].sum())
-        kept = out.response[i, :n].tolist()
-        assert (out.response[i, n:] == tok.pad_token_id).all() and "e" not in text
-        if out.ended[i] and kept[-1] != tok.eos_token_id:
-            assert "e" in tok.decode(kept) and "e" not in tok.decode(kept[:-1])  # cut at the completing token
-        elif not out.ended[i]:
-            assert n == 12

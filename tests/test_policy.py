@@ -225,16 +225,30 @@ def test_rollout_statistics_from_generation_equal_a_forward_pass(tok, model, mod
         assert (a[gen.response_mask == 0] == 0).all() and a.abs().sum() > 0, name
 
 
-def test_generate_stops_at_stop_strings(tok, model):
+@pytest.mark.parametrize("drop_finished", [False, True])  # transformers' generate, the evaluation's decoder
+def test_generate_stops_at_stop_strings(tok, model, drop_finished):
     ids, mask = encode_prompts(tok, MESSAGES * 4, 64)
-    out = generate(model, tok, ids, mask, max_new_tokens=12, temperature=1.0, stop_strings=["e"], generator_seed=0)
+    out = generate(
+        model,
+        tok,
+        ids,
+        mask,
+        max_new_tokens=12,
+        temperature=1.0,
+        stop_strings=["e"],
+        generator_seed=0,
+        drop_finished=drop_finished,
+    )
     assert out.ended.any()  # "e" is common enough in 12 random tokens
     for i in range(len(out.texts)):
         n = int(out.response_mask[i].sum())
         kept = out.response[i, :n].tolist()
+        assert (out.response[i, n:] == tok.pad_token_id).all()
         if out.ended[i] and kept[-1] != tok.eos_token_id:
             assert "e" in tok.decode(kept) and "e" not in tok.decode(kept[:-1])  # cut at the completing token
             assert "e" not in out.texts[i] and tok.decode(kept).startswith(out.texts[i])
+        elif not out.ended[i]:
+            assert n == 12
         assert "e" not in out.texts[i]
 
 
