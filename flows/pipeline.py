@@ -103,25 +103,25 @@ def with_overrides(cfg: Config | None, overrides: list[str] | None) -> Config:
 
 
 @task(name="ensure-training-limit", **TRANSIENT_RETRIES)
-def ensure_training_limit() -> int:
-    """Create the global concurrency limit with TRAINING_LIMIT_DEFAULT_SLOTS when it does not exist; a limit
-    the user changed (`prefect gcl update`) is left as it is. Returns its slots."""
+def ensure_training_limit(limit: str = TRAINING_LIMIT) -> int:
+    """Create the global concurrency limit `limit` with TRAINING_LIMIT_DEFAULT_SLOTS when it does not exist; a
+    limit the user changed (`prefect gcl update`) is left as it is. Returns its slots."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
     from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
     with get_client(sync_client=True) as client:
         try:
-            return client.read_global_concurrency_limit_by_name(TRAINING_LIMIT).limit
+            return client.read_global_concurrency_limit_by_name(limit).limit
         except ObjectNotFound:
             pass
         try:
             client.create_global_concurrency_limit(
-                GlobalConcurrencyLimitCreate(name=TRAINING_LIMIT, limit=TRAINING_LIMIT_DEFAULT_SLOTS)
+                GlobalConcurrencyLimitCreate(name=limit, limit=TRAINING_LIMIT_DEFAULT_SLOTS)
             )
         except ObjectAlreadyExists:  # another run created it in between
             pass
-        return client.read_global_concurrency_limit_by_name(TRAINING_LIMIT).limit
+        return client.read_global_concurrency_limit_by_name(limit).limit
 
 
 # While a stage waits for a TRAINING_LIMIT slot, it says so this often. A run killed with SIGKILL while holding a
@@ -131,22 +131,22 @@ SLOT_NOTICE_S = 600.0
 
 
 @contextlib.contextmanager
-def training_slot(stage: str) -> Iterator[None]:
-    """Hold one TRAINING_LIMIT slot while `stage` runs; every SLOT_NOTICE_S of waiting, say what is waited for and
-    how to free a slot that a killed run left taken."""
+def training_slot(stage: str, limit: str = TRAINING_LIMIT) -> Iterator[None]:
+    """Hold one slot of the concurrency limit `limit` while `stage` runs; every SLOT_NOTICE_S of waiting, say what
+    is waited for and how to free a slot that a killed run left taken."""
     from prefect.concurrency.sync import concurrency
 
     waited = 0.0
     slot = contextlib.ExitStack()  # entered apart from the stage, so a TimeoutError from the stage is not caught
     while True:
         try:
-            slot.enter_context(concurrency(TRAINING_LIMIT, occupy=1, strict=True, timeout_seconds=SLOT_NOTICE_S))
+            slot.enter_context(concurrency(limit, occupy=1, strict=True, timeout_seconds=SLOT_NOTICE_S))
             break
         except TimeoutError:
             waited += SLOT_NOTICE_S
             print(
                 f"{stage}: waited {waited / 60:.0f} min for a slot of the Prefect concurrency limit "
-                f"{TRAINING_LIMIT!r}, held by another pipeline run. If no other run is active, a killed run left it "
+                f"{limit!r}, held by another pipeline run. If no other run is active, a killed run left it "
                 "taken: free it with `python -m flows.pipeline --reset-training-limit`."
             )
     with slot:

@@ -74,36 +74,46 @@ def run_lock(run_id: str, cfg: Config, dst: Path) -> tuple[dict[str, Any], Path 
 
 
 def restore(run_id: str, cfg: Config, remote: str | None = None) -> list[Restored]:
-    """Put a parent run's outputs and user data back into the workspace: each stage's dvc.lock entry becomes the
-    run's, objects missing from the local DVC cache are pulled from `remote` (default: DVC's default remote),
-    DVC checks the cached outputs out, the uncached ones come from the run's artifacts, and user data files
-    (`user_data`) are put back where the run read them, a changed file kept beside as `<name>.before-restore`.
-    Then every output's and data file's md5 is compared with the run's record."""
+    """Put a parent run's outputs and user data back into the workspace (`restore_lock` of its `dvc.lock`
+    artifact, the uncached outputs from its `outputs/` artifacts)."""
     with tempfile.TemporaryDirectory() as tmp:
         lock, outputs = run_lock(run_id, cfg, Path(tmp))
         stages = lock.get("stages", {})
         if not stages:
             raise RestoreError(f"run {run_id}: its {LOCK_FILE} records no stage")
-        if not is_dvc_project():
-            raise RestoreError(f"{REPO_ROOT} is not a DVC project: nothing to restore from")
-        data = _recorded_user_data(stages, cfg)
-        sources: dict[str, str] = {}
-        with dvc_repo() as repo, repo_lock(repo):
-            for name, entry in stages.items():
-                _write_lock_entry(repo, name, entry)
-            repo._reset()  # DVC's index, if built, predates these entries
-            outs = [o for n in stages for o in repo.stage.load_one(name=n).outs if o.use_cache and o.hash_info]
-            cached = {o.def_path: o.hash_info.value for o in outs}
-            fetch(repo, {**cached, **{p: h for _, p, h in data}}, remote)
-            for name in stages:
-                sources.update(_checkout_stage(repo, name, outputs))
-            for _, path, md5 in data:
-                sources[path] = _put_back(repo, cfg, cfg.path(path), md5)
+        return restore_lock(stages, cfg, remote, outputs)
+
+
+def restore_lock(
+    stages: dict[str, Any], cfg: Config, remote: str | None = None, outputs: Path | None = None, uncached: bool = True
+) -> list[Restored]:
+    """Put the outputs and user data that lock entries (stage -> entry) record back into the workspace: each
+    stage's dvc.lock entry becomes the recorded one, objects missing from the local DVC cache are pulled from
+    `remote` (default: DVC's default remote), DVC checks the cached outputs out, the uncached ones are copied from
+    `outputs` (skipped without `uncached`: a worker needs a stage's inputs, not its metrics), and user data files
+    (`user_data`) are put back where the run read them, a changed file kept beside as `<name>.before-restore`.
+    Then every restored file's md5 is compared with the record."""
+    if not is_dvc_project():
+        raise RestoreError(f"{REPO_ROOT} is not a DVC project: nothing to restore from")
+    data = _recorded_user_data(stages, cfg)
+    sources: dict[str, str] = {}
+    with dvc_repo() as repo, repo_lock(repo):
+        for name, entry in stages.items():
+            _write_lock_entry(repo, name, entry)
+        repo._reset()  # DVC's index, if built, predates these entries
+        outs = [o for n in stages for o in repo.stage.load_one(name=n).outs if o.use_cache and o.hash_info]
+        cached = {o.def_path: o.hash_info.value for o in outs}
+        fetch(repo, {**cached, **{p: h for _, p, h in data}}, remote)
+        for name in stages:
+            sources.update(_checkout_stage(repo, name, outputs, uncached))
+        for _, path, md5 in data:
+            sources[path] = _put_back(repo, cfg, cfg.path(path), md5)
     with dvc_md5s(state_dir(cfg)) as md5_of:
         results = [
             Restored(name, o["path"], o.get("md5"), md5_of(cfg.path(o["path"])), sources.get(o["path"], ""))
             for name, entry in stages.items()
             for o in entry.get("outs", [])
+            if o["path"] in sources
         ]
         results += [Restored(name, p, h, md5_of(cfg.path(p)), sources[p]) for name, p, h in data]
     return results
@@ -189,7 +199,61 @@ def check_remote(remote: str | None = None) -> str:
             raise RuntimeError("--push needs a DVC remote: `dvc remote add -d NAME URL`, or --remote NAME")
         if name not in repo.config["remote"]:
             raise RuntimeError(f"no DVC remote named {name!r} (`dvc remote list` shows the configured ones)")
+        reach_remote(name, dict(repo.config["remote"][name]))
     return name
+
+
+class RemoteUnavailableError(RuntimeError):
+    """The DVC remote cannot be reached or refuses the credentials: nothing was run."""
+
+
+def reach_remote(name: str, conf: dict[str, Any], timeout: float = 5.0) -> None:
+    """One request to the DVC remote `name` (its `dvc remote` config `conf`) within `timeout` seconds: an S3
+    remote's bucket must answer with the credentials given (its config, else the AWS environment), a local one
+    must be a directory or creatable. Raises RemoteUnavailableError naming the remote and why; other kinds of
+    remote are not checked."""
+    url = str(conf.get("url", ""))
+    if url.startswith("s3://"):
+        _reach_s3(name, url, conf, timeout)
+    elif "://" not in url:
+        path = Path(url)
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        if not (path.is_dir() and os.access(path, os.W_OK)):
+            raise RemoteUnavailableError(f"DVC remote {name!r} ({url}): {path} is not a writable directory")
+
+
+def _reach_s3(name: str, url: str, conf: dict[str, Any], timeout: float) -> None:
+    import boto3
+    from botocore.config import Config as BotoConfig
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket = url.removeprefix("s3://").split("/", 1)[0]
+    endpoint = conf.get("endpointurl")
+    where = f"DVC remote {name!r} ({url}{' at ' + endpoint if endpoint else ''})"
+    # a session of its own: boto3's default session keeps the first credentials it read from the environment
+    client = boto3.session.Session().client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=conf.get("access_key_id"),
+        aws_secret_access_key=conf.get("secret_access_key"),
+        region_name=conf.get("region") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+        # one try, short timeouts: an unreachable store fails here in seconds, not after botocore's retries
+        config=BotoConfig(connect_timeout=timeout, read_timeout=timeout, retries={"total_max_attempts": 1}),
+    )
+    try:
+        client.list_objects_v2(Bucket=bucket, MaxKeys=1)
+    except ClientError as err:
+        code = err.response.get("Error", {}).get("Code", "")
+        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "Forbidden"):
+            why = f"the store refuses the credentials ({code}): check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+        elif code == "NoSuchBucket":
+            why = f"bucket {bucket!r} does not exist"
+        else:
+            why = f"{code}: {err}"
+        raise RemoteUnavailableError(f"{where}: {why}. Nothing was run.") from None
+    except BotoCoreError as err:  # no credentials, connection refused, timeout
+        raise RemoteUnavailableError(f"{where} is unreachable or unusable ({err}). Nothing was run.") from None
 
 
 def push_run(lock: dict[str, Any], cfg: Config, remote: str | None = None) -> int:
@@ -231,9 +295,9 @@ def _write_lock_entry(repo: Any, name: str, entry: dict[str, Any]) -> None:
     dstage.dump(update_pipeline=False)
 
 
-def _checkout_stage(repo: Any, name: str, outputs: Path | None) -> dict[str, str]:
-    """DVC checks out the stage's cached outputs as its dvc.lock entry has them; the uncached ones are copied
-    from the run's artifacts."""
+def _checkout_stage(repo: Any, name: str, outputs: Path | None, uncached: bool = True) -> dict[str, str]:
+    """DVC checks out the stage's cached outputs as its dvc.lock entry has them; with `uncached`, the uncached
+    ones are copied from the run's artifacts."""
     dstage = repo.stage.load_one(name=name)
     sources = {}
     cached = [o for o in dstage.outs if o.use_cache]
@@ -241,7 +305,7 @@ def _checkout_stage(repo: Any, name: str, outputs: Path | None) -> dict[str, str
         repo.checkout(targets=[name], force=True)  # `fetch` brought what was missing
         sources.update({o.def_path: "dvc cache" for o in cached})
     for out in dstage.outs:
-        if out.use_cache:
+        if out.use_cache or not uncached:
             continue
         copy = outputs / os.path.normpath(out.def_path).lstrip("/") if outputs else None
         if copy is None or not copy.is_file():

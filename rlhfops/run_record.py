@@ -61,14 +61,15 @@ def log_run_lineage(cfg: Config, names: list[str]) -> dict[str, Any]:
         for template in uncached_outputs(stage):
             rel = stage.resolve(cfg, template)
             if cfg.path(rel).is_file():
-                mlflow.log_artifact(str(cfg.path(rel)), artifact_path=_artifact_dir(rel))
+                mlflow.log_artifact(str(cfg.path(rel)), artifact_path=artifact_dir(rel))
     tracking.link_stage_runs(run.info.run_id)  # the stages' datasets and models, listed on the parent run
     mlflow.log_text(redact(yaml.safe_dump(lock, sort_keys=False)), LOCK_FILE)
     mlflow.log_text(redact(yaml.safe_dump(cfg.to_params(), sort_keys=False)), PARAMS_FILE)
     return lock
 
 
-def _artifact_dir(path: str) -> str:
+def artifact_dir(path: str) -> str:
+    """Where a run keeps its copy of the uncached output `path`: outputs/<its directory>."""
     parent = Path(os.path.normpath(path)).parent.as_posix().lstrip("/")
     return "outputs" if parent in ("", ".") else f"outputs/{parent}"
 

@@ -121,6 +121,12 @@ def _check_server(uri: str, timeout: float) -> None:
             json={"max_results": 1},
         )
     except Exception as err:  # connection refused, DNS, timeout, TLS: all mean "cannot track"
+        status = re.search(r"too many (5\d\d) error responses", str(err))
+        if status:  # the server is up, what it stores runs in is not (its database down, a full disk)
+            raise TrackingUnavailableError(
+                f"MLflow tracking server {shown} answered HTTP {status.group(1)}: its backend store failed (is its "
+                "database up?). Nothing was run."
+            ) from None
         errno = re.search(r"\[Errno -?\d+\] [^\"')]+", str(err))  # the OS reason, without urllib3's wrapping
         reason = redact(errno.group(0) if errno else str(err).split(" failed with exception ")[-1])[:300]
         raise TrackingUnavailableError(
@@ -132,6 +138,15 @@ def _check_server(uri: str, timeout: float) -> None:
         raise TrackingUnavailableError(
             f"MLflow tracking server {shown} refused the credentials (HTTP {response.status_code}); set "
             "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN. Nothing was run."
+        )
+    if response.status_code >= 500:  # the server is up, what it stores runs in is not (a database down, a full disk)
+        try:
+            detail = str(response.json().get("message", ""))
+        except ValueError:
+            detail = response.text
+        raise TrackingUnavailableError(
+            f"MLflow tracking server {shown} answered HTTP {response.status_code}: its backend store failed "
+            f"({redact(detail.strip())[:400]}). Nothing was run."
         )
     if response.status_code >= 400:
         raise TrackingUnavailableError(

@@ -1,0 +1,2 @@
+create database mlflow;
+create database prefect;

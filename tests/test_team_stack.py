@@ -1,0 +1,199 @@
+"""The team stack, started for real on 127.0.0.1 (rlhfops/stack.py): PostgreSQL behind the MLflow server and the
+Prefect server, SeaweedFS's S3 holding MLflow's artifacts and the DVC remote, two workers in their own clones.
+Tiny pipelines started through the Prefect API run their stages across both workers (flows/team.py), two at once;
+a third clone restores one by its MLflow id; a stage process killed mid-stage fails its run naming the stage and
+the worker, and leaves nothing in the remote or the registry; an unreachable store or wrong credentials fail in
+preflight, in seconds. `make test-stack` (.ci/run calls it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import make_dvc_repo
+
+pytestmark = [pytest.mark.stack, pytest.mark.slow, pytest.mark.system]
+
+HEAVY = {"sft", "reward_model", "judge", "sft_answers", "ppo", "evaluate"}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_model_dir):
+    from rlhfops.stack import Stack
+
+    root = tmp_path_factory.mktemp("team")
+    make_dvc_repo(root / "repo", tiny_model_dir)
+    hang = root / "hang-ppo"  # tests.fixtures.prompt_length_reward never returns while this file exists
+    with Stack(
+        root / "stack",
+        repo=root / "repo",
+        workers=2,
+        worker_env={"RLHF_TEST_HANG_WHEN": str(hang), "OMP_NUM_THREADS": "1"},
+        keep_data=False,
+    ) as s:
+        s.hang_marker = hang
+        yield s
+
+
+def _env(stack, clone: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
+    return {**env, **stack.client_env(), "PYTHONPATH": str(clone), "PREFECT_HOME": str(stack.root / "client-home")}
+
+
+def _team_run(stack, *overrides: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "flows.team", "run"] + [a for o in overrides for a in ("--set", o)]
+    return subprocess.Popen(
+        cmd, cwd=stack.repo, env=_env(stack, stack.repo), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _parents(client) -> list:
+    return client.search_runs(
+        ["0", *[e.experiment_id for e in client.search_experiments()]], "tags.dispatch = 'work-pool'"
+    )
+
+
+def _children(client, parent) -> dict:
+    runs = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    return {r.info.run_name: r for r in runs}
+
+
+def test_two_runs_across_two_workers_and_a_restore_in_a_third_clone(stack):
+    import mlflow
+
+    from rlhfops.stages import STAGE_NAMES
+
+    runs = [_team_run(stack, f"seed={seed}") for seed in (1, 2)]
+    outs = [p.communicate(timeout=1500)[0] for p in runs]
+    for p, out in zip(runs, outs):
+        assert p.returncode == 0, out[-5000:]
+    client = mlflow.MlflowClient(stack.mlflow_url)
+    parents = _parents(client)
+    assert len(parents) == 2 and all(r.info.status == "FINISHED" for r in parents)
+    assert all(r.info.artifact_uri.startswith("mlflow-artifacts:") for r in parents)  # proxied to S3
+
+    spans = []  # (start, end, worker, parent) of each heavy stage run
+    for parent in parents:
+        children = _children(client, parent)
+        lock = yaml.safe_load(
+            Path(client.download_artifacts(parent.info.run_id, "dvc.lock", str(stack.root))).read_text()
+        )
+        assert list(lock["stages"]) == STAGE_NAMES and set(children) <= set(STAGE_NAMES)
+        md5s: dict[str, set] = {}
+        for entry in lock["stages"].values():
+            for item in entry.get("deps", []) + entry.get("outs", []):
+                if "md5" in item:
+                    md5s.setdefault(item["path"], set()).add(item["md5"])
+        assert md5s and all(len(v) == 1 for v in md5s.values()), {p: v for p, v in md5s.items() if len(v) > 1}
+        tags = parent.data.tags
+        for name, run in children.items():
+            if name in HEAVY:
+                spans.append((run.info.start_time, run.info.end_time, tags[f"worker.{name}"], parent.info.run_id))
+        assert {tags[f"worker.{s}"] for s in lock["stages"]} <= {"worker-1", "worker-2"}
+    # the two runs trained at the same time, on the two workers
+    overlaps = [(a, b) for a in spans for b in spans if a[3] < b[3] and a[2] != b[2] and a[0] < b[1] and b[0] < a[1]]
+    assert overlaps, sorted(spans)
+
+    # a third clone, wired to the stack, restores the first run by its MLflow id
+    third = stack.clone(stack.root / "third")
+    run_id = parents[0].info.run_id
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.restore", run_id],
+        cwd=third, env=_env(stack, third), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+    assert "MISMATCH" not in done.stdout and (third / "models/policy/config.json").is_file()
+
+
+def test_a_stage_killed_on_its_worker_fails_the_run_naming_both_and_leaves_nothing(stack):
+    import mlflow
+    import psutil
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    client = mlflow.MlflowClient(stack.mlflow_url)
+    before = {r.info.run_id for r in _parents(client)}
+    stack.hang_marker.touch()
+    run = _team_run(stack, "seed=1", "ppo.reward_fn=tests.fixtures:prompt_length_reward")
+    try:
+        deadline, ppo = time.monotonic() + 900, None
+        while ppo is None and time.monotonic() < deadline and run.poll() is None:
+            time.sleep(2)
+            new = [r for r in _parents(client) if r.info.run_id not in before]
+            ppo = _children(client, new[0]).get("ppo") if new else None
+        assert ppo is not None, "the ppo stage never started"
+        s3 = stack.s3_client()
+        objects = {o["Key"] for o in s3.list_objects_v2(Bucket="dvc").get("Contents", [])}
+        with temporary_settings({PREFECT_API_URL: stack.prefect_url}), get_client(sync_client=True) as prefect:
+            victims = []
+            for proc in psutil.process_iter():
+                try:
+                    flow_run_id = proc.environ().get("PREFECT__FLOW_RUN_ID")
+                except psutil.Error:
+                    continue
+                if flow_run_id and prefect.read_flow_run(flow_run_id).parameters.get("stage") == "ppo":
+                    victims.append(proc)
+        assert victims, "no process runs the ppo stage"
+        for proc in victims:
+            proc.kill()
+        out = run.communicate(timeout=600)[0]
+    finally:
+        stack.hang_marker.unlink()
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 1, out[-4000:]
+    parent = next(r for r in _parents(client) if r.info.run_id not in before)
+    worker = parent.data.tags["worker.ppo"]
+    assert f"stage ppo on worker {worker}" in out, out[-4000:]
+    assert parent.info.status == "FAILED"
+    assert {o["Key"] for o in s3.list_objects_v2(Bucket="dvc").get("Contents", [])} == objects
+    assert not client.search_model_versions(f"run_id = '{ppo.info.run_id}'")
+    assert "stages/ppo.lock.yaml" not in [a.path for a in client.list_artifacts(parent.info.run_id, "stages")]
+
+
+def test_unreachable_store_and_wrong_credentials_fail_in_preflight(stack, monkeypatch):
+    from rlhfops.restore import RemoteUnavailableError, reach_remote
+    from rlhfops.stack import free_port
+
+    conf = {"url": "s3://dvc/store", "endpointurl": stack.s3_url}
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", stack.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-key")
+    start = time.monotonic()
+    with pytest.raises(RemoteUnavailableError, match="refuses the credentials"):
+        reach_remote("team", conf)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", stack.secret_key)
+    reach_remote("team", conf)
+    with pytest.raises(RemoteUnavailableError, match="unreachable"):
+        reach_remote("team", {**conf, "endpointurl": f"http://127.0.0.1:{free_port()}"})
+    assert time.monotonic() - start < 30
+
+
+def test_the_compose_file_runs_the_services_the_stack_starts():
+    from rlhfops.stack import BUCKETS, DATABASES, QUEUES
+
+    compose = yaml.safe_load((Path(__file__).parent.parent / "docker-compose.yml").read_text())
+    services = compose["services"]
+    expected = {"postgres", "s3", "buckets", "mlflow", "prefect", "pool"}
+    assert set(services) == expected | {f"worker-{i}{s}" for i in (1, 2) for s in ("", "-light")}
+    flat = yaml.safe_dump(compose)
+    for word in [*BUCKETS, *DATABASES, *QUEUES, "--serve-artifacts", "--artifacts-destination", "-s3.config"]:
+        assert word in flat, word
+
+
+def test_the_tracking_servers_database_down_fails_in_preflight(stack):
+    """Last in this module: it stops the stack's PostgreSQL."""
+    from rlhflow.config import load_config
+    from rlhfops.tracking import TrackingUnavailableError, preflight
+
+    cfg = load_config(stack.repo / "params.yaml", [f"tracking.tracking_uri={stack.mlflow_url}"])
+    preflight(cfg)
+    stack.stop_postgres()
+    start = time.monotonic()
+    with pytest.raises(TrackingUnavailableError, match="backend store failed") as err:
+        preflight(cfg)
+    assert time.monotonic() - start < 30 and stack.mlflow_url in str(err.value)
