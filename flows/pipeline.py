@@ -131,16 +131,19 @@ SLOT_NOTICE_S = 600.0
 
 
 @contextlib.contextmanager
-def training_slot(stage: str, limit: str = TRAINING_LIMIT) -> Iterator[None]:
+def training_slot(stage: str, limit: str = TRAINING_LIMIT, lease_s: float = 300.0) -> Iterator[None]:
     """Hold one slot of the concurrency limit `limit` while `stage` runs; every SLOT_NOTICE_S of waiting, say what
-    is waited for and how to free a slot that a killed run left taken."""
+    is waited for and how to free a slot that a killed run left taken. `lease_s`: how long the slot's lease lasts
+    unrenewed; a server that revokes expired leases (`prefect server start`) frees a killed run's slot after it."""
     from prefect.concurrency.sync import concurrency
 
     waited = 0.0
     slot = contextlib.ExitStack()  # entered apart from the stage, so a TimeoutError from the stage is not caught
     while True:
         try:
-            slot.enter_context(concurrency(limit, occupy=1, strict=True, timeout_seconds=SLOT_NOTICE_S))
+            slot.enter_context(
+                concurrency(limit, occupy=1, strict=True, timeout_seconds=SLOT_NOTICE_S, lease_duration=lease_s)
+            )
             break
         except TimeoutError:
             waited += SLOT_NOTICE_S

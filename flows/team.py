@@ -13,11 +13,12 @@ its clone first on PYTHONPATH (`rlhfops.stack` starts workers so), so each runs 
 
 - The dispatcher holds the MLflow parent run. For each stage it starts a stage flow run on the stage's queue and
   waits for it; the stage run receives the lock entries of the stages before it, writes them into its clone's
-  dvc.lock, pulls and checks their outputs out by md5 (`restore.restore_lock`), runs the stage as a child run of
-  the parent (or skips it when DVC finds it up to date), records it, pushes its outputs to the DVC remote, and
-  only then logs its lock entry and metrics on the parent run (artifacts `stages/<stage>.lock.yaml`,
-  `outputs/...`). A stage that fails or whose process dies pushes and logs nothing: the dispatcher fails the run
-  naming the stage and the worker.
+  dvc.lock, pulls and checks their outputs out by md5 (`restore.restore_lock`; the uncached ones, metrics that
+  later stages read, from the parent run's `outputs/` artifacts), runs the stage as a child run of the parent (or
+  skips it when DVC finds it up to date), records it, pushes its outputs to the DVC remote, and only then logs its
+  lock entry and metrics on the parent run (artifacts `stages/<stage>.lock.yaml`, `outputs/...`). A stage that
+  fails or whose process or worker dies pushes and logs nothing: the dispatcher fails the run naming the stage
+  and the worker.
 - The parent run then has the same artifacts as a run of flows/pipeline.py (`dvc.lock` with one md5 per path,
   `params.yaml`, `outputs/`): `python -m flows.restore RUN_ID` restores it in any clone that reaches the remote.
 - One stage at a time per clone (rlhfops/workspace.py), and one training slot per worker: the concurrency limit
@@ -60,6 +61,10 @@ LIGHT_QUEUE = "light"
 STAGE_FLOW = "rlhf-stage-on-worker"
 TEAM_DEPLOYMENT = "rlhf-team-pipeline/team"
 WORKER_TAG = "worker."  # + stage: which worker ran it, on the parent run
+# A worker's training slot is leased for this long and renewed while the stage runs: a stage killed with its
+# process gives the slot back within about this time (the server's lease revocation), not Prefect's default 5 min.
+SLOT_LEASE_S = 60.0
+PREFECT_WORKER_TAG = "prefect_worker."  # + stage: the Prefect worker process that took it
 FLOW_RUN_TAG = "prefect_flow_run_id"  # the dispatcher's flow run, on the parent run
 
 
@@ -99,10 +104,14 @@ def stage_on_worker(
     cfg, worker = config, worker_name()
     client = mlflow.MlflowClient(tracking.tracking_uri(cfg))
     client.set_tag(parent_run_id, WORKER_TAG + stage, worker)
+    if os.environ.get("PREFECT__WORKER_NAME"):
+        client.set_tag(parent_run_id, PREFECT_WORKER_TAG + stage, os.environ["PREFECT__WORKER_NAME"])
     print(f"{stage}: on worker {worker}, clone {REPO_ROOT}")
     with workspace.exclusive(f"stage {stage} of run {parent_run_id} on worker {worker}"):
         if lock:  # the inputs, as the run made them, whatever this clone last ran
-            pulled = restore.restore_lock(lock, cfg, remote, uncached=False)
+            with tempfile.TemporaryDirectory() as tmp:  # the uncached ones (metrics) from the parent run
+                outputs = Path(client.download_artifacts(parent_run_id, "outputs", tmp))
+                pulled = restore.restore_lock(lock, cfg, remote, outputs)
             bad = [r.path for r in pulled if not r.ok]
             if bad:
                 raise restore.RestoreError(f"{stage}: inputs differ from the run's record after the pull: {bad}")
@@ -110,7 +119,7 @@ def stage_on_worker(
         limit = f"{TRAINING_LIMIT}-{worker}"
         if get_stage(stage).accelerator:
             ensure_training_limit(limit)
-            with training_slot(stage, limit):
+            with training_slot(stage, limit, lease_s=SLOT_LEASE_S):
                 ran = _run_stage(stage, cfg, parent_run_id, force)
         else:
             ran = _run_stage(stage, cfg, parent_run_id, force)
@@ -196,9 +205,10 @@ def team_pipeline(
                     remote=remote,
                     force=force,
                 ),
-                timeout=None,
+                timeout=0,
                 as_subflow=True,
             )
+            run = wait_for_stage(run, name, parent_id, client)
             worker = client.get_run(parent_id).data.tags.get(WORKER_TAG + name, "(none took it)")
             if not run.state.is_completed():
                 raise StageFailed(
@@ -217,6 +227,38 @@ def team_pipeline(
         mlflow.log_text(tracking.redact(yaml.safe_dump(lock, sort_keys=False)), LOCK_FILE)
         mlflow.log_text(tracking.redact(yaml.safe_dump(cfg.to_params(), sort_keys=False)), PARAMS_FILE)
     return results
+
+
+# A worker that sent no heartbeat for this many of its heartbeat intervals is gone (Prefect's own rule, which its
+# server applies only every foreman loop).
+MISSED_HEARTBEATS = 3
+
+
+def wait_for_stage(flow_run: Any, stage: str, parent_id: str, mlflow_client: Any, poll_s: float = 2.0) -> Any:
+    """Wait for a stage's flow run to end. A run whose worker stops sending heartbeats (the machine or the worker
+    died: no one is left to report the run) is marked Crashed, naming the worker, instead of being waited for."""
+    from datetime import datetime, timezone
+
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    with get_client(sync_client=True) as prefect:
+        while True:
+            run = prefect.read_flow_run(flow_run.id)
+            if run.state.is_final():
+                return run
+            taken_by = mlflow_client.get_run(parent_id).data.tags.get(PREFECT_WORKER_TAG + stage)
+            if taken_by and run.state.is_running():
+                now = datetime.now(timezone.utc)
+                worker = next((w for w in prefect.read_workers_for_work_pool(POOL) if w.name == taken_by), None)
+                beat = worker.last_heartbeat_time if worker else None
+                silent = (now - beat).total_seconds() if beat else 0.0 if worker else float("inf")
+                interval = (worker.heartbeat_interval_seconds if worker else None) or 30
+                if silent > MISSED_HEARTBEATS * interval:
+                    message = f"Prefect worker {taken_by} went silent {silent:.0f} s ago while running the stage"
+                    prefect.set_flow_run_state(run.id, Crashed(message=message), force=True)
+                    return prefect.read_flow_run(run.id)
+            time.sleep(poll_s)
 
 
 def _stage_record(client: Any, run_id: str, stage: str) -> dict[str, Any]:

@@ -85,12 +85,12 @@ def restore(run_id: str, cfg: Config, remote: str | None = None) -> list[Restore
 
 
 def restore_lock(
-    stages: dict[str, Any], cfg: Config, remote: str | None = None, outputs: Path | None = None, uncached: bool = True
+    stages: dict[str, Any], cfg: Config, remote: str | None = None, outputs: Path | None = None
 ) -> list[Restored]:
     """Put the outputs and user data that lock entries (stage -> entry) record back into the workspace: each
     stage's dvc.lock entry becomes the recorded one, objects missing from the local DVC cache are pulled from
     `remote` (default: DVC's default remote), DVC checks the cached outputs out, the uncached ones are copied from
-    `outputs` (skipped without `uncached`: a worker needs a stage's inputs, not its metrics), and user data files
+    `outputs` (a run's `outputs/` artifacts), and user data files
     (`user_data`) are put back where the run read them, a changed file kept beside as `<name>.before-restore`.
     Then every restored file's md5 is compared with the record."""
     if not is_dvc_project():
@@ -105,7 +105,7 @@ def restore_lock(
         cached = {o.def_path: o.hash_info.value for o in outs}
         fetch(repo, {**cached, **{p: h for _, p, h in data}}, remote)
         for name in stages:
-            sources.update(_checkout_stage(repo, name, outputs, uncached))
+            sources.update(_checkout_stage(repo, name, outputs))
         for _, path, md5 in data:
             sources[path] = _put_back(repo, cfg, cfg.path(path), md5)
     with dvc_md5s(state_dir(cfg)) as md5_of:
@@ -113,7 +113,6 @@ def restore_lock(
             Restored(name, o["path"], o.get("md5"), md5_of(cfg.path(o["path"])), sources.get(o["path"], ""))
             for name, entry in stages.items()
             for o in entry.get("outs", [])
-            if o["path"] in sources
         ]
         results += [Restored(name, p, h, md5_of(cfg.path(p)), sources[p]) for name, p, h in data]
     return results
@@ -295,9 +294,9 @@ def _write_lock_entry(repo: Any, name: str, entry: dict[str, Any]) -> None:
     dstage.dump(update_pipeline=False)
 
 
-def _checkout_stage(repo: Any, name: str, outputs: Path | None, uncached: bool = True) -> dict[str, str]:
-    """DVC checks out the stage's cached outputs as its dvc.lock entry has them; with `uncached`, the uncached
-    ones are copied from the run's artifacts."""
+def _checkout_stage(repo: Any, name: str, outputs: Path | None) -> dict[str, str]:
+    """DVC checks out the stage's cached outputs as its dvc.lock entry has them; the uncached ones are copied
+    from the run's artifacts."""
     dstage = repo.stage.load_one(name=name)
     sources = {}
     cached = [o for o in dstage.outs if o.use_cache]
@@ -305,7 +304,7 @@ def _checkout_stage(repo: Any, name: str, outputs: Path | None, uncached: bool =
         repo.checkout(targets=[name], force=True)  # `fetch` brought what was missing
         sources.update({o.def_path: "dvc cache" for o in cached})
     for out in dstage.outs:
-        if out.use_cache or not uncached:
+        if out.use_cache:
             continue
         copy = outputs / os.path.normpath(out.def_path).lstrip("/") if outputs else None
         if copy is None or not copy.is_file():

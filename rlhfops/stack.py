@@ -347,6 +347,7 @@ class Stack:
                 "PYTHONPATH": str(clone),
                 "PREFECT_HOME": str(self.root / f"prefect-home-{name}"),
                 "PREFECT_WORKER_QUERY_SECONDS": "2",  # a stage waits at most this long for a worker to take it
+                "PREFECT_WORKER_HEARTBEAT_SECONDS": "5",  # a dead worker is noticed after 3 missed heartbeats
                 "RLHF_WORKER": name,
                 **self.worker_env,
             }

@@ -110,6 +110,35 @@ def test_two_runs_across_two_workers_and_a_restore_in_a_third_clone(stack):
     assert "MISMATCH" not in done.stdout and (third / "models/policy/config.json").is_file()
 
 
+def _hanging_ppo_run(stack, client):
+    """A run whose ppo stage hangs (tests.fixtures.prompt_length_reward while the marker exists), once its ppo
+    stage run is RUNNING: (process, parent run, ppo run, the DVC bucket's keys then)."""
+    before = {r.info.run_id for r in _parents(client)}
+    stack.hang_marker.touch()
+    run = _team_run(stack, "seed=1", "ppo.reward_fn=tests.fixtures:prompt_length_reward")
+    deadline, ppo, new = time.monotonic() + 900, None, []
+    while ppo is None and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(2)
+        new = [r for r in _parents(client) if r.info.run_id not in before]
+        ppo = _children(client, new[0]).get("ppo") if new else None
+    assert ppo is not None, "the ppo stage never started"
+    objects = {o["Key"] for o in stack.s3_client().list_objects_v2(Bucket="dvc").get("Contents", [])}
+    return run, new[0], ppo, objects
+
+
+def _check_failed_and_nothing_left(stack, client, run, parent, ppo, objects, *words: str) -> None:
+    out = run.communicate(timeout=600)[0]
+    assert run.returncode == 1, out[-4000:]
+    parent = client.get_run(parent.info.run_id)
+    worker = parent.data.tags["worker.ppo"]
+    for text in (f"stage ppo on worker {worker}", *words):
+        assert text in out, (text, out[-4000:])
+    assert parent.info.status == "FAILED"
+    assert {o["Key"] for o in stack.s3_client().list_objects_v2(Bucket="dvc").get("Contents", [])} == objects
+    assert not client.search_model_versions(f"run_id = '{ppo.info.run_id}'")
+    assert "stages/ppo.lock.yaml" not in [a.path for a in client.list_artifacts(parent.info.run_id, "stages")]
+
+
 def test_a_stage_killed_on_its_worker_fails_the_run_naming_both_and_leaves_nothing(stack):
     import mlflow
     import psutil
@@ -117,18 +146,8 @@ def test_a_stage_killed_on_its_worker_fails_the_run_naming_both_and_leaves_nothi
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     client = mlflow.MlflowClient(stack.mlflow_url)
-    before = {r.info.run_id for r in _parents(client)}
-    stack.hang_marker.touch()
-    run = _team_run(stack, "seed=1", "ppo.reward_fn=tests.fixtures:prompt_length_reward")
+    run, parent, ppo, objects = _hanging_ppo_run(stack, client)
     try:
-        deadline, ppo = time.monotonic() + 900, None
-        while ppo is None and time.monotonic() < deadline and run.poll() is None:
-            time.sleep(2)
-            new = [r for r in _parents(client) if r.info.run_id not in before]
-            ppo = _children(client, new[0]).get("ppo") if new else None
-        assert ppo is not None, "the ppo stage never started"
-        s3 = stack.s3_client()
-        objects = {o["Key"] for o in s3.list_objects_v2(Bucket="dvc").get("Contents", [])}
         with temporary_settings({PREFECT_API_URL: stack.prefect_url}), get_client(sync_client=True) as prefect:
             victims = []
             for proc in psutil.process_iter():
@@ -141,19 +160,21 @@ def test_a_stage_killed_on_its_worker_fails_the_run_naming_both_and_leaves_nothi
         assert victims, "no process runs the ppo stage"
         for proc in victims:
             proc.kill()
-        out = run.communicate(timeout=600)[0]
+        _check_failed_and_nothing_left(stack, client, run, parent, ppo, objects, "Crashed")
+        # the killed stage's training slot on its worker comes back once its lease (flows.team.SLOT_LEASE_S) expires
+        from flows.pipeline import TRAINING_LIMIT
+        from flows.team import SLOT_LEASE_S
+
+        limit = f"{TRAINING_LIMIT}-{client.get_run(parent.info.run_id).data.tags['worker.ppo']}"
+        with temporary_settings({PREFECT_API_URL: stack.prefect_url}), get_client(sync_client=True) as prefect:
+            deadline = time.monotonic() + SLOT_LEASE_S + 60  # + the server's lease revocation loop (15 s)
+            while prefect.read_global_concurrency_limit_by_name(limit).active_slots and time.monotonic() < deadline:
+                time.sleep(2)
+            assert prefect.read_global_concurrency_limit_by_name(limit).active_slots == 0, limit
     finally:
         stack.hang_marker.unlink()
         if run.poll() is None:
             run.kill()
-    assert run.returncode == 1, out[-4000:]
-    parent = next(r for r in _parents(client) if r.info.run_id not in before)
-    worker = parent.data.tags["worker.ppo"]
-    assert f"stage ppo on worker {worker}" in out, out[-4000:]
-    assert parent.info.status == "FAILED"
-    assert {o["Key"] for o in s3.list_objects_v2(Bucket="dvc").get("Contents", [])} == objects
-    assert not client.search_model_versions(f"run_id = '{ppo.info.run_id}'")
-    assert "stages/ppo.lock.yaml" not in [a.path for a in client.list_artifacts(parent.info.run_id, "stages")]
 
 
 def test_unreachable_store_and_wrong_credentials_fail_in_preflight(stack, monkeypatch):
@@ -183,6 +204,26 @@ def test_the_compose_file_runs_the_services_the_stack_starts():
     flat = yaml.safe_dump(compose)
     for word in [*BUCKETS, *DATABASES, *QUEUES, "--serve-artifacts", "--artifacts-destination", "-s3.config"]:
         assert word in flat, word
+
+
+def test_a_worker_killed_mid_stage_fails_the_run_naming_stage_and_worker(stack):
+    """The heavy worker running ppo dies with its flow run (a machine lost): its heartbeats stop, the dispatcher
+    marks the stage's flow run Crashed and fails the run. Near the end of this module: it leaves one heavy worker."""
+    import mlflow
+    import psutil
+
+    client = mlflow.MlflowClient(stack.mlflow_url)
+    run, parent, ppo, objects = _hanging_ppo_run(stack, client)
+    try:
+        worker = client.get_run(parent.info.run_id).data.tags["prefect_worker.ppo"]
+        proc = psutil.Process(stack.procs.pop(worker).pid)
+        for p in [proc, *proc.children(recursive=True)]:
+            p.kill()
+        _check_failed_and_nothing_left(stack, client, run, parent, ppo, objects, f"Prefect worker {worker} went silent")
+    finally:
+        stack.hang_marker.unlink()
+        if run.poll() is None:
+            run.kill()
 
 
 def test_the_tracking_servers_database_down_fails_in_preflight(stack):
