@@ -5,11 +5,12 @@
 
 Each point of the grid (every combination of the values) is a full pipeline run (flows/pipeline.py): an MLflow
 parent run nested under the sweep's run, and a DVC experiment. Stages a point does not change are up to date and
-skipped, so the upstream stages are shared, not recomputed. Points run one after another, holding the workspace for
-the whole sweep (rlhfops/workspace.py); to run them in parallel, serve the pipeline from several workers, each in a
-clone of its own (docs/scaling.md). A failed point is reported and the others go on. A rerun of the sweep skips
-the points that already finished: a FINISHED pipeline run of the same resolved params (tag `params_md5`) and the
-same git commit.
+skipped, so the upstream stages are shared, not recomputed; with --seeds, seed by seed (every point at the first
+seed, then at the next), so what a seed changes upstream is trained once per seed. Points run one after another,
+holding the workspace for the whole sweep (rlhfops/workspace.py); to run them in parallel, serve the pipeline from
+several workers, each in a clone of its own (docs/scaling.md). A failed point is reported and the others go on. A
+rerun of the sweep skips the points that already finished: a FINISHED pipeline run of the same resolved params (tag
+`params_md5`) and the same git commit.
 
 Then best-of-n from the SFT model on the same held-out prompts (rlhflow/evaluation/frontier.py: n in `best_of_n`,
 selected by the reward PPO optimises, proxy - ppo.missing_eos_penalty * not_ended, judged by the judge, at the
@@ -431,9 +432,9 @@ def rlhf_sweep(
     base = with_overrides(config, overrides)
     if seeds < 1:
         raise ValueError(f"seeds must be at least 1, got {seeds}")
-    runs = [  # (grid point, its seed or None)
-        (point, None if seeds == 1 else base.seed + i) for point in grid_points(grid) for i in range(seeds)
-    ]
+    # (grid point, its seed or None), seed by seed: the stages a seed changes and a point does not (the reward model,
+    # the SFT samples) train once per seed and the seed's other points find them up to date
+    runs = [(point, None if seeds == 1 else base.seed + i) for i in range(seeds) for point in grid_points(grid)]
     # a bad key or value fails here, before any work
     configs = [with_overrides(base, point + ([] if seed is None else [f"seed={seed}"])) for point, seed in runs]
     ns = DEFAULT_BEST_OF_N if best_of_n is None else sorted(set(best_of_n))
