@@ -10,6 +10,9 @@ params.yaml defaults (8 prompts per rollout, minibatches of 4, one epoch, prompt
   at each thread count of `--threads` in turn, so other work on the machine weighs on all alike; medians, bests
   and their ratios. (Where other processes share the cores, 2 threads spend much of their time waiting for each
   other at OpenMP barriers: 1 thread then shows the arithmetic's cost more faithfully.)
+- FLOP/s: each phase's achieved rate (the FLOPs of its linear layers, bench.flops: 2N per forward token, 6N per
+  trained token) against the rate of a plain matmul measured before it in the same precision and process: how
+  close the rollout's forwards, the PPO epochs and sampling come to this machine's limit.
 - Memory: each setting runs one update in a fresh subprocess: its peak RSS (VmHWM, the whole process, model loading
   included; getrusage's ru_maxrss would also count the parent's RSS at the fork, which Linux keeps across exec).
   Its update time is printed too, from runs that are not interleaved: a rough figure.
@@ -34,6 +37,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench.flops import MATMUL_SHAPE
 
 MEMORY_SETTINGS = {
     "fp32": dict(precision="fp32"),
@@ -141,12 +146,20 @@ def sample_fixed_batch(policy, tok, prompts):
 
 
 def update_times(trainer) -> dict[str, float]:
-    start = time.perf_counter()
-    stats = trainer.update()
+    """One update's times, and the FLOPs of its linear layers: the rollout's forward passes run without autograd
+    (old and reference log-probs, values), the PPO epochs with it (bench.flops)."""
+    from bench.flops import LinearFlops
+
+    with LinearFlops() as flops:
+        start = time.perf_counter()
+        stats = trainer.update()
+        update_s = time.perf_counter() - start
     return {
-        "update_s": time.perf_counter() - start,
+        "update_s": update_s,
         "forward_s": stats["time/forward_s"],
         "training_s": stats["time/training_s"],
+        "forward_flops": flops.forward,
+        "training_flops": flops.trained,
     }
 
 
@@ -154,7 +167,8 @@ def time_precisions(args: argparse.Namespace) -> dict:
     """fp32 and bf16 updates on the fixed batch and sampling, alternating in this process, at each thread count."""
     import torch
 
-    from rlhflow.models import resolve_precision
+    from bench.flops import LinearFlops, matmul_gflops
+    from rlhflow.models import PRECISIONS, resolve_precision
     from rlhflow.ppo.trainer import PPOTrainer
 
     threads = [int(t) for t in args.threads.split(",")]
@@ -168,18 +182,24 @@ def time_precisions(args: argparse.Namespace) -> dict:
         fix_rollout_responses(trainer, gen)
         trainer.update()  # warm-up
     times: dict[int, dict[str, list[dict]]] = {n: {p: [] for p in trainers} for n in threads}
+    matmul: dict[int, dict[str, list[float]]] = {n: {p: [] for p in trainers} for n in threads}  # GFLOP/s
     for round_ in range(args.rounds):
         for n in threads:
             torch.set_num_threads(n)
             for p in ("fp32", "bf16") if round_ % 2 == 0 else ("bf16", "fp32"):
+                matmul[n][p].append(matmul_gflops(PRECISIONS[p]))  # the limit, beside the work it bounds
                 row = update_times(trainers[p])
-                start = time.perf_counter()
-                sampled = PPOTrainer._sample(trainers[p], messages, stream=1)  # the real sampling, in p
-                row.update(generation_s=time.perf_counter() - start, tokens=int(sampled.response_mask.sum()))
+                with LinearFlops() as flops:
+                    start = time.perf_counter()
+                    sampled = PPOTrainer._sample(trainers[p], messages, stream=1)  # the real sampling, in p
+                    generation_s = time.perf_counter() - start
+                tokens = int(sampled.response_mask.sum())
+                row.update(generation_s=generation_s, tokens=tokens, generation_flops=flops.total)
                 times[n][p].append(row)
                 print(f"round {round_ + 1}, {n} threads, {p}: {row}", file=sys.stderr, flush=True)
     return {
         "times": times,
+        "matmul_gflops": matmul,
         "tokens_fixed": int(gen.response_mask.sum()),
         "auto": str(resolve_precision("auto", "cpu")),
     }
@@ -279,6 +299,31 @@ def timing_table(timing: dict) -> list[str]:
             fb, bb = best["fp32"][key], best["bf16"][key]
             lines.append(f"| {name} | {f:.2f} ({fb:.2f}) | {b:.2f} ({bb:.2f}) | {f / b:.2f}x ({fb / bb:.2f}x) |")
         lines.append(f"| tokens sampled | {med['fp32']['tokens']:.0f} | {med['bf16']['tokens']:.0f} | |")
+        lines += ["", *achieved_table(med, timing["matmul_gflops"][n])]
+    return lines
+
+
+def achieved_table(med: dict[str, dict[str, float]], matmul: dict[str, list[float]]) -> list[str]:
+    """Achieved GFLOP/s of each phase (its linear layers' FLOPs over its median time: 6N per trained token, 2N per
+    forward token) against the median matmul rate measured beside it in the same precision."""
+    lines = [
+        "| phase | fp32 GFLOP/s | share of fp32 matmul | bf16 GFLOP/s | share of bf16 matmul |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    limit = {p: statistics.median(rates) for p, rates in matmul.items()}
+    for flops_key, time_key, name in (
+        ("forward_flops", "forward_s", "rollout forwards (2N per token)"),
+        ("training_flops", "training_s", "PPO epochs (6N per trained token)"),
+        ("generation_flops", "generation_s", "sampling (2N per token)"),
+    ):
+        rate = {p: med[p][flops_key] / med[p][time_key] / 1e9 for p in ("fp32", "bf16")}
+        lines.append(
+            f"| {name} | {rate['fp32']:.0f} | {rate['fp32'] / limit['fp32']:.0%} "
+            f"| {rate['bf16']:.0f} | {rate['bf16'] / limit['bf16']:.0%} |"
+        )
+    lines.append(
+        f"| matmul {'x'.join(map(str, MATMUL_SHAPE))} (the limit) | {limit['fp32']:.0f} | | {limit['bf16']:.0f} | |"
+    )
     return lines
 
 

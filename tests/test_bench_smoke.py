@@ -227,3 +227,41 @@ def test_ppo_settings_seed_table_gives_each_settings_mean_and_t_interval():
     assert lines[2].startswith("| `shared` | 3 | 1.000 (-1.484 to 3.484) |")
     assert lines[3].startswith("| `separate` | 3 | 11.000 (8.516 to 13.484) |")
     assert len(lines) == 4 and lines[2].count("(") == len(SEED_FIGURES)
+
+
+def test_linear_flops_count_2n_per_forward_token_and_6n_per_trained_token():
+    """bench.flops: a token through linear layers of N weights costs 2N FLOPs without autograd and 6N when trained
+    (forward, input and weight gradients); the matmul rate is a positive figure."""
+    import torch
+    from torch import nn
+
+    from bench.flops import LinearFlops, matmul_gflops
+
+    net = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    n_weights = 8 * 16 + 16 * 4
+    tokens = torch.randint(0, 10, (3, 5))  # 15 tokens
+    with LinearFlops() as flops:
+        with torch.no_grad():
+            net(tokens)
+    assert flops.forward == 2 * n_weights * 15 and flops.trained == 0
+    with LinearFlops() as flops:
+        net(tokens).sum().backward()
+    assert flops.trained == 6 * n_weights * 15 and flops.forward == 0
+    net(tokens)  # outside the context: not counted
+    assert flops.total == 6 * n_weights * 15
+    assert matmul_gflops(torch.float32, repeats=2) > 0
+
+
+def test_ppo_precision_achieved_table_sets_each_phase_against_its_matmul_rate():
+    from bench.ppo_precision import achieved_table
+
+    med = {
+        p: {"forward_flops": 4e9, "forward_s": 2.0, "training_flops": 12e9, "training_s": 3.0}
+        | {"generation_flops": 1e9, "generation_s": 1.0}
+        for p in ("fp32", "bf16")
+    }
+    lines = achieved_table(med, {"fp32": [10.0, 20.0, 40.0], "bf16": [100.0]})
+    assert lines[2] == "| rollout forwards (2N per token) | 2 | 10% | 2 | 2% |"
+    assert lines[3] == "| PPO epochs (6N per trained token) | 4 | 20% | 4 | 4% |"
+    assert lines[4] == "| sampling (2N per token) | 1 | 5% | 1 | 1% |"
+    assert lines[5].endswith("| 20 | | 100 | |")
