@@ -265,3 +265,23 @@ def test_ppo_precision_achieved_table_sets_each_phase_against_its_matmul_rate():
     assert lines[3] == "| PPO epochs (6N per trained token) | 4 | 20% | 4 | 4% |"
     assert lines[4] == "| sampling (2N per token) | 1 | 5% | 1 | 1% |"
     assert lines[5].endswith("| 20 | | 100 | |")
+
+
+def test_precision_stages_sets_every_stages_precision_key():
+    """bench.precision_stages puts every `precision` key params.yaml has at the side's precision (the judge's
+    inherits reward_model's), so a stage that gains one is not left out of the comparison."""
+    from bench.precision_stages import PRECISION_KEYS, precision_overrides
+    from rlhflow.config import load_config
+
+    def keys(section: dict, prefix: str = "") -> set[str]:
+        found = set()
+        for name, value in section.items():
+            if isinstance(value, dict):
+                found |= keys(value, f"{prefix}{name}.")
+            elif name == "precision":
+                found.add(f"{prefix}{name}")
+        return found
+
+    assert keys(load_config().to_params()) - {"judge.precision"} == set(PRECISION_KEYS)
+    args = precision_overrides("bf16")
+    assert args[::2] == ["--set"] * len(PRECISION_KEYS) and set(args[1::2]) == {f"{k}=bf16" for k in PRECISION_KEYS}

@@ -1,0 +1,62 @@
+"""Every stage's wall time in fp32 against bf16, side by side: the default pipeline as `make run` runs it
+(`bench.profile_run`, each run in a process of its own), once with every stage's `precision` at fp32 and once at
+bf16, alternating over `--rounds`, so that other work on the machine weighs on both alike. Reports per stage the
+median wall seconds of each and bf16 / fp32, and which of the run's figures differ (bf16 changes the sampled tokens,
+so most do: how much is the seed comparison's question, docs/benchmarks.md "Precision").
+
+    .venv/bin/python -m bench.precision_stages                  # the default pipeline twice (~40 min on 2 cores)
+    .venv/bin/python -m bench.precision_stages --tiny           # tiny models (a few minutes; the smoke test)
+    .venv/bin/python -m bench.precision_stages --rounds 2 --set ppo.steps=10
+
+How close PPO's training and sampling come to the machine's matmul rate in each precision: bench.ppo_precision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from bench.profile_compare import compared, differing_metrics, markdown, profile
+from rlhflow.config import add_overrides_argument
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO / "bench" / ".work" / "precision_stages.json"
+# every stage's precision key (the judge takes reward_model's, align's algorithms are not in the default chain)
+PRECISION_KEYS = ("sft.precision", "reward_model.precision", "ppo.precision", "align.precision", "evaluate.precision")
+
+
+def precision_overrides(precision: str) -> list[str]:
+    """`--set` arguments putting every stage at `precision`."""
+    return [a for key in PRECISION_KEYS for a in ("--set", f"{key}={precision}")]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each precision, alternating (medians)")
+    parser.add_argument("--tiny", action="store_true", help="tiny models instead of the default")
+    add_overrides_argument(parser, "params.yaml overrides for both sides (repeatable)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"the JSON (default: {DEFAULT_OUT})")
+    args = parser.parse_args(argv)
+    common = (["--tiny"] if args.tiny else []) + [a for kv in args.overrides for a in ("--set", kv)]
+
+    runs: dict[str, list[dict]] = {"fp32": [], "bf16": []}
+    with tempfile.TemporaryDirectory(prefix="rlhflow-precision-") as tmp:
+        for i in range(args.rounds):
+            for precision in ("fp32", "bf16") if i % 2 == 0 else ("bf16", "fp32"):
+                out = Path(tmp) / f"{precision}-{i}.json"
+                runs[precision].append(profile(REPO, out, common + precision_overrides(precision)))
+
+    rows = compared(runs["fp32"], runs["bf16"])
+    differing = differing_metrics(runs["fp32"][-1].get("metrics", {}), runs["bf16"][-1].get("metrics", {}))
+    result = {"rounds": args.rounds, "stages": rows, "differing_metrics": differing, "profiles": runs}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"\n== wall seconds, every stage in fp32 and in bf16 (median of {args.rounds}; ratio bf16 / fp32)\n")
+    print(markdown(rows, "fp32").replace("| this tree, s |", "| bf16, s |"))
+    print(f"\n{len(differing)} figures differ between the two; JSON: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
