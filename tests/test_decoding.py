@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rlhflow import decoding
-from rlhflow.decoding import logits_processors, sample_dropping_finished
+from rlhflow.decoding import inverse_cdf_draw, logits_processors, multinomial_draw, sample_dropping_finished
 from rlhflow.policy import encode_prompts
 from tests.fixtures import tiny_llama
 
@@ -82,8 +82,8 @@ def test_greedy_answers_equal_generate_while_rows_leave(tok, model, monkeypatch,
 
 
 def test_sampled_tokens_equal_generate_at_one_seed_while_no_row_ends(tok, model):
-    """Same random stream, same processors in the same order (repetition penalty, temperature, top-k, top-p): the
-    same draws, as long as the batch keeps all its rows."""
+    """Same random stream, same processors in the same order (repetition penalty, temperature, top-k, top-p) and
+    generate's own draw: the same tokens, as long as the batch keeps all its rows."""
     ids, mask = encode_prompts(tok, PROMPTS, 64)
     settings = dict(temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.3)
     torch.manual_seed(5)
@@ -97,5 +97,32 @@ def test_sampled_tokens_equal_generate_at_one_seed_while_no_row_ends(tok, model)
         processors=logits_processors(**settings),
         stop_ids=[],
         pad_id=tok.pad_token_id,
+        draw=multinomial_draw,
     )
     assert got.tolist() == expected.tolist()
+
+
+def test_the_inverse_cdf_draw_has_the_multinomial_distribution():
+    """Draws from a fixed distribution with zeros in it (what top-k / top-p leave): each token's frequency within
+    4.5 standard errors of its probability (chi-square far below its 1e-5 tail), and no zero-probability token, at
+    the first or last position included; rows need not be normalised."""
+    from scipy import stats
+
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.rand(50, generator=generator) ** 4
+    probs[[0, 7, 8, 30, 49]] = 0.0
+    probs /= probs.sum()
+    n = 200_000
+    torch.manual_seed(1)
+    draws = inverse_cdf_draw((probs * 3.0).expand(n, -1))
+    counts = torch.bincount(draws, minlength=50).double()
+    assert counts[probs == 0].sum() == 0
+    expected = probs.double() * n
+    se = (expected * (1 - probs.double())).sqrt()
+    live = probs > 0
+    assert ((counts - expected).abs()[live] <= 4.5 * se[live] + 1).all()
+    chi2 = ((counts - expected)[live] ** 2 / expected[live]).sum().item()
+    assert chi2 < stats.chi2.ppf(1 - 1e-5, int(live.sum()) - 1)
+    one_hot = torch.zeros(3, 50)
+    one_hot[0, 0], one_hot[1, 49], one_hot[2, 17] = 1.0, 1.0, 1.0
+    assert inverse_cdf_draw(one_hot).tolist() == [0, 49, 17]
