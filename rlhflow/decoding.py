@@ -66,6 +66,13 @@ def multinomial_draw(probs: torch.Tensor) -> torch.Tensor:
     return torch.multinomial(probs, num_samples=1).squeeze(1)
 
 
+# the draws a caller may name (rlhflow.sampling.Sampling.draw): one token per row from the processed probabilities
+DRAWS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "inverse_cdf": inverse_cdf_draw,
+    "multinomial": multinomial_draw,
+}
+
+
 @torch.no_grad()
 def sample_dropping_finished(
     model: nn.Module,

@@ -126,3 +126,33 @@ def test_the_inverse_cdf_draw_has_the_multinomial_distribution():
     one_hot = torch.zeros(3, 50)
     one_hot[0, 0], one_hot[1, 49], one_hot[2, 17] = 1.0, 1.0, 1.0
     assert inverse_cdf_draw(one_hot).tolist() == [0, 49, 17]
+
+
+def test_the_draw_is_part_of_the_sampling_settings_and_reaches_the_decoder(tok, model, monkeypatch):
+    """Sampling.draw names the decoder's draw, and the answers' key carries it (answers drawn otherwise are not
+    taken for these)."""
+    import dataclasses
+
+    from rlhflow.sampling import Sampling
+
+    used = []
+    for name, draw in list(decoding.DRAWS.items()):
+        monkeypatch.setitem(decoding.DRAWS, name, lambda probs, name=name, draw=draw: used.append(name) or draw(probs))
+    settings = Sampling(
+        temperature=0.7,
+        top_k=0,
+        top_p=1.0,
+        repetition_penalty=1.0,
+        max_new_tokens=3,
+        max_prompt_length=64,
+        stop_strings=(),
+        seed=0,
+        batch_size=4,
+    )
+    assert settings.key()["draw"] == "inverse_cdf"
+    settings.sample(model, tok, PROMPTS[:2])
+    assert set(used) == {"inverse_cdf"}
+    used.clear()
+    other = dataclasses.replace(settings, draw="multinomial")
+    other.sample(model, tok, PROMPTS[:2])
+    assert set(used) == {"multinomial"} and other.key() != settings.key()
