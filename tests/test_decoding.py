@@ -102,30 +102,34 @@ def test_sampled_tokens_equal_generate_at_one_seed_while_no_row_ends(tok, model)
     assert got.tolist() == expected.tolist()
 
 
-def test_the_inverse_cdf_draw_has_the_multinomial_distribution():
-    """Draws from a fixed distribution with zeros in it (what top-k / top-p leave): each token's frequency within
-    4.5 standard errors of its probability (chi-square far below its 1e-5 tail), and no zero-probability token, at
-    the first or last position included; rows need not be normalised."""
+@pytest.mark.parametrize("vocab", [50, 700])  # one block of decoding.CDF_BLOCK, and three with a partial last one
+def test_the_inverse_cdf_draw_has_the_multinomial_distribution(vocab):
+    """Draws from a fixed distribution with zeros in it (what top-k / top-p leave; with 700 tokens a whole block of
+    zeros too): each token's frequency within 4.5 standard errors of its probability (chi-square far below its 1e-5
+    tail), and no zero-probability token, at the first or last position included; rows need not be normalised."""
     from scipy import stats
 
     generator = torch.Generator().manual_seed(0)
-    probs = torch.rand(50, generator=generator) ** 4
-    probs[[0, 7, 8, 30, 49]] = 0.0
+    probs = torch.rand(vocab, generator=generator) ** 4
+    probs[[0, 7, 8, 30, vocab - 1]] = 0.0
+    if vocab > 2 * decoding.CDF_BLOCK:
+        probs[decoding.CDF_BLOCK : 2 * decoding.CDF_BLOCK] = 0.0
+        probs[2 * decoding.CDF_BLOCK + 3] = 0.05 * probs.sum()  # a heavy token in the last, partial block
     probs /= probs.sum()
-    n = 200_000
+    n = 400_000
     torch.manual_seed(1)
     draws = inverse_cdf_draw((probs * 3.0).expand(n, -1))
-    counts = torch.bincount(draws, minlength=50).double()
-    assert counts[probs == 0].sum() == 0
+    counts = torch.bincount(draws, minlength=vocab).double()
+    assert len(counts) == vocab and counts[probs == 0].sum() == 0
     expected = probs.double() * n
     se = (expected * (1 - probs.double())).sqrt()
     live = probs > 0
     assert ((counts - expected).abs()[live] <= 4.5 * se[live] + 1).all()
     chi2 = ((counts - expected)[live] ** 2 / expected[live]).sum().item()
     assert chi2 < stats.chi2.ppf(1 - 1e-5, int(live.sum()) - 1)
-    one_hot = torch.zeros(3, 50)
-    one_hot[0, 0], one_hot[1, 49], one_hot[2, 17] = 1.0, 1.0, 1.0
-    assert inverse_cdf_draw(one_hot).tolist() == [0, 49, 17]
+    one_hot = torch.zeros(3, vocab)
+    one_hot[0, 0], one_hot[1, vocab - 1], one_hot[2, 17] = 1.0, 1.0, 1.0
+    assert inverse_cdf_draw(one_hot).tolist() == [0, vocab - 1, 17]
 
 
 def test_the_draw_is_part_of_the_sampling_settings_and_reaches_the_decoder(tok, model, monkeypatch):
