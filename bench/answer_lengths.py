@@ -9,6 +9,8 @@ precision on a CPU that runs it natively).
 
     python -m bench.answer_lengths --model sft=models/sft --model policy=models/policy --prompts 48 \\
         --variant top_p=0.9 --variant repetition_penalty=1.2
+    python -m bench.answer_lengths --model sft=models/sft --prompts 96 --max-new-tokens 256 --limits 256 \
+        --variant draw=multinomial          # the decoder's draw: its time against generate's own draw
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def main(argv: list[str] | None = None) -> None:
         action="append",
         default=[],
         help="key=value of the sampling settings (temperature, top_p, repetition_penalty; decoder=generate: "
-        "transformers' generate), applied to the first model only, beside its default settings (repeatable)",
+        "transformers' generate; draw=multinomial: the decoder with generate's draw), applied to the first model "
+        "only, beside its default settings (repeatable)",
     )
     parser.add_argument("--json", default="bench/.work/answer_lengths.json")
     parser.add_argument("--set", action="append", default=[], help="params.yaml override, as for the pipeline")
@@ -58,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     first_name, first_path = runs[0][:2]
     for variant in args.variant:
         key, value = variant.split("=", 1)
-        setting = value if key == "decoder" else float(value)
+        setting = value if key in ("decoder", "draw") else float(value)
         runs.append((first_name, first_path, dataclasses.replace(base, **{key: setting}), variant))
 
     rows = []

@@ -27,7 +27,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 from transformers.generation import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
 from rlhflow.cpu_packed_linear import packed_linears
-from rlhflow.decoding import logits_processors, sample_dropping_finished
+from rlhflow.decoding import DRAWS, logits_processors, sample_dropping_finished
 from rlhflow.logits import entropy_from_logits, logprobs_from_logits
 from rlhflow.models import autocast
 
@@ -242,6 +242,7 @@ def generate(
     return_hidden: bool = False,
     compute_dtype: torch.dtype = torch.float32,
     drop_finished: bool = False,
+    draw: str = "inverse_cdf",
 ) -> GenerationOutput:
     """Sample one response per prompt (do_sample, KV cache) from logits / temperature, then top-k / top-p.
 
@@ -255,7 +256,8 @@ def generate(
     `generator_seed` makes the sampling reproducible without touching the global RNG.
     return_logits / return_hidden keep the sampling pass's raw logits and last hidden states (PPO's old
     log-probs and shared-head values without a second forward pass). compute_dtype bf16: sampling under autocast.
-    drop_finished: ended rows leave the batch (`rlhflow.decoding`; not with return_logits / return_hidden).
+    drop_finished: ended rows leave the batch (`rlhflow.decoding`; not with return_logits / return_hidden), each
+    token drawn by `draw` (a name in `rlhflow.decoding.DRAWS`).
     On CPU in float32 the linear layers run on oneDNN-packed weights while sampling (`rlhflow.cpu_packed_linear`)."""
     stop_strings = [s for s in stop_strings if s]
     eos_ids = stop_token_ids(tokenizer, model, stop_strings)  # before the model's generation_config is set aside
@@ -302,6 +304,7 @@ def generate(
                 stop_ids=eos_ids,
                 pad_id=tokenizer.pad_token_id,
                 stop_criterion=stops.criterion if stops else None,
+                draw=DRAWS[draw],
             )
             if stops:
                 stops.stopped_after = stopped

@@ -42,10 +42,12 @@ def sample_responses(
     seed: int | None = None,
     repetition_penalty: float = 1.0,
     drop_finished: bool = True,
+    draw: str = "inverse_cdf",
 ) -> list[GenerationOutput]:
     """`generate` over all prompts in batches of `batch_size`, on the model's device. Batch i samples with seed
     `seed + i`, so two models given the same prompts and seed are compared on the same random streams.
-    drop_finished False: transformers' own `generate`, which keeps ended rows until the batch's last one ends."""
+    drop_finished False: transformers' own `generate`, which keeps ended rows until the batch's last one ends;
+    True: `draw` picks each token (rlhflow.decoding.DRAWS)."""
     device = next(model.parameters()).device
     outs = []
     for start in range(0, len(prompt_messages), batch_size):
@@ -64,6 +66,7 @@ def sample_responses(
                 generator_seed=None if seed is None else seed + start,
                 repetition_penalty=repetition_penalty,
                 drop_finished=drop_finished,
+                draw=draw,
             )
         )
     return outs
@@ -82,6 +85,8 @@ class Sampling:
     batch_size: int
     # rlhflow.decoding, or transformers' "generate"; the tokens differ between the two at one seed
     decoder: Literal["drop_finished", "generate"] = "drop_finished"
+    # how drop_finished draws each token (rlhflow.decoding.DRAWS): the same distribution, different tokens
+    draw: Literal["inverse_cdf", "multinomial"] = "inverse_cdf"
 
     def key(self) -> dict:
         """What the sampled answers depend on, besides the model and the prompts (batch_size too: a batch's rows
@@ -103,6 +108,7 @@ class Sampling:
             seed=self.seed,
             repetition_penalty=self.repetition_penalty,
             drop_finished=self.decoder == "drop_finished",
+            draw=self.draw,
         )
 
 

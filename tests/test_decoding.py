@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rlhflow import decoding
-from rlhflow.decoding import logits_processors, sample_dropping_finished
+from rlhflow.decoding import inverse_cdf_draw, logits_processors, multinomial_draw, sample_dropping_finished
 from rlhflow.policy import encode_prompts
 from tests.fixtures import tiny_llama
 
@@ -82,8 +82,8 @@ def test_greedy_answers_equal_generate_while_rows_leave(tok, model, monkeypatch,
 
 
 def test_sampled_tokens_equal_generate_at_one_seed_while_no_row_ends(tok, model):
-    """Same random stream, same processors in the same order (repetition penalty, temperature, top-k, top-p): the
-    same draws, as long as the batch keeps all its rows."""
+    """Same random stream, same processors in the same order (repetition penalty, temperature, top-k, top-p) and
+    generate's own draw: the same tokens, as long as the batch keeps all its rows."""
     ids, mask = encode_prompts(tok, PROMPTS, 64)
     settings = dict(temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.3)
     torch.manual_seed(5)
@@ -97,5 +97,66 @@ def test_sampled_tokens_equal_generate_at_one_seed_while_no_row_ends(tok, model)
         processors=logits_processors(**settings),
         stop_ids=[],
         pad_id=tok.pad_token_id,
+        draw=multinomial_draw,
     )
     assert got.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("vocab", [50, 700])  # one block of decoding.CDF_BLOCK, and three with a partial last one
+def test_the_inverse_cdf_draw_has_the_multinomial_distribution(vocab):
+    """Draws from a fixed distribution with zeros in it (what top-k / top-p leave; with 700 tokens a whole block of
+    zeros too): each token's frequency within 4.5 standard errors of its probability (chi-square far below its 1e-5
+    tail), and no zero-probability token, at the first or last position included; rows need not be normalised."""
+    from scipy import stats
+
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.rand(vocab, generator=generator) ** 4
+    probs[[0, 7, 8, 30, vocab - 1]] = 0.0
+    if vocab > 2 * decoding.CDF_BLOCK:
+        probs[decoding.CDF_BLOCK : 2 * decoding.CDF_BLOCK] = 0.0
+        probs[2 * decoding.CDF_BLOCK + 3] = 0.05 * probs.sum()  # a heavy token in the last, partial block
+    probs /= probs.sum()
+    n = 400_000
+    torch.manual_seed(1)
+    draws = inverse_cdf_draw((probs * 3.0).expand(n, -1))
+    counts = torch.bincount(draws, minlength=vocab).double()
+    assert len(counts) == vocab and counts[probs == 0].sum() == 0
+    expected = probs.double() * n
+    se = (expected * (1 - probs.double())).sqrt()
+    live = probs > 0
+    assert ((counts - expected).abs()[live] <= 4.5 * se[live] + 1).all()
+    chi2 = ((counts - expected)[live] ** 2 / expected[live]).sum().item()
+    assert chi2 < stats.chi2.ppf(1 - 1e-5, int(live.sum()) - 1)
+    one_hot = torch.zeros(3, vocab)
+    one_hot[0, 0], one_hot[1, vocab - 1], one_hot[2, 17] = 1.0, 1.0, 1.0
+    assert inverse_cdf_draw(one_hot).tolist() == [0, vocab - 1, 17]
+
+
+def test_the_draw_is_part_of_the_sampling_settings_and_reaches_the_decoder(tok, model, monkeypatch):
+    """Sampling.draw names the decoder's draw, and the answers' key carries it (answers drawn otherwise are not
+    taken for these)."""
+    import dataclasses
+
+    from rlhflow.sampling import Sampling
+
+    used = []
+    for name, draw in list(decoding.DRAWS.items()):
+        monkeypatch.setitem(decoding.DRAWS, name, lambda probs, name=name, draw=draw: used.append(name) or draw(probs))
+    settings = Sampling(
+        temperature=0.7,
+        top_k=0,
+        top_p=1.0,
+        repetition_penalty=1.0,
+        max_new_tokens=3,
+        max_prompt_length=64,
+        stop_strings=(),
+        seed=0,
+        batch_size=4,
+    )
+    assert settings.key()["draw"] == "inverse_cdf"
+    settings.sample(model, tok, PROMPTS[:2])
+    assert set(used) == {"inverse_cdf"}
+    used.clear()
+    other = dataclasses.replace(settings, draw="multinomial")
+    other.sample(model, tok, PROMPTS[:2])
+    assert set(used) == {"multinomial"} and other.key() != settings.key()
