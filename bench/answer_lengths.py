@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> None:
         row.update({f"ended<={limit}": ended_within(answers.tokens, answers.ended, limit) for limit in limits})
         row.update({f"{k}@{args.max_new_tokens}": v for k, v in answers.shares().items()})
         row["tokens_median"] = float(torch.tensor(answers.tokens, dtype=torch.float).median())
+        # the cost of a setting is per token: settings whose answers differ in length also differ in tokens
+        row["tokens_total"] = int(sum(answers.tokens))
+        row["tokens_per_s"] = round(row["tokens_total"] / seconds, 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
 
