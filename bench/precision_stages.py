@@ -2,7 +2,7 @@
 (`bench.profile_run`, each run in a process of its own), once with every stage's `precision` at fp32 and once at
 bf16, alternating over `--rounds`, so that other work on the machine weighs on both alike. Reports per stage the
 median wall seconds of each and bf16 / fp32, and which of the run's figures differ (bf16 changes the sampled tokens,
-so most do: how much is the seed comparison's question, docs/benchmarks.md "Precision").
+so most do: how much is the seed comparison's question, docs/benchmarks.md "Precision and sampling speed").
 
     .venv/bin/python -m bench.precision_stages                  # the default pipeline twice (~40 min on 2 cores)
     .venv/bin/python -m bench.precision_stages --tiny           # tiny models (a few minutes; the smoke test)
