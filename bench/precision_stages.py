@@ -18,8 +18,14 @@ import json
 import tempfile
 from pathlib import Path
 
-from bench.profile_compare import compared, differing_metrics, markdown, profile
-from rlhflow.config import add_overrides_argument
+from bench.profile_compare import (
+    add_sides_arguments,
+    compared,
+    differing_metrics,
+    markdown,
+    profile,
+    profile_run_args,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "bench" / ".work" / "precision_stages.json"
@@ -34,12 +40,9 @@ def precision_overrides(precision: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=1, help="runs of each precision, alternating (medians)")
-    parser.add_argument("--tiny", action="store_true", help="tiny models instead of the default")
-    add_overrides_argument(parser, "params.yaml overrides for both sides (repeatable)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"the JSON (default: {DEFAULT_OUT})")
+    add_sides_arguments(parser, DEFAULT_OUT)
     args = parser.parse_args(argv)
-    common = (["--tiny"] if args.tiny else []) + [a for kv in args.overrides for a in ("--set", kv)]
+    common = profile_run_args(args)
 
     runs: dict[str, list[dict]] = {"fp32": [], "bf16": []}
     with tempfile.TemporaryDirectory(prefix="rlhflow-precision-") as tmp:

@@ -85,15 +85,25 @@ def markdown(rows: dict, against: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--against", default=PREVIOUS_DEFAULT, help=f"the commit (default {PREVIOUS_DEFAULT})")
+def add_sides_arguments(parser: argparse.ArgumentParser, out: Path) -> None:
+    """The options of a benchmark that profiles two sides alternating: --rounds, --tiny, --set and --out."""
     parser.add_argument("--rounds", type=int, default=1, help="runs of each side, alternating (medians reported)")
     parser.add_argument("--tiny", action="store_true", help="tiny models instead of the default")
     add_overrides_argument(parser, "params.yaml overrides for both sides (repeatable)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"the JSON (default: {DEFAULT_OUT})")
+    parser.add_argument("--out", type=Path, default=out, help=f"the JSON (default: {out})")
+
+
+def profile_run_args(args: argparse.Namespace) -> list[str]:
+    """`bench.profile_run`'s arguments for both sides, from add_sides_arguments' options."""
+    return (["--tiny"] if args.tiny else []) + [a for kv in args.overrides for a in ("--set", kv)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", default=PREVIOUS_DEFAULT, help=f"the commit (default {PREVIOUS_DEFAULT})")
+    add_sides_arguments(parser, DEFAULT_OUT)
     args = parser.parse_args(argv)
-    profile_args = (["--tiny"] if args.tiny else []) + [a for kv in args.overrides for a in ("--set", kv)]
+    profile_args = profile_run_args(args)
 
     with tempfile.TemporaryDirectory(prefix="rlhflow-compare-") as tmp:
         work = Path(tmp)

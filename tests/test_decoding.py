@@ -137,22 +137,13 @@ def test_the_draw_is_part_of_the_sampling_settings_and_reaches_the_decoder(tok, 
     taken for these)."""
     import dataclasses
 
-    from rlhflow.sampling import Sampling
+    from rlhflow.config import load_config
+    from rlhflow.sampling import evaluation_sampling
 
     used = []
     for name, draw in list(decoding.DRAWS.items()):
         monkeypatch.setitem(decoding.DRAWS, name, lambda probs, name=name, draw=draw: used.append(name) or draw(probs))
-    settings = Sampling(
-        temperature=0.7,
-        top_k=0,
-        top_p=1.0,
-        repetition_penalty=1.0,
-        max_new_tokens=3,
-        max_prompt_length=64,
-        stop_strings=(),
-        seed=0,
-        batch_size=4,
-    )
+    settings = dataclasses.replace(evaluation_sampling(load_config()), max_new_tokens=3, batch_size=4)
     assert settings.key()["draw"] == "inverse_cdf"
     settings.sample(model, tok, PROMPTS[:2])
     assert set(used) == {"inverse_cdf"}
