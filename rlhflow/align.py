@@ -268,7 +268,7 @@ def trainer_args(cfg: Config, device: torch.device, work_dir: str | Path):
         seed=cfg.seed,
         **checkpoint_args(a.checkpoint_every),
         use_cpu=device.type != "cuda",
-        bf16=device.type == "cuda" and trainer_bf16(a.precision, device),
+        bf16=device.type == "cuda" and trainer_bf16(a.precision, device, "align"),
         fp16=False,
         gradient_checkpointing=a.gradient_checkpointing,
         disable_dropout=True,

@@ -206,8 +206,8 @@ class RewardModelConfig(Section):
     checkpoint_dir: str = "checkpoints/reward_model"
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto",
-        description="training precision; auto: bf16 mixed precision on a CUDA GPU that supports it, else fp32 "
-        "(CPUs without native bf16 run bf16 matmuls tens of times slower)",
+        description="training precision; auto: bf16 mixed precision where the device runs bf16 natively (a CUDA GPU "
+        "of capability >= 8.0, a CPU with AVX512-BF16 or AMX), else fp32 (emulated bf16 is many times slower)",
     )
     gradient_checkpointing: bool = Field(
         False,

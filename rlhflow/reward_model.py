@@ -323,7 +323,7 @@ def train_reward_model(
         use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=0,
         disable_tqdm=False,
-        bf16=trainer_bf16(cfg.precision, pick_device()),  # auto: fp32 on CPUs (TRAINER_BF16_ON_CPU)
+        bf16=trainer_bf16(cfg.precision, pick_device(), "reward_model"),  # auto: bf16 on native-bf16 CPUs too
         activation_checkpointing=cfg.gradient_checkpointing,  # transformers 5 name (gradient_checkpointing: deprecated)
     )
     trainer = RewardTrainer(

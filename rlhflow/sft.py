@@ -100,7 +100,7 @@ def sft_trainer(cfg: SFTConfig, model, tokenizer, dataset, *, work_dir: str | os
         **checkpoint_args(cfg.checkpoint_every),
         use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=0,
-        bf16=trainer_bf16(cfg.precision, pick_device()),  # auto: fp32 on CPUs (TRAINER_BF16_ON_CPU)
+        bf16=trainer_bf16(cfg.precision, pick_device(), "sft"),  # auto: fp32 on CPUs (TRAINER_BF16_ON_CPU)
         disable_tqdm=False,
     )
     torch.manual_seed(seed)  # the LoRA adapter's initialisation

@@ -11,6 +11,7 @@ import torch
 
 from rlhflow import distributed
 from rlhflow.models import (
+    TRAINER_BF16_ON_CPU,
     attn_implementation_for,
     bf16_is_native,
     enable_tf32,
@@ -54,7 +55,7 @@ def test_emulated_bf16_gpus_get_fp32_under_auto(gpu, matmul_precision, capabilit
     assert not bf16_is_native(CUDA)
     assert resolve_precision("auto", CUDA) == torch.float32
     assert resolve_precision("bf16", CUDA) == torch.bfloat16  # forced: runs, with a warning
-    assert not trainer_bf16("auto", CUDA)  # the Hugging Face Trainer stages too
+    assert not any(trainer_bf16("auto", CUDA, t) for t in TRAINER_BF16_ON_CPU)  # the Hugging Face Trainer stages too
     before = torch.get_float32_matmul_precision()
     assert enable_tf32(CUDA) is False and torch.get_float32_matmul_precision() == before
 
@@ -66,7 +67,8 @@ def test_ampere_and_later_get_bf16_and_tf32(gpu, matmul_precision, capability):
     assert bf16_is_native(CUDA) and bf16_is_native("cuda:1")
     assert resolve_precision("auto", CUDA) == torch.bfloat16
     assert resolve_precision("auto", CUDA, bf16_on_cpu=False) == torch.bfloat16  # the CPU switch leaves GPUs alone
-    assert trainer_bf16("auto", CUDA) and not trainer_bf16("fp32", CUDA)
+    for trainer in TRAINER_BF16_ON_CPU:  # the CPU switch leaves GPUs alone
+        assert trainer_bf16("auto", CUDA, trainer) and not trainer_bf16("fp32", CUDA, trainer)
     assert enable_tf32(CUDA) is True
     assert torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "high"
 

@@ -47,10 +47,12 @@ def test_auto_is_bf16_only_on_a_cpu_that_runs_it_natively(monkeypatch, flags, au
     monkeypatch.setattr(models, "cpu_flags", lambda: frozenset(flags))
     assert resolve_precision("auto", torch.device("cpu")) == auto
     assert resolve_precision("fp32", "cpu") == torch.float32
-    # the Hugging Face Trainer stages keep fp32 on every CPU under auto (TRAINER_BF16_ON_CPU), bf16 when asked
+    # under auto the reward models' Trainer follows the CPU; sft and align keep fp32 on every CPU (TRAINER_BF16_ON_CPU)
     assert resolve_precision("auto", "cpu", bf16_on_cpu=False) == torch.float32
-    assert trainer_bf16("auto", "cpu") is False and trainer_bf16("bf16", "cpu") is True
-    assert trainer_bf16("fp32", "cpu") is False
+    assert trainer_bf16("auto", "cpu", "reward_model") is (auto == torch.bfloat16)
+    for trainer in ("sft", "align"):
+        assert trainer_bf16("auto", "cpu", trainer) is False and trainer_bf16("bf16", "cpu", trainer) is True
+        assert trainer_bf16("fp32", "cpu", trainer) is False
 
 
 def test_forced_bf16_without_native_support_runs_with_a_warning(monkeypatch, caplog):
@@ -153,6 +155,35 @@ def test_bf16_keeps_fp32_master_weights_and_optimizer_state_and_a_bf16_reference
     assert ref.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
     assert ref.model.embed_tokens.weight.dtype == torch.float32
     assert all(not p.requires_grad for p in ref.parameters())
+
+
+def test_bf16_rollouts_sample_from_a_bf16_copy_that_follows_the_master_weights(tok, tmp_path):
+    """The sampling copy holds the linear weights in bf16 and is refreshed before each rollout: its samples are the
+    tokens the fp32 master weights give under autocast, before and after an update (the head is tied to the
+    embeddings in tiny_llama: the copy's own head follows them)."""
+    trainer = make_trainer(tok, tmp_path, steps=2, precision="bf16", policy=tiny_llama(tok, hidden=64))
+    copy_q = trainer.sampler.model.layers[0].self_attn.q_proj.weight
+    assert copy_q.dtype == torch.bfloat16 and not copy_q.requires_grad
+    messages = [trainer.prompts[i] for i in range(4)]
+
+    def same_tokens_as_the_policy(stream: int) -> torch.Tensor:
+        from_copy = trainer._sample(messages, stream=stream).query_response
+        sampler, trainer.sampler = trainer.sampler, None  # the policy itself, under autocast
+        try:
+            from_policy = trainer._sample(messages, stream=stream).query_response
+        finally:
+            trainer.sampler = sampler
+        assert torch.equal(from_copy, from_policy)
+        return from_copy
+
+    same_tokens_as_the_policy(stream=7)
+    start = trainer.policy.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    trainer.update()
+    same_tokens_as_the_policy(stream=8)
+    master_q = trainer.policy.model.layers[0].self_attn.q_proj.weight
+    assert not torch.equal(master_q, start) and torch.equal(copy_q, master_q.to(torch.bfloat16))
+    assert torch.equal(trainer.sampler.lm_head.weight, trainer.policy.lm_head.weight.to(torch.bfloat16))
+    assert make_trainer(tok, tmp_path / "lora", precision="bf16", lora={"enabled": True, "r": 4}).sampler is None
 
 
 def test_bf16_refuses_old_logprobs_from_generation(tok, tmp_path):

@@ -461,7 +461,7 @@ def evaluate(cfg: Config) -> PolicyEvaluation:
         policy_out,
         cfg.eval_temperature,
         pad_token_id=tokenizer.pad_token_id,
-        batch_size=e.batch_size,
+        batch_size=e.score_batch_size,
     )
     del policy_low
     parts = answers.split(held_out.sizes())
@@ -495,7 +495,7 @@ def evaluate(cfg: Config) -> PolicyEvaluation:
     # the SFT model's figure as the sft stage measured it on the same rows; measured here when it has none for them
     sft_perplexity = saved_held_out_perplexity(sft_dir, rows=e.perplexity_rows, data_file=test_file)
     if sft_perplexity is None:
-        sft_perplexity = perplexity(sft, tokenizer, *ppl_args, batch_size=e.batch_size)
+        sft_perplexity = perplexity(sft, tokenizer, *ppl_args, batch_size=e.score_batch_size)
     pair_rows = test.to_dict("records")
     # the proxy's scores of these pairs as its stage saved them (the same model, loaded the same way)
     pairs = evaluate_pairs(rm, pair_rows, scores=saved_pair_scores(rm_dir, data_file=test_file))
@@ -505,7 +505,7 @@ def evaluate(cfg: Config) -> PolicyEvaluation:
     metrics = {
         **test_figures,
         **_with_interval("eval/kl", stats.mean_with_interval(kl["test"], kl_weights)),  # by conversation
-        "eval/perplexity": perplexity(policy, tokenizer, *ppl_args, batch_size=e.batch_size),
+        "eval/perplexity": perplexity(policy, tokenizer, *ppl_args, batch_size=e.score_batch_size),
         "eval/perplexity_sft": sft_perplexity,
         **rm_metrics,
     }

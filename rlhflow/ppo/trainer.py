@@ -180,6 +180,12 @@ class PPOTrainer(Checkpoints):
             ref_policy = disable_dropout(ref_policy).to(self.device).eval().requires_grad_(False)
             ref_policy = linear_weights_to(ref_policy, self.dtype)
         self.ref_policy = ref_policy
+        # bf16: rollouts sample from a copy whose linear weights are held in bf16, refreshed from the master weights
+        # before each rollout. Under autocast it computes exactly what the fp32 master weights compute (autocast casts
+        # them to the same values), without casting every weight at every decode step. LoRA keeps sampling the policy.
+        self.sampler = None
+        if mixed and not _is_peft(policy):
+            self.sampler = linear_weights_to(copy.deepcopy(policy), self.dtype).eval().requires_grad_(False)
 
         self.model = PolicyAndValue(
             policy, cfg.value_model, critic, compute_dtype=self.dtype, detach_value_input=cfg.value_head_detach
@@ -308,8 +314,10 @@ class PPOTrainer(Checkpoints):
         return_logits / return_hidden."""
         cfg, dev = self.cfg, self.device
         input_ids, prompt_mask = encode_prompts(self.tokenizer, messages, cfg.max_prompt_length)
+        if self.sampler is not None:
+            self._refresh_sampler()
         return generate(
-            self.policy,
+            self.sampler if self.sampler is not None else self.policy,
             self.tokenizer,
             input_ids.to(dev),
             prompt_mask.to(dev),
@@ -322,6 +330,14 @@ class PPOTrainer(Checkpoints):
             compute_dtype=self.dtype,
             **outputs,
         )
+
+    @torch.no_grad()
+    def _refresh_sampler(self) -> None:
+        """The sampling copy's weights := the policy's current master weights (cast to the copy's dtypes; a head
+        tied to the embeddings has its own copy there, refreshed from the embeddings)."""
+        for mine, master in zip(self.sampler.modules(), self.policy.modules(), strict=True):
+            for name, param in mine.named_parameters(recurse=False):
+                param.copy_(getattr(master, name))
 
     @torch.no_grad()
     def _rollout(self, update: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
