@@ -85,6 +85,7 @@ def overrides(root: Path, model_dir: Path, run: str) -> list[str]:
         "reward_model.max_length=64",
         "reward_model.checkpoint_every=2",
         f"reward_model.checkpoint_dir={root}/{run}/rm_checkpoints",
+        "reward_model.precision=fp32",  # as ppo.precision below
         f"ppo.out_dir={root}/{run}/policy",
         f"ppo.checkpoint_dir={root}/{run}/checkpoints",
         "ppo.reward_fn=tests.fixtures:prompt_length_reward",
