@@ -17,7 +17,7 @@ All models run without dropout (eval mode; train mode only for gradient checkpoi
 
 Precision (`precision`, resolved by rlhflow.models.resolve_precision): bf16 runs the forward passes under autocast,
 with fp32 master weights and fp32 AdamW state; the frozen reference holds its linear weights in bf16 (what autocast
-would cast them to); log-probs, KL, values, advantages and losses are fp32. The rollout's old log-probs come from
+would cast them to), and so does the copy rollouts sample from (refreshed before each rollout); log-probs, KL, values, advantages and losses are fp32. The rollout's old log-probs come from
 the same forward pass as training's, on the same rows in the same order (the first epoch's minibatches, split into
 its micro-batches), so the first minibatch's ratio pi / pi_old starts at 1 in either precision.
 
