@@ -316,3 +316,13 @@ def linear_weights_to(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mo
                 if param is not None and param.dtype != dtype:
                     setattr(module, name, torch.nn.Parameter(param.detach().to(dtype), requires_grad=False))
     return model
+
+
+@torch.no_grad()
+def copy_weights_into(target: torch.nn.Module, source: torch.nn.Module) -> None:
+    """`target`'s parameters := `source`'s, module by module, cast to `target`'s dtypes. `target` is a copy of
+    `source` (e.g. through `linear_weights_to`, whose head tied to the embeddings gets its own copy: refreshed from
+    the embeddings)."""
+    for mine, theirs in zip(target.modules(), source.modules(), strict=True):
+        for name, param in mine.named_parameters(recurse=False):
+            param.copy_(getattr(theirs, name))

@@ -16,10 +16,11 @@ One update (`PPOTrainer.update`):
 All models run without dropout (eval mode; train mode only for gradient checkpointing, which needs it).
 
 Precision (`precision`, resolved by rlhflow.models.resolve_precision): bf16 runs the forward passes under autocast,
-with fp32 master weights and fp32 AdamW state; the frozen reference holds its linear weights in bf16 (what autocast
-would cast them to), and so does the copy rollouts sample from (refreshed before each rollout); log-probs, KL, values, advantages and losses are fp32. The rollout's old log-probs come from
-the same forward pass as training's, on the same rows in the same order (the first epoch's minibatches, split into
-its micro-batches), so the first minibatch's ratio pi / pi_old starts at 1 in either precision.
+with fp32 master weights and fp32 AdamW state; the frozen reference and the copy rollouts sample from (refreshed
+before each rollout) hold their linear weights in bf16, what autocast would cast them to; log-probs, KL, values,
+advantages and losses are fp32. The rollout's old log-probs come from the same forward pass as training's, on the
+same rows in the same order (the first epoch's minibatches, split into its micro-batches), so the first
+minibatch's ratio pi / pi_old starts at 1 in either precision.
 
 Stats passed to log_fn(stats, update) after every update (means over the global batch when several processes
 share it; the time/ entries are the main process's):
@@ -49,13 +50,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from rlhflow import distributed
 from rlhflow.config import REPO_ROOT, PPOConfig
-from rlhflow.models import disable_dropout, linear_weights_to, resolve_precision, save_plain
+from rlhflow.models import copy_weights_into, disable_dropout, linear_weights_to, resolve_precision, save_plain
 from rlhflow.policy import Critic, PolicyAndValue, encode_prompts, generate, sequence_logprobs
 from rlhflow.ppo import core
 from rlhflow.ppo.checkpoints import Checkpoints
@@ -81,20 +81,6 @@ def _resolve(path: str | os.PathLike) -> Path:
 
 def _is_peft(model: torch.nn.Module) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
-
-
-def _trim_padding(qr: torch.Tensor, am: torch.Tensor, context_length: int):
-    """Drop the columns that are padding in every row (left of the prompts, right of the responses); the
-    result is unchanged (positions come from the mask) and the forward pass is cheaper."""
-    real = am.bool()
-    prompt_cols = real[:, :context_length].any(dim=0)
-    left = min(int(prompt_cols.float().argmax()) if prompt_cols.any() else 0, context_length - 1)
-    t_max = max(int(real[:, context_length:].sum(dim=1).max()), 1)
-    return qr[:, left : context_length + t_max], am[:, left : context_length + t_max], context_length - left, t_max
-
-
-def _pad_to(x: torch.Tensor, T: int) -> torch.Tensor:
-    return F.pad(x, (0, T - x.shape[1])) if x.shape[1] < T else x
 
 
 def _checkpoint_activations(model: torch.nn.Module) -> None:
@@ -180,9 +166,8 @@ class PPOTrainer(Checkpoints):
             ref_policy = disable_dropout(ref_policy).to(self.device).eval().requires_grad_(False)
             ref_policy = linear_weights_to(ref_policy, self.dtype)
         self.ref_policy = ref_policy
-        # bf16: rollouts sample from a copy whose linear weights are held in bf16, refreshed from the master weights
-        # before each rollout. Under autocast it computes exactly what the fp32 master weights compute (autocast casts
-        # them to the same values), without casting every weight at every decode step. LoRA keeps sampling the policy.
+        # bf16: rollouts sample from a copy with bf16 linear weights, refreshed before each rollout: under autocast it
+        # computes exactly what the master weights compute, without casting each weight at every decode step (not LoRA)
         self.sampler = None
         if mixed and not _is_peft(policy):
             self.sampler = linear_weights_to(copy.deepcopy(policy), self.dtype).eval().requires_grad_(False)
@@ -293,12 +278,12 @@ class PPOTrainer(Checkpoints):
         the groups training's forward passes will see, so both compute on identical inputs."""
         outs = None
         for rows in groups:
-            q, a, ctx, _ = _trim_padding(qr[rows], am[rows], context_length)
+            q, a, ctx, _ = core.trim_padding(qr[rows], am[rows], context_length)
             parts = fn(q, a, ctx)
             if outs is None:
                 outs = [p.new_zeros((qr.shape[0], T)) for p in parts]
             for out, part in zip(outs, parts):
-                out[rows] = _pad_to(part, T)
+                out[rows] = core.pad_to(part, T)
         return outs
 
     def _ref_logprobs(self, q, a, ctx):
@@ -315,7 +300,7 @@ class PPOTrainer(Checkpoints):
         cfg, dev = self.cfg, self.device
         input_ids, prompt_mask = encode_prompts(self.tokenizer, messages, cfg.max_prompt_length)
         if self.sampler is not None:
-            self._refresh_sampler()
+            copy_weights_into(self.sampler, self.policy)  # the current master weights
         return generate(
             self.sampler if self.sampler is not None else self.policy,
             self.tokenizer,
@@ -330,14 +315,6 @@ class PPOTrainer(Checkpoints):
             compute_dtype=self.dtype,
             **outputs,
         )
-
-    @torch.no_grad()
-    def _refresh_sampler(self) -> None:
-        """The sampling copy's weights := the policy's current master weights (cast to the copy's dtypes; a head
-        tied to the embeddings has its own copy there, refreshed from the embeddings)."""
-        for mine, master in zip(self.sampler.modules(), self.policy.modules(), strict=True):
-            for name, param in mine.named_parameters(recurse=False):
-                param.copy_(getattr(master, name))
 
     @torch.no_grad()
     def _rollout(self, update: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -512,7 +489,7 @@ class PPOTrainer(Checkpoints):
         sums: dict[str, float] = {}
         nonfinite = False
         for micro in rows.split(self.micro_batch_size):
-            qr, am, c, t = _trim_padding(batch["query_response"][micro], batch["attention_mask"][micro], ctx)
+            qr, am, c, t = core.trim_padding(batch["query_response"][micro], batch["attention_mask"][micro], ctx)
             mask = batch["mask"][micro][:, :t]
             logprobs, values, entropy = self.model(qr, am, c, cfg.temperature, return_entropy=cfg.entropy_coef > 0)
             pg_loss, clipfrac, approxkl = core.policy_loss(
