@@ -166,7 +166,7 @@ def test_bf16_rollouts_sample_from_a_bf16_copy_that_follows_the_master_weights(t
     assert copy_q.dtype == torch.bfloat16 and not copy_q.requires_grad
     messages = [trainer.prompts[i] for i in range(4)]
 
-    def same_tokens_as_the_policy(stream: int) -> torch.Tensor:
+    def same_tokens_as_the_policy(stream: int) -> None:
         from_copy = trainer._sample(messages, stream=stream).query_response
         sampler, trainer.sampler = trainer.sampler, None  # the policy itself, under autocast
         try:
@@ -174,7 +174,6 @@ def test_bf16_rollouts_sample_from_a_bf16_copy_that_follows_the_master_weights(t
         finally:
             trainer.sampler = sampler
         assert torch.equal(from_copy, from_policy)
-        return from_copy
 
     same_tokens_as_the_policy(stream=7)
     start = trainer.policy.model.layers[0].self_attn.q_proj.weight.detach().clone()
