@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"\n== wall seconds, every stage in fp32 and in bf16 (median of {args.rounds}; ratio bf16 / fp32)\n")
-    print(markdown(rows, "fp32").replace("| this tree, s |", "| bf16, s |"))
+    print(markdown(rows, "fp32", "bf16"))
     print(f"\n{len(differing)} figures differ between the two; JSON: {args.out}")
 
 

@@ -73,11 +73,13 @@ def compared(before: list[dict], after: list[dict]) -> dict:
     return rows
 
 
-def markdown(rows: dict, against: str) -> str:
+def markdown(rows: dict, against: str, this: str = "this tree") -> str:
+    """One row per stage: median wall seconds of `against` and of `this`, and this / against."""
+
     def cell(x: float | None, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
 
-    lines = [f"| stage | {against}, s | this tree, s | ratio |", "|---|---:|---:|---:|"]
+    lines = [f"| stage | {against}, s | {this}, s | ratio |", "|---|---:|---:|---:|"]
     for name, r in rows.items():
         lines.append(
             f"| {name} | {cell(r['before_s'], '.1f')} | {cell(r['after_s'], '.1f')} | {cell(r['ratio'], '.2f')} |"
