@@ -56,13 +56,42 @@ def setup(cfg: Config):
 
     uri = tracking_uri(cfg)
     mlflow.set_tracking_uri(uri)
-    if uri.startswith("sqlite:") and mlflow.get_experiment_by_name(cfg.tracking.experiment) is None:
-        mlflow.create_experiment(cfg.tracking.experiment, artifact_location=sqlite_artifact_root(uri).as_uri())
-    experiment = mlflow.set_experiment(cfg.tracking.experiment)
-    missing = {k: v for k, v in EXPERIMENT_TAGS.items() if experiment.tags.get(k) is None}
-    for key, value in missing.items():  # a description the user wrote in the UI is kept
-        mlflow.set_experiment_tag(key, value)
+    if uri.startswith("sqlite:"):
+        _create_sqlite_store_once(uri)
+    name = cfg.tracking.experiment
+    # Several runs start at once (CLI, Prefect UI, workers): whichever creates the experiment or writes one of its
+    # tags first wins, and the others find it done instead of failing on the store's unique constraint.
+    for attempt in range(3):
+        try:
+            if uri.startswith("sqlite:") and mlflow.get_experiment_by_name(name) is None:
+                mlflow.create_experiment(name, artifact_location=sqlite_artifact_root(uri).as_uri())
+            experiment = mlflow.set_experiment(name)
+            missing = {k: v for k, v in EXPERIMENT_TAGS.items() if experiment.tags.get(k) is None}
+            for key, value in missing.items():  # a description the user wrote in the UI is kept
+                mlflow.set_experiment_tag(key, value)
+            return mlflow
+        except mlflow.exceptions.MlflowException:
+            experiment = mlflow.get_experiment_by_name(name)
+            if attempt == 2 or experiment is None:
+                raise
+            time.sleep(0.2 * (attempt + 1))  # another run is writing the same experiment: read it again
     return mlflow
+
+
+def _create_sqlite_store_once(uri: str) -> None:
+    """Make the sqlite store's tables under a file lock: MLflow creates them on first use, and two runs started
+    at once on a new store would otherwise both create them ("table ... already exists")."""
+    import fcntl
+
+    import mlflow
+
+    path = Path(uri.removeprefix("sqlite:///").partition("?")[0])
+    if str(path) in ("", ":memory:") or path.is_file() and path.stat().st_size > 0:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".create-lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        mlflow.MlflowClient(uri).search_experiments(max_results=1)
 
 
 # What MLflow's UI shows for the experiment: its kind, and a description (the experiment page's note).

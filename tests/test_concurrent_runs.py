@@ -65,3 +65,39 @@ def test_two_flow_runs_started_together_each_evaluate_their_own_policy(tmp_path,
     assert set(policies) == {0.01, 0.5} and policies[0.01] != policies[0.5]
     versions = client.search_model_versions("name = 'rlhf-policy'")
     assert len(versions) == 2  # each run registered its own policy
+
+
+SETUP_WHEN_GO = """
+import sys, time
+from pathlib import Path
+import mlflow
+from rlhflow.config import load_config
+from rlhfops import tracking
+go = Path(sys.argv[2])
+Path(sys.argv[3]).touch()  # imported, waiting
+while not go.exists():
+    time.sleep(0.005)
+tracking.setup(load_config(overrides=[f"tracking.tracking_uri={sys.argv[1]}"]))
+"""
+
+
+def test_runs_started_together_on_a_new_sqlite_store_all_set_it_up(tmp_path):
+    """Three processes set up tracking at the same moment on a store no run has made yet: MLflow creates its tables
+    on first use, and all three must go on (not "table ... already exists")."""
+    uri, go = f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "go"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SETUP_WHEN_GO, uri, str(go), str(tmp_path / f"ready-{i}")],
+            cwd=REPO,
+            env=stage_env(),
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for i in range(3)
+    ]
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("ready-*"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    go.touch()
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [e[-2000:] for e in errors]

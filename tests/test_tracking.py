@@ -76,6 +76,42 @@ def cfg(tmp_path, monkeypatch):
     return cfg
 
 
+def test_runs_starting_together_each_find_the_experiment_the_first_one_tagged(repo_root, monkeypatch):
+    """Two runs set up the experiment at once: the other run writes a tag between this run's read and its write,
+    and a store on PostgreSQL answers this run's insert with a unique-key error. Setup reads the experiment again
+    and goes on; an error that is no such race (the experiment cannot be made) still stops it."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    cfg = load_config(overrides=["tracking.tracking_uri=sqlite:///./mlflow.db"])
+    real_set = mlflow.set_experiment_tag
+    calls = []
+
+    def set_after_another_run(key, value):
+        calls.append(key)
+        if len(calls) == 1:  # the other run got there first
+            client = mlflow.MlflowClient(tracking.tracking_uri(cfg))
+            experiment = client.get_experiment_by_name(cfg.tracking.experiment)
+            for other_key, other_value in tracking.EXPERIMENT_TAGS.items():
+                client.set_experiment_tag(experiment.experiment_id, other_key, other_value)
+            raise MlflowException(f'duplicate key value violates unique constraint "experiment_tag_pk": {key}')
+        real_set(key, value)
+
+    monkeypatch.setattr(mlflow, "set_experiment_tag", set_after_another_run)
+    tracking.setup(cfg)
+    assert calls == [next(iter(tracking.EXPERIMENT_TAGS))]  # read again: nothing left to write
+    experiment = mlflow.get_experiment_by_name(cfg.tracking.experiment)
+    assert {k: experiment.tags[k] for k in tracking.EXPERIMENT_TAGS} == tracking.EXPERIMENT_TAGS
+
+    def refuse(name, **kwargs):
+        raise MlflowException(f"cannot create experiment {name}")
+
+    monkeypatch.setattr(mlflow, "create_experiment", refuse)
+    other = load_config(overrides=["tracking.tracking_uri=sqlite:///./mlflow.db", "tracking.experiment=fresh"])
+    with pytest.raises(MlflowException, match="cannot create experiment fresh"):
+        tracking.setup(other)
+
+
 def test_log_dataset_emits_no_warnings(cfg, tmp_path):
     import mlflow
 
