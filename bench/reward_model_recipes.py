@@ -1,4 +1,4 @@
-"""Reward-model recipes on the pipeline's validated splits: held-out pairwise accuracy with its standard error.
+"""Reward-model recipes on the pipeline's validated splits: chosen by dev accuracy, reported on the test split.
 
     .venv/bin/python -m bench.reward_model_recipes '{"learning_rate": 1e-4, "epochs": 1}' \
         '{"learning_rate": 5e-5, "epochs": 2, "pooling": "mean"}' '{"data": "all", "prompt": "last_turn"}'
@@ -8,9 +8,12 @@ Each argument is one recipe: `reward_model` params (see rlhflow/config.py) plus
 - `prompt`: what of the dialogue the model reads before the response: "dialogue" (all of it, as the pipeline
   does), "last_turn" (the last user message only) or "none" (the response alone);
 - `backbone` (default: the pipeline's encoder; "models/sft" for the SFT model) and `seed` (default 0).
-Every recipe is scored on the test split the pipeline's `rm/accuracy` uses. The splits are the `validate` stage's
-outputs for params.yaml: run `dvc repro validate` (or `make run`) first. One line per recipe:
-`RESULT ... acc=... +- s.e.`. About 2 minutes per epoch of MiniLM on 2 CPU cores, 16 for the SFT model."""
+Every recipe is scored on the dev split (the selection split, docs/evaluation.md): one line per recipe,
+`RESULT ... dev_acc=... +- s.e.`. The recipe with the best dev accuracy is chosen; only then are the chosen recipe
+and the first one (the baseline) scored on the test split the pipeline's `rm/accuracy` uses: `CHOSEN ...` and
+`BASELINE ...` with `test_acc=... +- s.e.`. No choice reads the test split. The splits are the `validate` stage's
+outputs for params.yaml: run `dvc repro validate` (or `make run`) first. About 2 minutes per epoch of MiniLM on 2
+CPU cores, 16 for the SFT model."""
 
 from __future__ import annotations
 
@@ -34,12 +37,26 @@ def validated_splits() -> dict[str, list[dict]]:
     cfg = load_config()
     validated = cfg.path(cfg.validate_.out_dir)
     splits = {}
-    for split in ("train", "judge", "test"):
+    for split in ("train", "judge", "dev", "test"):
         path = validated / f"{split}.jsonl"
         if not path.exists():
-            raise SystemExit(f"{path} is missing: run `dvc repro validate` (or `make run`) first")
+            hint = "set validate.dev_fraction above 0, then " if split == "dev" else ""
+            raise SystemExit(f"{path} is missing: {hint}run `dvc repro validate` (or `make run`) first")
         splits[split] = read_jsonl(path).to_dict("records")
     return splits
+
+
+def choose(results: list[dict]) -> dict:
+    """The recipe with the best dev accuracy; the earlier one on a tie. Reads nothing of the test split."""
+    return max(results, key=lambda r: (r["dev"]["accuracy"], -results.index(r)))
+
+
+def _viewed(rows: list[dict], view) -> list[dict]:
+    return [{**r, "prompt_messages": view(r["prompt_messages"])} for r in rows]
+
+
+def _accuracy(metrics: dict) -> str:
+    return f"{metrics['accuracy']:.3f} +- {metrics['accuracy_se']:.3f}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,25 +66,40 @@ def main(argv: list[str] | None = None) -> None:
 
     splits = validated_splits()
     data = {"proxy": splits["train"], "all": splits["train"] + splits["judge"]}
-    print(f"pairs: proxy {len(data['proxy'])}, all {len(data['all'])}, test {len(splits['test'])}", flush=True)
-    for spec in args.recipes:
-        recipe = json.loads(spec)
-        view = PROMPT_VIEWS[recipe.pop("prompt", "dialogue")]
-        rows = data[recipe.pop("data", "proxy")]
-        train_rows = [{**r, "prompt_messages": view(r["prompt_messages"])} for r in rows]
-        test_rows = [{**r, "prompt_messages": view(r["prompt_messages"])} for r in splits["test"]]
-        backbone = recipe.pop("backbone", DEFAULT_ENCODER)
-        seed = recipe.pop("seed", 0)
-        cfg = RewardModelConfig(**{"checkpoint_every": 0, **recipe})
-        start = time.perf_counter()
-        with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as work:
-            rm = train_reward_model(cfg, train_rows, backbone=backbone, out_dir=out, work_dir=work, seed=seed)
-            held_out = evaluate_pairs(rm, test_rows).metrics
-        print(
-            f"RESULT {spec} train_pairs={len(rows)} acc={held_out['accuracy']:.3f} "
-            f"+- {held_out['accuracy_se']:.3f} ({len(test_rows)} pairs) seconds={time.perf_counter() - start:.0f}",
-            flush=True,
-        )
+    print(
+        f"pairs: proxy {len(data['proxy'])}, all {len(data['all'])}, dev {len(splits['dev'])}, "
+        f"test {len(splits['test'])}",
+        flush=True,
+    )
+    results = []
+    with tempfile.TemporaryDirectory() as models:
+        for index, spec in enumerate(args.recipes):
+            recipe = json.loads(spec)
+            view = PROMPT_VIEWS[recipe.pop("prompt", "dialogue")]
+            rows = data[recipe.pop("data", "proxy")]
+            train_rows = _viewed(rows, view)
+            backbone = recipe.pop("backbone", DEFAULT_ENCODER)
+            seed = recipe.pop("seed", 0)
+            cfg = RewardModelConfig(**{"checkpoint_every": 0, **recipe})
+            start = time.perf_counter()
+            out = f"{models}/{index}"
+            with tempfile.TemporaryDirectory() as work:
+                rm = train_reward_model(cfg, train_rows, backbone=backbone, out_dir=out, work_dir=work, seed=seed)
+            dev = evaluate_pairs(rm, _viewed(splits["dev"], view))
+            results.append({"spec": spec, "rm": rm, "view": view, "dev": dev.metrics})
+            print(
+                f"RESULT {spec} train_pairs={len(rows)} dev_acc={_accuracy(dev.metrics)} ({len(splits['dev'])} "
+                f"pairs) seconds={time.perf_counter() - start:.0f}",
+                flush=True,
+            )
+        chosen = choose(results)
+        for label, result in (("CHOSEN", chosen), ("BASELINE", results[0])):
+            test = evaluate_pairs(result["rm"], _viewed(splits["test"], result["view"]))
+            print(
+                f"{label} {result['spec']} dev_acc={_accuracy(result['dev'])} test_acc={_accuracy(test.metrics)} "
+                f"({len(splits['test'])} pairs)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

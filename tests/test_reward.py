@@ -1,6 +1,8 @@
 """Reward model: the Bradley-Terry loss, training, scoring and persistence, on tiny models."""
 
+import json
 import math
+import re
 
 import pytest
 import torch
@@ -151,3 +153,34 @@ def test_training_precision_is_fp32_on_cpu_unless_asked():
     assert load_config().reward_model.precision == "auto" and not load_config().reward_model.gradient_checkpointing
     assert use_bf16("auto") == (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     assert use_bf16("bf16") and not use_bf16("fp32")
+
+
+def test_recipe_bench_chooses_on_dev_and_reads_the_test_split_only_for_the_chosen_and_the_baseline(
+    tiny_model_dir, monkeypatch, capsys
+):
+    """bench.reward_model_recipes: every recipe is scored on dev before any test pair is read; the test split is
+    scored for the recipe with the best dev accuracy and for the first recipe, and for no other."""
+    from bench import reward_model_recipes as bench
+
+    splits = {"train": _pairs(16), "judge": _pairs(4, 50), "dev": _pairs(8, 100), "test": _pairs(8, 200)}
+    monkeypatch.setattr(bench, "validated_splits", lambda: splits)
+    split_of = {r["prompt_messages"][-1]["content"]: name for name, rows in splits.items() for r in rows}
+    scored = []  # (split, model) of each evaluation, in order
+
+    def spy(rm, rows, **kw):
+        scored.append((split_of[rows[0]["prompt_messages"][-1]["content"]], id(rm)))
+        return evaluate_pairs(rm, rows, **kw)
+
+    monkeypatch.setattr(bench, "evaluate_pairs", spy)
+    recipe = {"backbone": str(tiny_model_dir), "max_length": 64, "batch_size": 8, "warmup_ratio": 0.0}
+    bench.main([json.dumps({**recipe, "learning_rate": lr}) for lr in (1e-6, 3e-3, 1e-5)])
+    out = capsys.readouterr().out
+    splits_in_order = [split for split, _ in scored]
+    assert splits_in_order[:3] == ["dev"] * 3 and set(splits_in_order[3:]) == {"test"}, splits_in_order
+    dev_lines = re.findall(r"^RESULT .* dev_acc=([0-9.]+)", out, re.M)
+    best = max(range(3), key=lambda i: (float(dev_lines[i]), -i))
+    models = [model for _, model in scored[:3]]
+    assert [model for _, model in scored[3:]] == [models[best], models[0]]
+    chosen = re.search(r"^CHOSEN (\{.*\}) dev_acc=([0-9.]+) .*test_acc=", out, re.M)
+    assert json.loads(chosen.group(1))["learning_rate"] == (1e-6, 3e-3, 1e-5)[best]
+    assert re.search(r"^BASELINE .*\"learning_rate\": 1e-06.* test_acc=[0-9.]+ \+- [0-9.]+ \(8 pairs\)", out, re.M)
