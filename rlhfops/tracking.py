@@ -47,8 +47,12 @@ def absolute_sqlite_uri(uri: str) -> str:
 def sqlite_artifact_root(uri: str) -> Path:
     """Where runs of a sqlite store keep their artifacts: next to the db file, not relative to the cwd
     (`make ui`'s MLflow server serves the same directory)."""
-    path = absolute_sqlite_uri(uri).removeprefix("sqlite:///").partition("?")[0]
-    return Path(path).parent / "mlartifacts"
+    return sqlite_path(uri).parent / "mlartifacts"
+
+
+def sqlite_path(uri: str) -> Path:
+    """The database file of a sqlite tracking URI, resolved against the repository root."""
+    return Path(absolute_sqlite_uri(uri).removeprefix("sqlite:///").partition("?")[0])
 
 
 def setup(cfg: Config):
@@ -75,7 +79,6 @@ def setup(cfg: Config):
             if attempt == 2 or experiment is None:
                 raise
             time.sleep(0.2 * (attempt + 1))  # another run is writing the same experiment: read it again
-    return mlflow
 
 
 def _create_sqlite_store_once(uri: str) -> None:
@@ -85,7 +88,7 @@ def _create_sqlite_store_once(uri: str) -> None:
 
     import mlflow
 
-    path = Path(uri.removeprefix("sqlite:///").partition("?")[0])
+    path = sqlite_path(uri)
     if str(path) in ("", ":memory:") or path.is_file() and path.stat().st_size > 0:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
