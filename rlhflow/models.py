@@ -284,6 +284,16 @@ def enable_tf32(device: str | torch.device) -> bool:
     return True
 
 
+def fp32_matmuls_exact(device: str | torch.device) -> bool:
+    """Whether float32 matmuls on `device` keep float32's 23-bit mantissa. With TF32 on (`enable_tf32`, or a
+    float32 matmul precision below "highest") CUDA rounds their inputs to 10 bits, and KV-cache decoding and a full
+    forward pass then differ by more than float32 rounding: on an H200 the first PPO ratio was off by 1e-3 (135M)
+    and 6e-3 (1.2B) with old log-probs from the sampling pass (docs/scaling.md)."""
+    if torch.device(device).type != "cuda":
+        return True
+    return torch.get_float32_matmul_precision() == "highest" and not torch.backends.cuda.matmul.allow_tf32
+
+
 def _importable(module: str) -> bool:
     if module in sys.modules:
         return sys.modules[module] is not None

@@ -52,8 +52,8 @@ class PPOConfig(Section):
         "auto",
         description="where the rollout's old log-probs, entropy and shared-head values come from: the "
         "sampling pass's own logits and hidden states (one forward pass fewer per update) or a separate forward "
-        "pass; auto: generation when the policy is float32, forward in lower precision, where KV-cache decoding "
-        "and a full forward pass differ by more than rounding",
+        "pass; auto: generation when the policy is float32 with exact float32 matmuls, forward in lower precision "
+        "or with TF32 matmuls (CUDA), where KV-cache decoding and a full forward pass differ by more than rounding",
     )
     # advantage estimation
     gamma: float = Field(1.0, ge=0, le=1)

@@ -15,6 +15,7 @@ from rlhflow.models import (
     attn_implementation_for,
     bf16_is_native,
     enable_tf32,
+    fp32_matmuls_exact,
     pick_device,
     resolve_precision,
     trainer_bf16,
@@ -78,6 +79,20 @@ def test_tf32_is_left_alone_on_the_cpu(gpu, matmul_precision):
     torch.set_float32_matmul_precision("highest")
     assert enable_tf32(torch.device("cpu")) is False
     assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cuda.matmul.allow_tf32
+
+
+def test_fp32_matmuls_are_exact_until_tf32_is_on(gpu, matmul_precision):
+    """PPO takes float32 old log-probs from the sampling pass only where fp32 matmuls are exact: with TF32 on, a
+    CUDA GPU's decoding and full pass differ by ~1e-3 (measured on an H200), not ~1e-6."""
+    gpu((8, 0))
+    torch.set_float32_matmul_precision("highest")
+    assert fp32_matmuls_exact(CUDA) and fp32_matmuls_exact("cpu")
+    enable_tf32(CUDA)
+    assert not fp32_matmuls_exact(CUDA) and not fp32_matmuls_exact("cuda:1")
+    assert fp32_matmuls_exact("cpu")  # TF32 is a CUDA flag
+    torch.set_float32_matmul_precision("highest")
+    gpu((7, 0))
+    assert enable_tf32(CUDA) is False and fp32_matmuls_exact(CUDA)  # no TF32 before Ampere
 
 
 def test_flash_attention_2_only_on_cuda_in_half_precision_with_flash_attn_installed(gpu, monkeypatch):

@@ -190,6 +190,19 @@ def test_bf16_refuses_old_logprobs_from_generation(tok, tmp_path):
         make_trainer(tok, tmp_path, precision="bf16", rollout_logprobs="generation")
 
 
+def test_fp32_takes_old_logprobs_from_sampling_only_where_fp32_matmuls_are_exact(tok, tmp_path, monkeypatch):
+    """auto: the sampling pass's logits for an fp32 policy with exact fp32 matmuls; a forward pass of its own with
+    TF32 matmuls (a CUDA GPU after enable_tf32), where decoding and a full pass differ by more than rounding."""
+    from rlhflow.ppo import trainer as trainer_module
+
+    assert make_trainer(tok, tmp_path / "exact", precision="fp32").logprobs_from_generation
+    monkeypatch.setattr(trainer_module, "fp32_matmuls_exact", lambda device: False)
+    assert not make_trainer(tok, tmp_path / "tf32", precision="fp32").logprobs_from_generation
+    assert make_trainer(
+        tok, tmp_path / "asked", precision="fp32", rollout_logprobs="generation"
+    ).logprobs_from_generation
+
+
 def test_reward_model_scores_in_bf16_close_to_fp32(tok, tiny_model_dir):
     from transformers import AutoModelForSequenceClassification
 

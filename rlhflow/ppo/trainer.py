@@ -55,7 +55,14 @@ from tqdm.auto import tqdm
 
 from rlhflow import distributed
 from rlhflow.config import REPO_ROOT, PPOConfig
-from rlhflow.models import copy_weights_into, disable_dropout, linear_weights_to, resolve_precision, save_plain
+from rlhflow.models import (
+    copy_weights_into,
+    disable_dropout,
+    fp32_matmuls_exact,
+    linear_weights_to,
+    resolve_precision,
+    save_plain,
+)
 from rlhflow.policy import Critic, PolicyAndValue, encode_prompts, generate, sequence_logprobs
 from rlhflow.ppo import core
 from rlhflow.ppo.checkpoints import Checkpoints
@@ -197,9 +204,10 @@ class PPOTrainer(Checkpoints):
             )
         self.sum_across = distributed.sum_across if self.world_size > 1 else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        # float32 decoding matches a full forward pass up to rounding; in lower precision they can differ more
+        # float32 decoding matches a full forward pass up to rounding; in bf16 or with TF32 matmuls they differ more
+        exact_fp32 = not mixed and next(policy.parameters()).dtype == torch.float32 and fp32_matmuls_exact(self.device)
         self.logprobs_from_generation = cfg.rollout_logprobs == "generation" or (
-            cfg.rollout_logprobs == "auto" and not mixed and next(policy.parameters()).dtype == torch.float32
+            cfg.rollout_logprobs == "auto" and exact_fp32
         )
         # the fused kernel: one pass over each tensor instead of a dozen (same update rule; ~1.8x faster on CPU)
         fused = self.device.type in ("cpu", "cuda") and all(p.is_floating_point() for p in self.params)
