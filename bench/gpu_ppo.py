@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.ppo_precision import PROMPTS, SMOLLM2_SHAPE
+from bench.ppo_precision import PROMPTS, SMOLLM2_SHAPE, first_ratio_recorded
 
 GiB = 2**30
 SHAPES: dict[str, dict] = {
@@ -156,7 +156,6 @@ def worker(shape_name: str, setting_name: str, args: argparse.Namespace) -> dict
     from bench.flops import LinearFlops
     from rlhflow.config import PPOConfig
     from rlhflow.models import attn_implementation_for, enable_tf32, resolve_precision
-    from rlhflow.ppo import core
     from rlhflow.ppo.trainer import PPOTrainer
     from tests.fixtures import tiny_tokenizer
 
@@ -173,74 +172,66 @@ def worker(shape_name: str, setting_name: str, args: argparse.Namespace) -> dict
     dtype = resolve_precision(settings.get("precision", "fp32"), device)
     result: dict = {"run": f"{shape_name}:{setting_name}", "fits": False}
     phase = "matmul"
-    try:
-        result["matmul_tflops"] = matmul_tflops(device, torch.bfloat16) if cuda else None
-        phase = "model"
-        tok = tiny_tokenizer()
-        shape = {"vocab_size": len(tok), **SHAPES[shape_name]}
-        config = LlamaConfig(
-            **shape,
-            max_position_embeddings=4096,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-        config._attn_implementation = attn_implementation_for(device, dtype)
-        torch.manual_seed(0)
-        with torch.device(device):
-            policy = LlamaForCausalLM(config).eval()
-        result["params_b"] = sum(p.numel() for p in policy.parameters()) / 1e9
-        result["attention"] = policy.config._attn_implementation
-        phase = "trainer"
-        cfg = PPOConfig(
-            **settings,
-            steps=100,
-            max_prompt_length=args.prompt_tokens,
-            max_new_tokens=args.new_tokens,
-            checkpoint_every=0,
-            checkpoint_dir="/tmp/gpu_ppo_bench",
-        )
-        ratios: list[float] = []
-        policy_loss = core.policy_loss
-
-        def recording(logprobs, old_logprobs, advantages, mask, cliprange):
-            if not ratios:
-                ratios.append(((logprobs - old_logprobs).exp() - 1).abs().mul(mask).max().item())
-            return policy_loss(logprobs, old_logprobs, advantages, mask, cliprange)
-
-        core.policy_loss = recording
-        trainer = PPOTrainer(
-            cfg,
-            policy=policy,
-            tokenizer=tok,
-            score_fn=lambda p, texts: torch.tensor([min(len(t), 200) / 100 for t in texts]),
-            prompts=long_prompts(),
-            device=device,
-            seed=0,
-        )
-        del policy
-        result["models_gib"] = _allocated(device)  # policy, reference, sampling copy, critic
-        phase = "update 1"
-        trainer.update()
-        phase = "update 2"
-        _sync(device)
-        with LinearFlops() as flops:
-            start = time.perf_counter()
-            stats = trainer.update()
+    with first_ratio_recorded() as ratios:
+        try:
+            result["matmul_tflops"] = matmul_tflops(device, torch.bfloat16) if cuda else None
+            phase = "model"
+            tok = tiny_tokenizer()
+            shape = {"vocab_size": len(tok), **SHAPES[shape_name]}
+            config = LlamaConfig(
+                **shape,
+                max_position_embeddings=4096,
+                bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )
+            config._attn_implementation = attn_implementation_for(device, dtype)
+            torch.manual_seed(0)
+            with torch.device(device):
+                policy = LlamaForCausalLM(config).eval()
+            result["params_b"] = sum(p.numel() for p in policy.parameters()) / 1e9
+            result["attention"] = policy.config._attn_implementation
+            phase = "trainer"
+            cfg = PPOConfig(
+                **settings,
+                steps=100,
+                max_prompt_length=args.prompt_tokens,
+                max_new_tokens=args.new_tokens,
+                checkpoint_every=0,
+                checkpoint_dir="/tmp/gpu_ppo_bench",
+            )
+            trainer = PPOTrainer(
+                cfg,
+                policy=policy,
+                tokenizer=tok,
+                score_fn=lambda p, texts: torch.tensor([min(len(t), 200) / 100 for t in texts]),
+                prompts=long_prompts(),
+                device=device,
+                seed=0,
+            )
+            del policy
+            result["models_gib"] = _allocated(device)  # policy, reference, sampling copy, critic
+            phase = "update 1"
+            trainer.update()
+            phase = "update 2"
             _sync(device)
-            result["update_s"] = time.perf_counter() - start
-        result.update(
-            fits=True,
-            first_ratio=ratios[0],
-            response_tokens=stats["ppo/response_length"] * cfg.batch_size,
-            generation_s=stats["time/generation_s"],
-            forward_s=stats["time/forward_s"],
-            training_s=stats["time/training_s"],
-            training_tflops=flops.trained / stats["time/training_s"] / 1e12,
-            after_gib=_allocated(device),  # the models plus AdamW's state and the gradients' buffers
-        )
-    except torch.OutOfMemoryError as exc:
-        result["error"] = f"out of memory in {phase}: {str(exc).splitlines()[0][:200]}"
+            with LinearFlops() as flops:
+                start = time.perf_counter()
+                stats = trainer.update()
+                _sync(device)
+                result["update_s"] = time.perf_counter() - start
+            result.update(
+                fits=True,
+                first_ratio=ratios[0],
+                response_tokens=stats["ppo/response_length"] * cfg.batch_size,
+                generation_s=stats["time/generation_s"],
+                forward_s=stats["time/forward_s"],
+                training_s=stats["time/training_s"],
+                training_tflops=flops.trained / stats["time/training_s"] / 1e12,
+                after_gib=_allocated(device),  # the models plus AdamW's state
+            )
+        except torch.OutOfMemoryError as exc:
+            result["error"] = f"out of memory in {phase}: {str(exc).splitlines()[0][:200]}"
     result["peak_gib"] = _allocated(device, peak=True)
     result["reserved_gib"] = torch.cuda.max_memory_reserved(device) / GiB if cuda else 0.0
     return result

@@ -29,6 +29,7 @@ SmolLM2-135M's shape.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import resource
@@ -229,12 +230,31 @@ def first_ratio_probe(trainer) -> dict:
     }
 
 
+@contextlib.contextmanager
+def first_ratio_recorded():
+    """While active, the first call of the PPO policy loss (the first minibatch of the first update) records
+    max |pi / pi_old - 1| in the list it yields."""
+    from rlhflow.ppo import core
+
+    ratios: list[float] = []
+    policy_loss = core.policy_loss
+
+    def recording(logprobs, old_logprobs, advantages, mask, cliprange):
+        if not ratios:
+            ratios.append(((logprobs - old_logprobs).exp() - 1).abs().mul(mask).max().item())
+        return policy_loss(logprobs, old_logprobs, advantages, mask, cliprange)
+
+    core.policy_loss = recording
+    try:
+        yield ratios
+    finally:
+        core.policy_loss = policy_loss
+
+
 def memory_worker(args: argparse.Namespace) -> dict:
     """One update of one setting in this (fresh) process: its peak RSS and time; with --probe, the first ratio of a
     real rollout and the log-prob gaps."""
     import torch
-
-    from rlhflow.ppo import core
 
     torch.set_num_threads(int(args.threads))
     settings = json.loads(args.worker)
@@ -242,18 +262,9 @@ def memory_worker(args: argparse.Namespace) -> dict:
     prompts = load_prompts(args.prompts)
     result: dict = {}
     if args.probe:
-        ratios: list[float] = []
-        policy_loss = core.policy_loss
-
-        def recording(logprobs, old_logprobs, advantages, mask, cliprange):
-            if not ratios:
-                ratios.append(((logprobs - old_logprobs).exp() - 1).abs().mul(mask).max().item())
-            return policy_loss(logprobs, old_logprobs, advantages, mask, cliprange)
-
-        core.policy_loss = recording
-        trainer = make_trainer(copy.deepcopy(policy), tok, prompts, **settings)
-        trainer.update()
-        core.policy_loss = policy_loss
+        with first_ratio_recorded() as ratios:
+            trainer = make_trainer(copy.deepcopy(policy), tok, prompts, **settings)
+            trainer.update()
         result.update(first_ratio=ratios[0], **first_ratio_probe(trainer))
         print("RESULT " + json.dumps(result), flush=True)
         return result

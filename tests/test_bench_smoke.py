@@ -285,3 +285,26 @@ def test_precision_stages_sets_every_stages_precision_key():
     assert keys(load_config().to_params()) - {"judge.precision"} == set(PRECISION_KEYS)
     args = precision_overrides("bf16")
     assert args[::2] == ["--set"] * len(PRECISION_KEYS) and set(args[1::2]) == {f"{k}=bf16" for k in PRECISION_KEYS}
+
+
+def test_gpu_ppo_runs_its_settings_and_reports_what_does_not_fit(tmp_path):
+    """bench.gpu_ppo on the CPU with the tiny shape: every run reports its update, and the table shows a run that
+    failed (here an unknown setting) as not fitting, with its error's last line."""
+    out = tmp_path / "runs.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_ppo", "--device", "cpu", "--runs", "tiny:bf16+lora+ckpt,tiny:nonesuch"]
+        + ["--prompt-tokens", "16", "--new-tokens", "8", "--out", str(out)],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert '"auto": "bfloat16"' in proc.stdout or '"auto": "float32"' in proc.stdout  # the CUDA path line
+    runs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["run"] for r in runs] == ["tiny:bf16+lora+ckpt", "tiny:nonesuch"]
+    lora = runs[0]
+    assert lora["fits"] and lora["first_ratio"] == 0.0 and 0 < lora["response_tokens"] <= 8 * 8
+    assert lora["generation_s"] + lora["forward_s"] + lora["training_s"] <= lora["update_s"]
+    assert not runs[1]["fits"] and "KeyError: 'nonesuch'" in proc.stdout
