@@ -361,15 +361,19 @@ class Stack:
         return [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--name", name,
                 "--work-queue", queue, *limit]  # fmt: skip
 
-    def _worker_online(self, name: str) -> bool:
+    def prefect_post(self, path: str, body: dict | None = None, timeout: float = 5) -> list | dict:
+        """POST `body` as JSON to the Prefect server's REST API at `path` (e.g. "/flow_runs/filter"); its answer."""
         request = urllib.request.Request(
-            f"{self.prefect_url}/work_pools/{POOL}/workers/filter",
-            data=b"{}",
+            f"{self.prefect_url}{path}",
+            data=json.dumps(body or {}).encode(),
             headers={"Content-Type": "application/json"},
             method="POST",
         )
-        with urllib.request.urlopen(request, timeout=5) as response:
-            workers = json.loads(response.read())
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+
+    def _worker_online(self, name: str) -> bool:
+        workers = self.prefect_post(f"/work_pools/{POOL}/workers/filter")
         return any(w["name"] == name and w.get("status") == "ONLINE" for w in workers)
 
     def write_env(self) -> Path:

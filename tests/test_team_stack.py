@@ -8,12 +8,10 @@ preflight, in seconds. `make test-stack` (.ci/run calls it)."""
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -73,14 +71,7 @@ def _when(iso: str) -> datetime.datetime:
 def _stage_flow_runs(stack, parent_run_id: str) -> list[dict]:
     """The heavy stages' flow runs of one pipeline run, as the Prefect server recorded them: stage, start and end
     (whole flow runs on the worker: process start, inputs pulled, the stage, outputs pushed)."""
-    request = urllib.request.Request(
-        f"{stack.prefect_url}/flow_runs/filter",
-        data=json.dumps({"limit": 200}).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    with urllib.request.urlopen(request, timeout=30) as response:
-        runs = json.loads(response.read())
+    runs = stack.prefect_post("/flow_runs/filter", {"limit": 200}, timeout=30)
     return [
         {"stage": r["parameters"]["stage"], "start_time": _when(r["start_time"]), "end_time": _when(r["end_time"])}
         for r in runs
