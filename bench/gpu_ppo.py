@@ -258,7 +258,8 @@ def table(rows: list[dict]) -> str:
         if not r.get("fits"):
             why = r.get("error", "").strip().splitlines()[-1:] or [""]
             why = why[0]
-            lines.append(f"| {r['run']} | {r.get('params_b', 0):.2f} | does not fit: {why[:120]} | | | | | |")
+            verdict = "does not fit" if "out of memory" in why else "failed"
+            lines.append(f"| {r['run']} | {r.get('params_b', 0):.2f} | {verdict}: {why[:120]} | | | | | |")
             continue
         settings = SETTINGS.get(r["run"].split(":")[1], {})
         if settings.get("gradient_checkpointing") or settings.get("lora"):

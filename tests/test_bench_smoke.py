@@ -289,7 +289,7 @@ def test_precision_stages_sets_every_stages_precision_key():
 
 def test_gpu_ppo_runs_its_settings_and_reports_what_does_not_fit(tmp_path):
     """bench.gpu_ppo on the CPU with the tiny shape: every run reports its update, and the table shows a run that
-    failed (here an unknown setting) as not fitting, with its error's last line."""
+    failed (here an unknown setting) with its error's last line."""
     out = tmp_path / "runs.jsonl"
     proc = subprocess.run(
         [sys.executable, "-m", "bench.gpu_ppo", "--device", "cpu", "--runs", "tiny:bf16+lora+ckpt,tiny:nonesuch"]
@@ -307,4 +307,4 @@ def test_gpu_ppo_runs_its_settings_and_reports_what_does_not_fit(tmp_path):
     lora = runs[0]
     assert lora["fits"] and lora["first_ratio"] == 0.0 and 0 < lora["response_tokens"] <= 8 * 8
     assert lora["generation_s"] + lora["forward_s"] + lora["training_s"] <= lora["update_s"]
-    assert not runs[1]["fits"] and "KeyError: 'nonesuch'" in proc.stdout
+    assert not runs[1]["fits"] and "| failed: KeyError: 'nonesuch' |" in proc.stdout
