@@ -70,6 +70,15 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+RESULT_PREFIX = "RESULT "
+
+
+def last_result(stdout: str) -> dict | None:
+    """The JSON of the last `RESULT {...}` line a worker process printed, or None when it printed none."""
+    lines = [line for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    return json.loads(lines[-1][len(RESULT_PREFIX) :]) if lines else None
+
+
 def peak_memory(device: str) -> tuple[int, str]:
     """(bytes, what was measured): peak RSS of this process on CPU, peak allocated tensor memory on GPU."""
     if device.startswith("cuda"):

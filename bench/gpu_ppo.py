@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.common import last_result, sync
 from bench.ppo_precision import PROMPTS, SMOLLM2_SHAPE, first_ratio_recorded
 
 GiB = 2**30
@@ -117,21 +118,14 @@ def matmul_tflops(device: str, dtype, n: int = 8192, repeats: int = 10) -> float
     b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(3):
         a @ b
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     for _ in range(repeats):
         a @ b
-    _sync(device)
+    sync(device)
     rate = 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
     del a, b
     return rate
-
-
-def _sync(device: str) -> None:
-    import torch
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _allocated(device: str, peak: bool = False) -> float:
@@ -214,11 +208,11 @@ def worker(shape_name: str, setting_name: str, args: argparse.Namespace) -> dict
             phase = "update 1"
             trainer.update()
             phase = "update 2"
-            _sync(device)
+            sync(device)
             with LinearFlops() as flops:
                 start = time.perf_counter()
                 stats = trainer.update()
-                _sync(device)
+                sync(device)
                 result["update_s"] = time.perf_counter() - start
             result.update(
                 fits=True,
@@ -242,10 +236,10 @@ def run_in_subprocess(run: str, args: argparse.Namespace) -> dict:
     cmd += ["--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
     cmd += ["--cap-gib", str(args.cap_gib)] if args.cap_gib else []
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if not lines:
+    result = last_result(proc.stdout)
+    if result is None:
         return {"run": run, "fits": False, "error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
-    return json.loads(lines[-1][len("RESULT ") :])
+    return result
 
 
 def table(rows: list[dict]) -> str:

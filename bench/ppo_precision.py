@@ -39,6 +39,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.common import last_result
 from bench.flops import MATMUL_SHAPE
 
 MEMORY_SETTINGS = {
@@ -282,10 +283,10 @@ def subprocess_run(args: argparse.Namespace, settings: dict, probe: bool = False
     cmd += ["--threads", str(args.memory_threads)] + (["--model", args.model] if args.model else [])
     cmd += (["--prompts", args.prompts] if args.prompts else []) + (["--probe"] if probe else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode or not lines:
+    result = last_result(proc.stdout)
+    if proc.returncode or result is None:
         raise RuntimeError(f"{settings} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
+    return result
 
 
 def timing_table(timing: dict) -> list[str]:
