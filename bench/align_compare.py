@@ -21,6 +21,8 @@ The table (Markdown, on stdout and in `reports/align_compare.md`) gives per algo
 ppo stage's wall time and, on the test split, the judge's win rate against the SFT model (all answers and where
 both answers ended), the proxy reward, KL to the SFT model, the ended share and answer length: with one seed each
 with its 95% conversation-bootstrap interval, with several the mean over seeds and its 95% Student-t interval.
+`reports/align_compare.png` draws the online algorithms' points as curves of judge win rate against KL, with both
+intervals: the comparison at equal KL.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 import sys
 from dataclasses import dataclass
 
@@ -37,6 +40,7 @@ from rlhflow.config import Config, add_overrides_argument, load_config
 ALGORITHMS = ["ppo", "grpo", "rloo", "dpo"]
 ONLINE = ("ppo", "grpo", "rloo")
 REPORT = "reports/align_compare.md"
+PLOT = "reports/align_compare.png"  # judge win rate against KL, one curve per algorithm
 # each online algorithm: 160 responses, 40 prompts, 40 optimiser steps on params.yaml's ppo and align sections
 EQUAL_BUDGET: dict[str, list[str]] = {
     "ppo": ["ppo.samples_per_prompt=4"],
@@ -131,34 +135,45 @@ def _pipeline_runs(cfg: Config) -> dict[str, tuple[object, object]]:
     return found
 
 
-def _cell(metrics: list[dict], name: str, interval: str | None) -> str:
-    """One seed: the figure with its bootstrap interval (where it has one); several: the mean over seeds and its
-    Student-t interval."""
+def _figure(metrics: list[dict], name: str, interval: str | None) -> tuple[float, float, float]:
+    """(value, low, high). One seed: the figure and its bootstrap interval (where it has one; else the figure
+    three times); several: the mean over seeds and its Student-t interval."""
     from rlhflow.evaluation.stats import across_seeds
 
     values = [m.get(name, math.nan) for m in metrics]
     if len(metrics) > 1:
-        mean, low, high = across_seeds(values)
-        return f"{mean:.3f} ({low:.3f} to {high:.3f})"
+        return across_seeds(values)
     interval = interval or name
     m = metrics[0]
-    if f"{interval}_ci_low" in m:
-        return f"{values[0]:.3f} ({m[f'{interval}_ci_low']:.3f} to {m[f'{interval}_ci_high']:.3f})"
-    return f"{values[0]:.3f}"
+    return values[0], m.get(f"{interval}_ci_low", values[0]), m.get(f"{interval}_ci_high", values[0])
 
 
-def table(points: list[Point]) -> str:
+def _cell(metrics: list[dict], name: str, interval: str | None) -> str:
+    value, low, high = _figure(metrics, name, interval)
+    if len(metrics) == 1 and f"{interval or name}_ci_low" not in metrics[0]:
+        return f"{value:.3f}"
+    return f"{value:.3f} ({low:.3f} to {high:.3f})"
+
+
+def _groups(points: list[Point]):
+    """Per (algorithm, beta), in the points' order: its points and the finished runs found for them (pipeline run,
+    ppo stage run)."""
     from rlhfops import tracking
 
     runs = _pipeline_runs(points[0].cfg)
-    head = ["algorithm", "beta", "seeds", "responses", "prompts", "optimizer steps", "ppo stage (s)"]
-    head += [column for column, _, _ in FIGURES]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     groups: dict[tuple[str, str], list[Point]] = {}
     for p in points:
         groups.setdefault((p.algorithm, p.beta), []).append(p)
     for (algorithm, beta), group in groups.items():
         found = [runs[d] for d in (tracking.params_digest(p.cfg) for p in group) if d in runs]
+        yield algorithm, beta, group, found
+
+
+def table(points: list[Point]) -> str:
+    head = ["algorithm", "beta", "seeds", "responses", "prompts", "optimizer steps", "ppo stage (s)"]
+    head += [column for column, _, _ in FIGURES]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for algorithm, beta, group, found in _groups(points):
         b = group[0].budget()
         row = [algorithm, beta, f"{len(found)}/{len(group)}", b["responses"], b["prompts"], b["optimizer_steps"]]
         if not found:
@@ -170,6 +185,61 @@ def table(points: list[Point]) -> str:
         row += [_cell(metrics, name, interval) for _, name, interval in FIGURES]
         lines.append("| " + " | ".join(map(str, row)) + " |")
     return "\n".join(lines)
+
+
+@dataclass
+class CurvePoint:
+    beta: str
+    seeds: int
+    kl: tuple[float, float, float]  # (value, low, high), as in the table
+    judge_win_rate: tuple[float, float, float]
+
+
+def curves(points: list[Point]) -> dict[str, list[CurvePoint]]:
+    """Per algorithm, its finished points as (KL to SFT, judge win rate) with their intervals, in order of KL: the
+    curves the comparison reads at equal KL."""
+    out: dict[str, list[CurvePoint]] = {}
+    for algorithm, beta, _, found in _groups(points):
+        if found:
+            metrics = [run.data.metrics for run, _ in found]
+            kl = _figure(metrics, "eval/kl", None)
+            win = _figure(metrics, "eval/judge_win_rate_vs_sft", "eval/judge_win_rate")
+            out.setdefault(algorithm, []).append(CurvePoint(beta, len(found), kl, win))
+    return {a: sorted(c, key=lambda p: p.kl[0]) for a, c in out.items()}
+
+
+def plot(curves_by_algorithm: dict[str, list[CurvePoint]]):
+    """Judge win rate against the SFT model over KL to it, one line per algorithm, each point with both intervals and
+    its beta."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for algorithm, points in curves_by_algorithm.items():
+        kl = [p.kl for p in points]
+        win = [p.judge_win_rate for p in points]
+        ax.errorbar(
+            [k[0] for k in kl],
+            [w[0] for w in win],
+            xerr=[[k[0] - k[1] for k in kl], [k[2] - k[0] for k in kl]],
+            yerr=[[w[0] - w[1] for w in win], [w[2] - w[0] for w in win]],
+            fmt="o-",
+            capsize=3,
+            label=algorithm,
+        )
+        for p in points:
+            ax.annotate(
+                f"β={p.beta}", (p.kl[0], p.judge_win_rate[0]), fontsize=7, xytext=(4, -10), textcoords="offset points"
+            )
+    ax.axhline(0.5, color="grey", lw=0.8, ls="--")
+    ax.set(xlabel="KL to the SFT model (nats per answer)", ylabel="judge win rate against the SFT model")
+    ax.set_title("Equal budget: judge win rate against KL, test split", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 def dpo_equal_time_steps(points: list[Point]) -> int | None:
@@ -233,6 +303,13 @@ def main(argv: list[str] | None = None) -> None:
 
     write_text_atomic(base.path(REPORT), markdown + "\n")
     print(markdown)
+    found = curves([p for p in points if p.algorithm in ONLINE])
+    if found:
+        path = base.path(PLOT)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        plot(found).savefig(tmp, dpi=120, format="png")
+        os.replace(tmp, path)  # whole or not at all
+        print(f"plot: {PLOT}")
 
 
 if __name__ == "__main__":

@@ -108,3 +108,21 @@ def test_dpo_equal_time_steps_from_ppo_and_dpo_stage_times(store):
     log_point(dpo, 1000.0, 0.58)
     # DPO ran 20 steps in 1000 s: PPO's 420 s buy 8 of them
     assert align_compare.dpo_equal_time_steps(points) == round(420 / (1000 / dpo.align.steps))
+
+
+def test_curves_order_each_algorithms_points_by_kl_and_the_plot_draws_one_line_per_algorithm(store):
+    points = align_compare.make_points(["ppo", "grpo"], store, [0.5, 1.0], seeds=1)
+    ppo_low, ppo_default, grpo_low, grpo_default = (p.cfg for p in points)
+    tracking.setup(ppo_low)
+    log_point(ppo_low, 400.0, 0.80, kl=6.0)  # the weaker penalty moves further
+    log_point(ppo_default, 400.0, 0.70, kl=3.0)
+    log_point(grpo_default, 500.0, 0.75, kl=9.0)  # grpo_low never finished
+    found = align_compare.curves(points)
+    assert [p.beta for p in found["ppo"]] == ["0.05", "0.025"]  # in order of KL
+    assert found["ppo"][0].kl == (3.0, 2.5, 3.5) and found["ppo"][1].judge_win_rate == pytest.approx((0.8, 0.7, 0.9))
+    assert [p.beta for p in found["grpo"]] == ["0.04"]
+    fig = align_compare.plot(found)
+    drawn = [container.lines[0] for container in fig.axes[0].containers]  # each errorbar call's data line
+    assert [list(line.get_xdata()) for line in drawn] == [[3.0, 6.0], [9.0]]
+    assert [list(line.get_ydata()) for line in drawn] == [[0.7, 0.8], [0.75]]
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["ppo", "grpo"]
