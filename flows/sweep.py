@@ -162,7 +162,8 @@ def grid_points(grid: dict[str, list[str]]) -> list[list[str]]:
 
 
 def finished_point(cfg: Config):
-    """A FINISHED whole-pipeline run of exactly this config at this commit, or None."""
+    """The newest FINISHED whole-pipeline run of exactly this config at a commit whose code is HEAD's
+    (tracking.same_code: commits in between that change only docs, tests or benches do not count), or None."""
     import mlflow
 
     client = mlflow.MlflowClient()
@@ -173,9 +174,13 @@ def finished_point(cfg: Config):
         f"tags.{tracking.PARAMS_DIGEST_TAG} = '{tracking.params_digest(cfg)}' and attributes.status = 'FINISHED' "
         "and attributes.run_name = 'pipeline'"
     )
-    commit = tracking.git_commit()
+    head = tracking.git_commit()
+    checked: dict[str, bool] = {}
     for run in client.search_runs([experiment.experiment_id], query, order_by=["attributes.start_time DESC"]):
-        if commit is None or run.data.tags.get(tracking.GIT_COMMIT_TAG) == commit:
+        commit = run.data.tags.get(tracking.GIT_COMMIT_TAG)
+        if head is None or commit == head:  # outside a git checkout the params alone decide
+            return run
+        if commit and checked.setdefault(commit, tracking.same_code(commit, head)):
             return run
     return None
 

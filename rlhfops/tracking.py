@@ -245,6 +245,26 @@ def git_commit() -> str | None:
         return None
 
 
+# what a pipeline run does not execute: a change here alone leaves its figures as they were
+NOT_RUN_PATHS = ("docs", "tests", "bench", ".ci", "*.md")
+
+
+def same_code(commit: str, other: str = "HEAD", root: Path = REPO_ROOT) -> bool:
+    """Whether two commits hold the same code: no difference outside NOT_RUN_PATHS. False when git cannot tell (no
+    repository, an unknown commit)."""
+    excludes = [f":(exclude){path}" for path in NOT_RUN_PATHS]
+    try:
+        diff = subprocess.run(
+            ["git", "diff", "--quiet", commit, other, "--", ".", *excludes],
+            cwd=root,
+            capture_output=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return diff.returncode == 0
+
+
 @contextlib.contextmanager
 def start_run(
     cfg: Config, *, name: str, params: dict[str, Any], tags: dict[str, str], parent_run_id: str | None = None

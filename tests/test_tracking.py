@@ -184,3 +184,30 @@ def test_logged_models_carry_signatures(cfg, tmp_path, tiny_model_dir):
 
 def _columns(schema) -> list[tuple[str, str]]:
     return [(c["name"], c["type"]) for c in schema.to_dict()]
+
+
+def test_commits_that_change_only_docs_tests_or_benches_hold_the_same_code(tmp_path):
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True, text=True).stdout.strip()
+
+    def commit(path: str, text: str) -> str:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+        git("add", path)
+        git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", path)
+        return git("rev-parse", "HEAD")
+
+    git("init", "-q")
+    start = commit("tasks/ppo.py", "a = 1\n")
+    docs = commit("docs/benchmarks.md", "figures\n")
+    for path in ("README.md", "tests/test_x.py", "bench/x.py", ".ci/run"):
+        docs = commit(path, "x\n")
+    assert tracking.same_code(start, docs, root=tmp_path)
+    params = commit("params.yaml", "seed: 0\n")
+    assert not tracking.same_code(start, params, root=tmp_path)
+    assert tracking.same_code(params, "HEAD", root=tmp_path)
+    code = commit("tasks/ppo.py", "a = 2\n")
+    assert not tracking.same_code(params, code, root=tmp_path)
+    assert not tracking.same_code("0" * 40, code, root=tmp_path)  # a commit this repository does not have
