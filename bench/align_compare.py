@@ -4,6 +4,7 @@
     .venv/bin/python -m bench.align_compare --algorithms ppo,grpo         # one point each, default beta
     .venv/bin/python -m bench.align_compare --dpo-equal-time              # and DPO again, given PPO's wall time
     .venv/bin/python -m bench.align_compare --table-only ...              # the table from the runs already in MLflow
+    .venv/bin/python -m bench.align_compare --best-of-n 1,2,4,8,16 ...    # and the points against best-of-n
 
 Equal budgets (`EQUAL_BUDGET`): PPO, GRPO and RLOO each generate 160 responses to 40 distinct prompts (4 per
 prompt) and take 40 optimiser steps of 4 responses: PPO 20 rollouts of 8 (`ppo.samples_per_prompt=4`, two
@@ -22,7 +23,9 @@ ppo stage's wall time and, on the test split, the judge's win rate against the S
 both answers ended), the proxy reward, KL to the SFT model, the ended share and answer length: with one seed each
 with its 95% conversation-bootstrap interval, with several the mean over seeds and its 95% Student-t interval.
 `reports/align_compare.png` draws the online algorithms' points as curves of judge win rate against KL, with both
-intervals: the comparison at equal KL.
+intervals: the comparison at equal KL. With `--best-of-n`, `reports/align_frontier.{md,png}` put the points beside
+best-of-n from the SFT model (flows/sweep.py's baseline, at the base seed), on the optimised and the judge's reward
+against sqrt(KL), as a sweep's frontier does.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ ALGORITHMS = ["ppo", "grpo", "rloo", "dpo"]
 ONLINE = ("ppo", "grpo", "rloo")
 REPORT = "reports/align_compare.md"
 PLOT = "reports/align_compare.png"  # judge win rate against KL, one curve per algorithm
+FRONTIER_REPORT = "reports/align_frontier.md"  # with --best-of-n: the points against best-of-n
+FRONTIER_PLOT = "reports/align_frontier.png"
 # each online algorithm: 160 responses, 40 prompts, 40 optimiser steps on params.yaml's ppo and align sections
 EQUAL_BUDGET: dict[str, list[str]] = {
     "ppo": ["ppo.samples_per_prompt=4"],
@@ -242,6 +247,36 @@ def plot(curves_by_algorithm: dict[str, list[CurvePoint]]):
     return fig
 
 
+def frontier(points: list[Point], baseline: list, missing_eos_penalty: float | None) -> tuple[str, object]:
+    """The points against `baseline` (best-of-n from the SFT model, flows.sweep.best_of_n_baseline): the optimised
+    reward (proxy - missing_eos_penalty * not ended) and the judge's over sqrt(KL to SFT), as the sweep's frontier
+    draws them, each point's seeds as one (means and across-seed intervals). Returns the Markdown table and the
+    figure."""
+    from flows.sweep import PointOutcome, SeedGroup, group_point
+    from rlhflow.evaluation.frontier import frontier_plot, frontier_table, objective_name
+
+    drawn = list(baseline)
+    for algorithm, beta, _, found in _groups(points):
+        outcomes = [
+            PointOutcome([f"beta={beta}"], "finished", run.info.run_id, dict(run.data.metrics), algorithm)
+            for run, _ in found
+        ]
+        point = group_point(SeedGroup(f"beta={beta}", outcomes), missing_eos_penalty) if outcomes else None
+        if point is not None:
+            drawn.append(point)
+    objective = objective_name(missing_eos_penalty)
+    return frontier_table(drawn, objective), frontier_plot(drawn, objective)
+
+
+def _save_figure(fig, path) -> None:
+    from rlhflow.evaluation import plots
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fig.savefig(tmp, dpi=120, format="png")
+    plots.close(fig)
+    os.replace(tmp, path)  # whole or not at all
+
+
 def dpo_equal_time_steps(points: list[Point]) -> int | None:
     """align.steps for a DPO run as long as PPO's stage, from finished runs of both (the first seed of each)."""
     from rlhfops import tracking
@@ -265,6 +300,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=1, help="training seeds per point")
     parser.add_argument("--dpo-equal-time", action="store_true", help="add DPO at PPO's wall time")
     parser.add_argument("--table-only", action="store_true", help="no runs: the table from MLflow")
+    parser.add_argument(
+        "--best-of-n",
+        default="none",
+        help="comma-separated n: draw the points against best-of-n from the SFT model (reports/align_frontier.*)",
+    )
     add_overrides_argument(parser, "params.yaml overrides for every point")
     args = parser.parse_args(argv)
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
@@ -272,6 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unknown algorithm(s) {unknown}; choose from {ALGORITHMS}")
     scales = [float(s) for s in args.betas.split(",")]
+    ns = [] if args.best_of_n.strip().lower() == "none" else sorted({int(n) for n in args.best_of_n.split(",") if n})
     points = make_points(algorithms, args.overrides, scales, args.seeds)
     budget = check_equal_budgets(points)  # before any work
     print(f"equal budget of {', '.join(a for a in algorithms if a in ONLINE)}: {budget}", flush=True)
@@ -303,13 +344,23 @@ def main(argv: list[str] | None = None) -> None:
 
     write_text_atomic(base.path(REPORT), markdown + "\n")
     print(markdown)
-    found = curves([p for p in points if p.algorithm in ONLINE])
+    online = [p for p in points if p.algorithm in ONLINE]
+    found = curves(online)
     if found:
-        path = base.path(PLOT)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        plot(found).savefig(tmp, dpi=120, format="png")
-        os.replace(tmp, path)  # whole or not at all
+        _save_figure(plot(found), base.path(PLOT))
         print(f"plot: {PLOT}")
+    if ns:
+        from flows.sweep import best_of_n_baseline
+        from rlhfops import workspace
+
+        penalty = base.ppo.missing_eos_penalty  # the objective every point's evaluation reports beside the proxy
+        with workspace.exclusive("align_compare: the best-of-n baseline"):
+            baseline = best_of_n_baseline(base, ns, penalty)  # its upstream stages brought to `base` first
+        markdown, fig = frontier(online, baseline, penalty)
+        write_text_atomic(base.path(FRONTIER_REPORT), markdown + "\n")
+        _save_figure(fig, base.path(FRONTIER_PLOT))
+        print(markdown)
+        print(f"frontier: {FRONTIER_REPORT}, {FRONTIER_PLOT}")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ from rlhflow.config import Config, parse_config_args
 from rlhfops import tracking, workspace
 
 DEFAULT_BEST_OF_N = [1, 2, 4, 8, 16]
+# what best-of-n reads: the validated test split, the SFT model, the proxy and the judge
+BASELINE_STAGES = ["demo_data", "validate", "sft", "reward_model", "judge"]
 FRONTIER_CSV = "sweep_frontier.csv"  # in metrics_dir: the data behind the DVC plot (rlhfops/stages.py PLOTS)
 REPORT_DIR = "reports/sweep"
 SWEEP_TAG = "sweep"
@@ -220,12 +222,16 @@ def run_point(cfg: Config, overrides: list[str], sweep_run_id: str, seed: int | 
     return outcome
 
 
-def best_of_n_baseline(cfg: Config, ns: list[int], missing_eos_penalty: float | None):
+def best_of_n_baseline(cfg: Config, ns: list[int], missing_eos_penalty: float | None, parent_run: str | None = None):
     """Best-of-n points from the SFT model on the evaluation prompts, selected by proxy - missing_eos_penalty *
     not_ended (rlhflow.evaluation.frontier.objective_scores); the samples from the cache when its inputs are the
-    same."""
+    same. The workspace's upstream stages are first brought to `cfg` (BASELINE_STAGES: up to date, or run again):
+    the last point may have left another seed's proxy, or another grid value's models. The caller holds the
+    workspace."""
     from rlhflow.fsutil import write_json_atomic
     from rlhfops.hashing import dir_md5, file_md5, inputs_fingerprint
+
+    rlhf_pipeline(config=cfg, stages=BASELINE_STAGES, parent_run=parent_run)
 
     test = cfg.path(cfg.validate_.out_dir) / "test.jsonl"
     model_dirs = [cfg.path(d) for d in (cfg.sft.out_dir, cfg.reward_model.out_dir, cfg.judge.out_dir)]
@@ -450,7 +456,7 @@ def rlhf_sweep(
             outcomes = [run_point(cfg, point, sweep.info.run_id, seed) for cfg, (point, seed) in zip(configs, runs)]
             finished = [o for o in outcomes if not o.status.startswith("failed")]
             penalty = base.ppo.missing_eos_penalty  # the frontier's one objective, as write_frontier's
-            baseline = best_of_n_baseline(configs[0], ns, penalty) if ns and finished else []
+            baseline = best_of_n_baseline(configs[0], ns, penalty, sweep.info.run_id) if ns and finished else []
             markdown, files = write_frontier(base, outcomes, baseline)
             for path in files:
                 mlflow.log_artifact(str(path), artifact_path="frontier")

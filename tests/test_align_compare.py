@@ -126,3 +126,40 @@ def test_curves_order_each_algorithms_points_by_kl_and_the_plot_draws_one_line_p
     assert [list(line.get_xdata()) for line in drawn] == [[3.0, 6.0], [9.0]]
     assert [list(line.get_ydata()) for line in drawn] == [[0.7, 0.8], [0.75]]
     assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["ppo", "grpo"]
+
+
+def test_the_frontier_draws_each_algorithms_points_against_best_of_n(store):
+    import numpy as np
+
+    from rlhflow.evaluation.frontier import best_of_n_frontier
+
+    points = align_compare.make_points(["ppo", "rloo"], store, [1.0], seeds=2)
+    ppo0, ppo1, rloo0, _ = (p.cfg for p in points)
+    tracking.setup(ppo0)
+
+    def log_rewards(cfg, proxy: float, judge: float, kl: float) -> None:
+        log_point(cfg, 400.0, 0.7, kl=kl)
+        run = mlflow.search_runs(filter_string="attributes.run_name = 'pipeline'", output_format="list")[0]
+        for name, value in {"eval/objective_mean": proxy, "eval/judge_reward_mean": judge}.items():
+            mlflow.MlflowClient().log_metric(run.info.run_id, name, value)
+            for end, shift in (("ci_low", -0.1), ("ci_high", 0.1)):
+                mlflow.MlflowClient().log_metric(run.info.run_id, f"{name}_{end}", value + shift)
+
+    log_rewards(ppo0, proxy=0.2, judge=0.4, kl=4.0)
+    log_rewards(ppo1, proxy=0.4, judge=0.6, kl=2.0)
+    log_rewards(rloo0, proxy=0.5, judge=0.3, kl=9.0)  # its second seed never finished
+    rng = np.random.default_rng(0)
+    baseline = best_of_n_frontier(rng.normal(size=(40, 4)), rng.normal(size=(40, 4)), [1, 4])
+    markdown, fig = align_compare.frontier(points, baseline, missing_eos_penalty=1.0)
+    rows = markdown.splitlines()[2:]
+    assert [r.split(" | ")[:3] for r in rows] == [
+        ["| best-of-n", "n=1", "0.00"],
+        ["| best-of-n", "n=4", f"{np.log(4) - 3 / 4:.2f}"],
+        ["| ppo", "beta=0.05 (2 seeds)", "3.00"],  # the seeds' mean KL
+        ["| rloo", "beta=0.05", "9.00"],
+    ]
+    # two seeds: the mean optimised reward and its across-seed t interval, 0.3 +- 12.706 * 0.1414 / sqrt(2)
+    assert "| 0.300 (-0.971 to 1.571) | 0.500 (-0.771 to 1.771) |" in rows[2]
+    assert "| 0.500 (0.400 to 0.600) | 0.300 (0.200 to 0.400) |" in rows[3]  # one seed: its bootstrap interval
+    judge_panel = fig.axes[1]
+    assert [t.get_text() for t in judge_panel.get_legend().get_texts()] == ["best-of-n", "ppo", "rloo"]

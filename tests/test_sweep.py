@@ -32,9 +32,13 @@ def test_a_sweep_runs_its_points_and_draws_the_frontier(prefect_server, one_thre
     experiment = client.get_experiment_by_name("rlhf").experiment_id
     sweep = client.search_runs([experiment], "tags.sweep = 'rlhf'")[0]
     points = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{sweep.info.run_id}'")
-    finished = [r for r in points if r.info.status == "FINISHED"]
+    finished = [r for r in points if r.info.status == "FINISHED" and r.info.run_name == "pipeline"]
     assert len(finished) == 2 and {r.data.params["ppo.kl_coef"] for r in finished} == {"0.01", "0.5"}
     assert set(sweep.data.tags["sweep.points"].split(",")) >= {r.info.run_id for r in finished}
+    # before best-of-n, the upstream stages were brought to the first point's settings (here up to date)
+    upstream = [r for r in points if r.info.run_name.startswith("stages: ")]
+    assert [r.info.run_name for r in upstream] == ["stages: demo_data,validate,sft,reward_model,judge"]
+    assert upstream[0].info.status == "FINISHED"
     # the second point shares the first one's upstream stages: they were up to date, not recomputed
     second = max(finished, key=lambda r: r.info.start_time)
     assert {"validate", "sft", "reward_model", "judge"} <= set(second.data.tags["skipped_stages"].split(","))
