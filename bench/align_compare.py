@@ -5,6 +5,8 @@
     .venv/bin/python -m bench.align_compare --dpo-equal-time              # and DPO again, given PPO's wall time
     .venv/bin/python -m bench.align_compare --table-only ...              # the table from the runs already in MLflow
     .venv/bin/python -m bench.align_compare --best-of-n 1,2,4,8,16 ...    # and the points against best-of-n
+    .venv/bin/python -m bench.align_compare --algorithms ppo,rloo --seeds 3 --set-for rloo:align.learning_rate=1e-5 \
+        --paired                                                          # rloo's own lr; per-seed differences
 
 Equal budgets (`EQUAL_BUDGET`): PPO, GRPO and RLOO each generate 160 responses to 40 distinct prompts (4 per
 prompt) and take 40 optimiser steps of 4 responses: PPO 20 rollouts of 8 (`ppo.samples_per_prompt=4`, two
@@ -23,9 +25,11 @@ ppo stage's wall time and, on the test split, the judge's win rate against the S
 both answers ended), the proxy reward, KL to the SFT model, the ended share and answer length: with one seed each
 with its 95% conversation-bootstrap interval, with several the mean over seeds and its 95% Student-t interval.
 `reports/align_compare.png` draws the online algorithms' points as curves of judge win rate against KL, with both
-intervals: the comparison at equal KL. With `--best-of-n`, `reports/align_frontier.{md,png}` put the points beside
-best-of-n from the SFT model (flows/sweep.py's baseline, at the base seed), on the optimised and the judge's reward
-against sqrt(KL), as a sweep's frontier does.
+intervals: the comparison at equal KL. `--paired` adds, per figure (dev split first), each point's value at each
+seed and its difference from the first point's at the same seed, where the proxy and the SFT answers are shared.
+With `--best-of-n`, `reports/align_frontier.{md,png}` put the points beside best-of-n from the SFT model
+(flows/sweep.py's baseline, at the base seed), on the optimised and the judge's reward against sqrt(KL), as a
+sweep's frontier does.
 """
 
 from __future__ import annotations
@@ -76,27 +80,35 @@ class Point:
         return training_budget(self.algorithm, self.cfg.ppo, self.cfg.align)
 
 
-def algorithm_overrides(algorithm: str, overrides: list[str]) -> list[str]:
-    return [*overrides, f"align.algorithm={algorithm}", *EQUAL_BUDGET[algorithm]]
+def algorithm_overrides(algorithm: str, overrides: list[str], own: dict[str, list[str]] | None = None) -> list[str]:
+    """Every point's overrides, the algorithm and its equal budget, then the algorithm's own (`--set-for`)."""
+    return [*overrides, f"align.algorithm={algorithm}", *EQUAL_BUDGET[algorithm], *(own or {}).get(algorithm, [])]
 
 
-def betas(algorithm: str, overrides: list[str], scales: list[float]) -> list[str]:
+def betas(algorithm: str, overrides: list[str], scales: list[float], own: dict[str, list[str]] | None = None):
     """The algorithm's KL weights: its default (with the overrides) times each scale."""
-    cfg = load_config(overrides=algorithm_overrides(algorithm, overrides))
+    cfg = load_config(overrides=algorithm_overrides(algorithm, overrides, own))
     default = functools.reduce(getattr, BETA_KEYS[algorithm].split("."), cfg)
     return [f"{default * s:.4g}" for s in scales]
 
 
-def make_points(algorithms: list[str], overrides: list[str], scales: list[float], seeds: int) -> list[Point]:
-    """Every point the comparison runs, as the sweep runs it (seed, seed + 1, ... when seeds > 1)."""
+def make_points(
+    algorithms: list[str],
+    overrides: list[str],
+    scales: list[float],
+    seeds: int,
+    own: dict[str, list[str]] | None = None,
+) -> list[Point]:
+    """Every point the comparison runs, as the sweep runs it (seed, seed + 1, ... when seeds > 1); `own`: each
+    algorithm's own overrides."""
     base_seed = load_config(overrides=overrides).seed
     points = []
     for algorithm in algorithms:
-        for beta in betas(algorithm, overrides, scales):
+        for beta in betas(algorithm, overrides, scales, own):
             for i in range(seeds):
                 seed = None if seeds == 1 else base_seed + i
                 extra = [f"{BETA_KEYS[algorithm]}={beta}"] + ([] if seed is None else [f"seed={seed}"])
-                full = algorithm_overrides(algorithm, overrides) + extra
+                full = algorithm_overrides(algorithm, overrides, own) + extra
                 points.append(Point(algorithm, beta, seed, full, load_config(overrides=full)))
     return points
 
@@ -189,6 +201,53 @@ def table(points: list[Point]) -> str:
         metrics = [run.data.metrics for run, _ in found]
         row += [_cell(metrics, name, interval) for _, name, interval in FIGURES]
         lines.append("| " + " | ".join(map(str, row)) + " |")
+    return "\n".join(lines)
+
+
+PAIRED_FIGURES = [  # (row, metric, decimals): dev first, where a choice between algorithms is read
+    ("dev: judge win rate, both ended", "dev/judge_win_rate_both_ended", 3),
+    ("dev: judge win rate", "dev/judge_win_rate_vs_sft", 3),
+    ("test: judge win rate, both ended", "eval/judge_win_rate_both_ended", 3),
+    ("test: judge win rate", "eval/judge_win_rate_vs_sft", 3),
+    ("test: KL to SFT, nats", "eval/kl", 2),
+    ("test: answers ended", "eval/answers_ended", 3),
+    ("test: answer tokens, mean", "eval/answer_tokens", 0),
+    ("test: judge reward", "eval/judge_reward_mean", 3),
+]
+
+
+def paired_table(points: list[Point]) -> str:
+    """Per figure, each point's value at each seed, then their mean and 95% Student-t interval; and each point's
+    difference from the first point's at the same seed (the seeds both have), the same way. At one seed the
+    proxy reward model and the SFT answers are the same for every algorithm, so the differences are paired."""
+    from rlhflow.evaluation.stats import across_seeds
+
+    columns = []
+    for algorithm, beta, _, found in _groups(points):
+        by_seed = {int(run.data.params["seed"]): run.data.metrics for run, _ in found}
+        columns.append((f"{algorithm} {beta}", dict(sorted(by_seed.items()))))
+    if not columns:
+        return "no finished run"
+
+    def summary(values: list[float], decimals: int, each: bool) -> str:
+        shown = ", ".join(f"{v:.{decimals}f}" for v in values) if each else ""
+        if len(values) < 2:
+            return shown or (f"{values[0]:.{decimals}f}" if values else "")
+        mean, low, high = across_seeds(values)
+        interval = f"{mean:.{decimals}f} ({low:.{decimals}f} to {high:.{decimals}f})"
+        return f"{shown}; {interval}" if each else interval
+
+    (first, reference), others = columns[0], columns[1:]
+    head = ["figure", *(label for label, _ in columns), *(f"{label} - {first}" for label, _ in others)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row, metric, decimals in PAIRED_FIGURES:
+        cells = [row]
+        cells += [summary([m.get(metric, math.nan) for m in seeds.values()], decimals, True) for _, seeds in columns]
+        for _, seeds in others:
+            common = [s for s in seeds if s in reference]
+            differences = [seeds[s].get(metric, math.nan) - reference[s].get(metric, math.nan) for s in common]
+            cells.append(summary(differences, decimals, False))
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -293,6 +352,17 @@ def dpo_equal_time_steps(points: list[Point]) -> int | None:
     return max(1, round(ppo_s / (dpo_s / dpo.align.steps)))
 
 
+def own_overrides(specs: list[str], algorithms: list[str], parser: argparse.ArgumentParser) -> dict[str, list[str]]:
+    """`--set-for ALGORITHM:KEY=VALUE` values, per algorithm."""
+    own: dict[str, list[str]] = {}
+    for spec in specs:
+        algorithm, _, override = spec.partition(":")
+        if algorithm not in algorithms or "=" not in override:
+            parser.error(f"--set-for {spec!r}: expected ALGORITHM:KEY=VALUE with ALGORITHM one of {algorithms}")
+        own.setdefault(algorithm, []).append(override)
+    return own
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated align.algorithm values")
@@ -300,6 +370,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=1, help="training seeds per point")
     parser.add_argument("--dpo-equal-time", action="store_true", help="add DPO at PPO's wall time")
     parser.add_argument("--table-only", action="store_true", help="no runs: the table from MLflow")
+    parser.add_argument(
+        "--set-for",
+        action="append",
+        default=[],
+        metavar="ALGORITHM:KEY=VALUE",
+        help="a params.yaml override for one algorithm's points, e.g. rloo:align.learning_rate=1e-5 (repeatable)",
+    )
+    parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="also each figure per seed and each algorithm's difference from the first one's at the same seed",
+    )
     parser.add_argument(
         "--best-of-n",
         default="none",
@@ -313,7 +395,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown algorithm(s) {unknown}; choose from {ALGORITHMS}")
     scales = [float(s) for s in args.betas.split(",")]
     ns = [] if args.best_of_n.strip().lower() == "none" else sorted({int(n) for n in args.best_of_n.split(",") if n})
-    points = make_points(algorithms, args.overrides, scales, args.seeds)
+    own = own_overrides(args.set_for, algorithms, parser)
+    points = make_points(algorithms, args.overrides, scales, args.seeds, own)
     budget = check_equal_budgets(points)  # before any work
     print(f"equal budget of {', '.join(a for a in algorithms if a in ONLINE)}: {budget}", flush=True)
 
@@ -322,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
     def sweep(algorithm: str, grid: dict[str, list[str]]) -> None:
         from flows.sweep import rlhf_sweep
 
-        overrides = algorithm_overrides(algorithm, args.overrides)
+        overrides = algorithm_overrides(algorithm, args.overrides, own)
         rlhf_sweep(grid=grid, overrides=overrides, best_of_n=[], config=base, seeds=args.seeds)
 
     if not args.table_only:
@@ -340,6 +423,8 @@ def main(argv: list[str] | None = None) -> None:
             points.append(p)
 
     markdown = table(points)
+    if args.paired:
+        markdown += "\n\n" + paired_table(points)
     from rlhflow.fsutil import write_text_atomic
 
     write_text_atomic(base.path(REPORT), markdown + "\n")

@@ -163,3 +163,27 @@ def test_the_frontier_draws_each_algorithms_points_against_best_of_n(store):
     assert "| 0.500 (0.400 to 0.600) | 0.300 (0.200 to 0.400) |" in rows[3]  # one seed: its bootstrap interval
     judge_panel = fig.axes[1]
     assert [t.get_text() for t in judge_panel.get_legend().get_texts()] == ["best-of-n", "ppo", "rloo"]
+
+
+def test_set_for_reaches_one_algorithm_and_the_paired_table_differences_seed_by_seed(store):
+    points = align_compare.make_points(
+        ["ppo", "rloo"], store, [1.0], seeds=3, own={"rloo": ["align.learning_rate=1e-5"]}
+    )
+    assert {p.cfg.align.learning_rate for p in points if p.algorithm == "rloo"} == {1e-5}
+    assert {p.cfg.align.learning_rate for p in points if p.algorithm == "ppo"} == {load_config().align.learning_rate}
+    ppo, rloo = points[:3], points[3:]
+    tracking.setup(ppo[0].cfg)
+    for p, win in zip(ppo, (0.6, 0.8, 0.7)):
+        log_point(p.cfg, 400.0, win, kl=4.0 + p.seed)
+    for p, win in zip(rloo[:2], (0.7, 0.8)):  # seed 2 never finished
+        log_point(p.cfg, 500.0, win, kl=3.0)
+    rows = {r.split(" | ")[0].strip("| "): r for r in align_compare.paired_table(points).splitlines()}
+    assert rows["figure"] == "| figure | ppo 0.05 | rloo 0.05 | rloo 0.05 - ppo 0.05 |"
+    # per seed, then the mean and its t interval; the difference over the seeds both have (0 and 1): 0.1 and 0.0
+    assert rows["test: judge win rate"] == (
+        "| test: judge win rate | 0.600, 0.800, 0.700; 0.700 (0.452 to 0.948) | 0.700, 0.800; 0.750 (0.115 to 1.385) "
+        "| 0.050 (-0.585 to 0.685) |"
+    )
+    assert rows["test: KL to SFT, nats"].endswith("| -1.50 (-7.85 to 4.85) |")  # 3 - 4 and 3 - 5
+    with pytest.raises(SystemExit):
+        align_compare.main(["--algorithms", "ppo", "--set-for", "rloo:align.learning_rate=1e-5", "--table-only"])
