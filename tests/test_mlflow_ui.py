@@ -257,7 +257,10 @@ def sweep_points(finished_run, tiny_model_dir, one_thread):
     client = mlflow.MlflowClient(f"sqlite:///{finished_run}/mlflow.db")
     exp = client.get_experiment_by_name("rlhf").experiment_id
     sweep = client.search_runs([exp], "tags.sweep = 'rlhf'")[0]
-    points = client.search_runs([exp], f"tags.mlflow.parentRunId = '{sweep.info.run_id}'")
+    # the sweep's child runs: its points and the run that brought the upstream stages back before best-of-n
+    points = client.search_runs(
+        [exp], f"tags.mlflow.parentRunId = '{sweep.info.run_id}' and attributes.run_name = 'pipeline'"
+    )
     return sweep, sorted(points, key=lambda r: float(r.data.params["ppo.kl_coef"]))
 
 
