@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import os
 import sys
 from dataclasses import dataclass
 
@@ -123,8 +122,9 @@ def check_equal_budgets(points: list[Point]) -> dict[str, int]:
     return dict(distinct.pop()) if distinct else {}
 
 
-def _pipeline_runs(cfg: Config) -> dict[str, tuple[object, object]]:
-    """params_md5 -> (the newest finished pipeline run, its ppo stage run)."""
+def _pipeline_runs(cfg: Config, digests: set[str]) -> dict[str, tuple[object, object]]:
+    """params_md5 -> (the newest finished pipeline run, its ppo stage run), for the digests asked for (a stage run
+    is looked up for those only)."""
     import mlflow
 
     from rlhfops import tracking
@@ -141,7 +141,7 @@ def _pipeline_runs(cfg: Config) -> dict[str, tuple[object, object]]:
         order_by=["attributes.start_time DESC"],
     ):
         digest = run.data.tags.get(tracking.PARAMS_DIGEST_TAG)
-        if digest in found or "eval/kl" not in run.data.metrics:
+        if digest not in digests or digest in found or "eval/kl" not in run.data.metrics:
             continue
         stage = client.search_runs(
             [experiment.experiment_id],
@@ -177,13 +177,14 @@ def _groups(points: list[Point]):
     ppo stage run)."""
     from rlhfops import tracking
 
-    runs = _pipeline_runs(points[0].cfg)
-    groups: dict[tuple[str, str], list[Point]] = {}
-    for p in points:
-        groups.setdefault((p.algorithm, p.beta), []).append(p)
-    for (algorithm, beta), group in groups.items():
-        found = [runs[d] for d in (tracking.params_digest(p.cfg) for p in group) if d in runs]
-        yield algorithm, beta, group, found
+    with_digests = [(p, tracking.params_digest(p.cfg)) for p in points]
+    runs = _pipeline_runs(points[0].cfg, {digest for _, digest in with_digests})
+    groups: dict[tuple[str, str], list[tuple[Point, str]]] = {}
+    for p, digest in with_digests:
+        groups.setdefault((p.algorithm, p.beta), []).append((p, digest))
+    for (algorithm, beta), members in groups.items():
+        found = [runs[digest] for _, digest in members if digest in runs]
+        yield algorithm, beta, [p for p, _ in members], found
 
 
 def table(points: list[Point]) -> str:
@@ -320,7 +321,7 @@ def frontier(points: list[Point], baseline: list, missing_eos_penalty: float | N
             PointOutcome([f"beta={beta}"], "finished", run.info.run_id, dict(run.data.metrics), algorithm)
             for run, _ in found
         ]
-        point = group_point(SeedGroup(f"beta={beta}", outcomes), missing_eos_penalty) if outcomes else None
+        point = group_point(SeedGroup(f"beta={beta}", outcomes), missing_eos_penalty)  # None: no finished run
         if point is not None:
             drawn.append(point)
     objective = objective_name(missing_eos_penalty)
@@ -329,21 +330,22 @@ def frontier(points: list[Point], baseline: list, missing_eos_penalty: float | N
 
 def _save_figure(fig, path) -> None:
     from rlhflow.evaluation import plots
+    from rlhflow.fsutil import atomic_file
 
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fig.savefig(tmp, dpi=120, format="png")
+    with atomic_file(path, binary=True) as f:  # whole or not at all
+        fig.savefig(f, dpi=120, format="png")
     plots.close(fig)
-    os.replace(tmp, path)  # whole or not at all
 
 
 def dpo_equal_time_steps(points: list[Point]) -> int | None:
     """align.steps for a DPO run as long as PPO's stage, from finished runs of both (the first seed of each)."""
     from rlhfops import tracking
 
-    runs = _pipeline_runs(points[0].cfg)
+    digests = [tracking.params_digest(p.cfg) for p in points]
+    runs = _pipeline_runs(points[0].cfg, set(digests))
     seconds = {}
-    for p in points:
-        _, stage = runs.get(tracking.params_digest(p.cfg), (None, None))
+    for p, digest in zip(points, digests):
+        _, stage = runs.get(digest, (None, None))
         if stage is not None and "time/ppo_s" in stage.data.metrics:
             seconds.setdefault(p.algorithm, (stage.data.metrics["time/ppo_s"], p.cfg))
     if "ppo" not in seconds or "dpo" not in seconds:
@@ -394,7 +396,9 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unknown algorithm(s) {unknown}; choose from {ALGORITHMS}")
     scales = [float(s) for s in args.betas.split(",")]
-    ns = [] if args.best_of_n.strip().lower() == "none" else sorted({int(n) for n in args.best_of_n.split(",") if n})
+    from flows.sweep import parse_best_of_n
+
+    ns = parse_best_of_n(args.best_of_n)
     own = own_overrides(args.set_for, algorithms, parser)
     points = make_points(algorithms, args.overrides, scales, args.seeds, own)
     budget = check_equal_budgets(points)  # before any work

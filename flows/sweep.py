@@ -487,6 +487,12 @@ def rlhf_sweep(
     return [{"point": o.label, "seed": o.seed, "status": o.status, "run_id": o.run_id} for o in outcomes]
 
 
+def parse_best_of_n(text: str) -> list[int]:
+    """`--best-of-n`: comma-separated n, sorted and each once; 'none': no baseline."""
+    text = text.strip().lower()
+    return [] if text == "none" else sorted({int(n) for n in text.split(",") if n.strip()})
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
@@ -512,8 +518,7 @@ def main(argv: list[str] | None = None) -> None:
         own.error("at least one --grid key=v1,v2 is needed (--help lists the options and the params.yaml keys)")
     if args.seeds < 1:
         own.error(f"--seeds must be at least 1, got {args.seeds}")
-    best_of_n = args.best_of_n.strip().lower()
-    ns = [] if best_of_n == "none" else [int(n) for n in best_of_n.split(",") if n.strip()]
+    ns = parse_best_of_n(args.best_of_n)
     start = time.perf_counter()
     rlhf_sweep(grid=parse_grid(args.grid), config=cfg, best_of_n=ns, seeds=args.seeds)
     print(f"{'sweep wall time':44s} {time.perf_counter() - start:9.1f}s")

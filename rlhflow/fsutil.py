@@ -106,9 +106,9 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def atomic_file(path: str | os.PathLike) -> Iterator[IO[str]]:
-    """A UTF-8 text file handle whose content appears at `path` only once the block succeeds
-    (a unique temp file in the same directory, then os.replace); on error the temp file is removed.
+def atomic_file(path: str | os.PathLike, *, binary: bool = False) -> Iterator[IO]:
+    """A UTF-8 text file handle (a bytes one with `binary`) whose content appears at `path` only once the block
+    succeeds (a unique temp file in the same directory, then os.replace); on error the temp file is removed.
     Temp files of killed earlier writers are removed first."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -116,7 +116,7 @@ def atomic_file(path: str | os.PathLike) -> Iterator[IO[str]]:
     # not mkstemp: its files are private (0600), and outputs must get the usual permissions (umask)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        with open(tmp, "x", encoding="utf-8") as f:
+        with open(tmp, "xb") if binary else open(tmp, "x", encoding="utf-8") as f:
             yield f
         os.replace(tmp, path)
     except BaseException:
