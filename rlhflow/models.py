@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -312,15 +313,42 @@ def attn_implementation_for(device: str | torch.device, dtype: torch.dtype) -> s
     return "sdpa"
 
 
+# set on an output layer that `output_layer_in_fp32` made compute in fp32 under autocast; `linear_weights_to` keeps it
+FP32_OUTPUT = "_rlhflow_fp32_output"
+
+
+def output_layer_in_fp32(model: torch.nn.Module) -> torch.nn.Module:
+    """`model`'s output layer (the logits) computed in fp32 even under autocast: hidden state and weight upcast, the
+    matmul in fp32. Under bf16 autocast the logits are otherwise rounded to bf16's 8-bit mantissa (steps of 0.06 to
+    0.125 for logits of 8 to 32), the largest single error in a token's log-probability; MiniMax-M1 raised its
+    LM head to fp32 for its RL for this reason. Parameters, ties and the state dict stay as they are; copies
+    (`copy.deepcopy`) keep the fp32 head."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"{type(model).__name__} has no linear output layer to run in fp32")
+    if getattr(head, FP32_OUTPUT, False):
+        return model
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+    head.forward = types.MethodType(forward, head)
+    setattr(head, FP32_OUTPUT, True)
+    return model
+
+
 def linear_weights_to(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """Store every `nn.Linear`'s weight and bias in `dtype`, the values autocast to `dtype` casts them to at each
     call: a frozen model run under that autocast computes exactly what its fp32 self does, with the matmul weights
     in half the memory and no cast per call. Embeddings and norms stay as they are; a head tied to the embeddings
-    gets its own copy. Only for models that run under `autocast(device, dtype)` and never train."""
+    gets its own copy; an output layer in fp32 (`output_layer_in_fp32`) stays as it is. Only for models that run
+    under `autocast(device, dtype)` and never train."""
     if dtype == torch.float32:
         return model
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, torch.nn.Linear) and not getattr(module, FP32_OUTPUT, False):
             for name in ("weight", "bias"):
                 param = getattr(module, name)
                 if param is not None and param.dtype != dtype:

@@ -124,6 +124,11 @@ class PPOConfig(Section):
         "log-probs, KL, advantages and losses in fp32; auto: bf16 where the device runs it natively (CUDA "
         "capability >= 8.0; a CPU with AVX512-BF16 or AMX), else fp32",
     )
+    fp32_lm_head: bool = Field(
+        False,
+        description="bf16 only: the output layer (the logits) computed in fp32 in every model PPO samples from or "
+        "scores with (policy, its sampling copy, reference), the rest in bf16",
+    )
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass (less memory)")
     micro_batch_size: int | None = Field(
         None,

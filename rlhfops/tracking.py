@@ -11,6 +11,8 @@ from __future__ import annotations
 # stays fast. Models are logged and registered by rlhfops/registry.py, champions moved by rlhfops/promotion.py:
 # only the stages that do so import them.
 import contextlib
+import copy
+import functools
 import os
 import re
 import subprocess
@@ -289,6 +291,9 @@ def start_run(
 
 
 PARAMS_DIGEST_TAG = "params_md5"
+# Options added after runs were recorded, each with the value that leaves a run as it was: at that value the key is
+# left out of the digest, so earlier runs keep theirs (a sweep's reuse and `--table-only` still find them).
+DIGEST_NEUTRAL = {"ppo.fp32_lm_head": False}
 
 
 def params_digest(cfg: Config) -> str:
@@ -296,7 +301,13 @@ def params_digest(cfg: Config) -> str:
     import hashlib
     import json
 
-    return hashlib.md5(json.dumps(cfg.to_params(), sort_keys=True, default=str).encode()).hexdigest()
+    params = copy.deepcopy(cfg.to_params())
+    for key, neutral in DIGEST_NEUTRAL.items():
+        *path, name = key.split(".")
+        section = functools.reduce(lambda d, k: d.get(k, {}), path, params)
+        if section.get(name, neutral) == neutral:
+            section.pop(name, None)
+    return hashlib.md5(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def pipeline_run(cfg: Config, *, run_name: str = "pipeline", parent_run_id: str | None = None, tags=None):

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from rlhflow import models
-from rlhflow.models import autocast, bf16_is_native, linear_weights_to, resolve_precision, trainer_bf16
+from rlhflow.models import (
+    autocast,
+    bf16_is_native,
+    linear_weights_to,
+    output_layer_in_fp32,
+    resolve_precision,
+    trainer_bf16,
+)
 from rlhflow.policy import PolicyAndValue
 from rlhflow.ppo import core
 from tests.fixtures import tiny_llama
@@ -89,6 +96,29 @@ def test_a_frozen_copy_with_bf16_linear_weights_computes_what_autocast_computes(
     assert not torch.equal(bf16.float(), fp32) and torch.allclose(bf16.float(), fp32, atol=0.05)
 
 
+def test_an_fp32_output_layer_computes_the_logits_in_fp32_under_autocast(tok):
+    """output_layer_in_fp32: the rest of the model in bf16, the logits the fp32 product of its last hidden state and
+    the head's weight; the parameters, the tie to the embeddings and the state dict as they were; a copy, and a
+    frozen copy with bf16 linear weights, keep the fp32 head (still tied)."""
+    model = tiny_llama(tok, hidden=64)
+    keys = list(model.state_dict())
+    fp32_head = output_layer_in_fp32(copy.deepcopy(model))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad(), autocast("cpu", torch.bfloat16):
+        hidden = fp32_head.model(ids).last_hidden_state
+        logits = fp32_head(ids).logits
+        rounded = model(ids).logits
+    assert logits.dtype == torch.float32 and rounded.dtype == torch.bfloat16
+    assert torch.equal(logits, hidden.float() @ fp32_head.lm_head.weight.T)
+    assert torch.allclose(logits, rounded.float(), atol=0.05) and not torch.equal(logits, rounded.float())
+    assert list(fp32_head.state_dict()) == keys
+    assert fp32_head.lm_head.weight is fp32_head.model.embed_tokens.weight
+    for other in (copy.deepcopy(fp32_head), linear_weights_to(copy.deepcopy(fp32_head), torch.bfloat16)):
+        assert other.lm_head.weight.dtype == torch.float32 and other.lm_head.weight is other.model.embed_tokens.weight
+        with torch.no_grad(), autocast("cpu", torch.bfloat16):
+            assert torch.equal(other(ids).logits, logits)
+
+
 def test_bf16_forward_passes_autocast_but_logprobs_and_values_are_fp32(tok):
     model = tiny_llama(tok, hidden=64)
     qr = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 11], [0, 0, 1, 5, 9, 8, 7, 6]])
@@ -117,6 +147,8 @@ FIRST_RATIO_SETTINGS = {
     "bf16-micro": dict(precision="bf16", micro_batch_size=2),
     "bf16-checkpointing": dict(precision="bf16", gradient_checkpointing=True),
     "bf16-lora": dict(precision="bf16", lora={"enabled": True, "r": 4, "alpha": 8}),
+    "bf16-fp32-head": dict(precision="bf16", fp32_lm_head=True),
+    "bf16-fp32-head-lora": dict(precision="bf16", fp32_lm_head=True, lora={"enabled": True, "r": 4, "alpha": 8}),
 }
 
 
@@ -183,6 +215,24 @@ def test_bf16_rollouts_sample_from_a_bf16_copy_that_follows_the_master_weights(t
     assert not torch.equal(master_q, start) and torch.equal(copy_q, master_q.to(torch.bfloat16))
     assert torch.equal(trainer.sampler.lm_head.weight, trainer.policy.lm_head.weight.to(torch.bfloat16))
     assert make_trainer(tok, tmp_path / "lora", precision="bf16", lora={"enabled": True, "r": 4}).sampler is None
+
+
+def test_fp32_lm_head_computes_the_logits_of_policy_sampling_copy_and_reference_in_fp32(tok, tmp_path):
+    trainer = make_trainer(
+        tok, tmp_path, steps=1, precision="bf16", fp32_lm_head=True, policy=tiny_llama(tok, hidden=64)
+    )
+    trainer.update()
+    for model in (trainer.policy, trainer.sampler, trainer.ref_policy):
+        head = model.lm_head
+        assert head.weight.dtype == torch.float32 and getattr(head, models.FP32_OUTPUT)
+        assert head.weight is model.model.embed_tokens.weight
+    trainer._sample([trainer.prompts[0]], stream=3)  # refreshes the copy from the updated master weights
+    assert torch.equal(trainer.sampler.lm_head.weight, trainer.policy.lm_head.weight)
+    assert trainer.sampler.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    plain = make_trainer(tok, tmp_path / "plain", precision="bf16", policy=tiny_llama(tok, hidden=64))
+    assert not getattr(plain.policy.lm_head, models.FP32_OUTPUT, False)
+    fp32 = make_trainer(tok, tmp_path / "fp32", precision="fp32", fp32_lm_head=True, policy=tiny_llama(tok, hidden=64))
+    assert not getattr(fp32.policy.lm_head, models.FP32_OUTPUT, False)  # bf16 only
 
 
 def test_bf16_refuses_old_logprobs_from_generation(tok, tmp_path):

@@ -211,3 +211,25 @@ def test_commits_that_change_only_docs_tests_or_benches_hold_the_same_code(tmp_p
     code = commit("tasks/ppo.py", "a = 2\n")
     assert not tracking.same_code(params, code, root=tmp_path)
     assert not tracking.same_code("0" * 40, code, root=tmp_path)  # a commit this repository does not have
+
+
+def test_an_option_added_at_its_neutral_value_leaves_the_params_digest_as_it_was():
+    """tracking.DIGEST_NEUTRAL: at its neutral value an added option is left out of the digest, so runs recorded
+    before it existed keep theirs; any other value is a different configuration."""
+    import hashlib
+    import json
+
+    from rlhflow.config import load_config
+
+    cfg = load_config()
+    before = cfg.to_params()
+    for key in tracking.DIGEST_NEUTRAL:
+        *path, name = key.split(".")
+        section = before
+        for part in path:
+            section = section[part]
+        del section[name]  # the params as they were written before the option existed
+    assert (
+        tracking.params_digest(cfg) == hashlib.md5(json.dumps(before, sort_keys=True, default=str).encode()).hexdigest()
+    )
+    assert tracking.params_digest(load_config(overrides=["ppo.fp32_lm_head=true"])) != tracking.params_digest(cfg)

@@ -18,7 +18,8 @@ All models run without dropout (eval mode; train mode only for gradient checkpoi
 Precision (`precision`, resolved by rlhflow.models.resolve_precision): bf16 runs the forward passes under autocast,
 with fp32 master weights and fp32 AdamW state; the frozen reference and the copy rollouts sample from (refreshed
 before each rollout) hold their linear weights in bf16, what autocast would cast them to; log-probs, KL, values,
-advantages and losses are fp32. The rollout's old log-probs come from the same forward pass as training's, on the
+advantages and losses are fp32; `fp32_lm_head` computes the logits of all three in fp32 (rlhflow.models.
+output_layer_in_fp32). The rollout's old log-probs come from the same forward pass as training's, on the
 same rows in the same order (the first epoch's minibatches, split into its micro-batches), so the first
 minibatch's ratio pi / pi_old starts at 1 in either precision.
 
@@ -60,6 +61,7 @@ from rlhflow.models import (
     disable_dropout,
     fp32_matmuls_exact,
     linear_weights_to,
+    output_layer_in_fp32,
     resolve_precision,
     save_plain,
 )
@@ -149,6 +151,10 @@ class PPOTrainer(Checkpoints):
         policy = disable_dropout(policy).to(self.device)
         if mixed:
             policy = policy.float()  # the fp32 master weights autocast reads
+            if cfg.fp32_lm_head:  # before any copy: the reference and the sampling copy inherit it
+                policy = output_layer_in_fp32(policy)
+                if ref_policy is not None:
+                    ref_policy = output_layer_in_fp32(ref_policy)
         if cfg.value_model != "separate":
             critic = None
         elif critic is None:  # a copy of the SFT backbone, taken before any adapter is added

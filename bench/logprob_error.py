@@ -1,0 +1,117 @@
+"""How far PPO's bf16 log-probabilities are from fp32's, per response token, with the output layer in bf16 and in
+fp32 (`ppo.fp32_lm_head`), printed as a Markdown table.
+
+Responses are sampled as PPO samples them in bf16 (from a copy with bf16 linear weights, KV-cache decoding, at
+`--temperature`, `--max-new-tokens`, prompts cut to their last 192 tokens), once per head setting from the same
+seed. For every response token, the log-probability of the sampled token under logits / temperature:
+
+- decode - full: the sampling pass's own (KV-cache decoding) against a full forward pass in the same precision,
+  the one PPO's old log-probs and training use: how far the sampler is from the policy PPO thinks it samples;
+- full - fp32: that full bf16 forward pass against the fp32 model's: the error of bf16 itself.
+
+Each as the mean difference (its bias) and the mean absolute difference, over every response token and over the
+EOS tokens that ended a response.
+
+    .venv/bin/python -m bench.logprob_error --model models/sft --prompts data/validated/train.jsonl --prompts-n 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+
+SETTINGS = {"bf16": False, "bf16, fp32 output layer": True}
+
+
+def load_prompts(path: str, n: int) -> list:
+    import pandas as pd
+
+    rows = pd.read_json(path, lines=True)
+    return list(rows.drop_duplicates("prompt")["prompt_messages"])[:n]
+
+
+def differences(policy, tokenizer, prompts, *, fp32_head: bool, args) -> dict[str, torch.Tensor]:
+    """Per response token (flattened): the sampled log-probs as decoded, from a bf16 full pass and from fp32."""
+    from rlhflow.logits import logprobs_from_logits
+    from rlhflow.models import linear_weights_to, output_layer_in_fp32
+    from rlhflow.policy import encode_prompts, generate, sequence_logprobs
+
+    bf16 = torch.bfloat16
+    trained = output_layer_in_fp32(copy.deepcopy(policy)) if fp32_head else policy  # what training computes with
+    sampler = linear_weights_to(copy.deepcopy(trained), bf16).eval()  # what PPO samples from
+    rows = {"decode": [], "full": [], "fp32": [], "eos": []}
+    for start in range(0, len(prompts), args.batch_size):
+        ids, mask = encode_prompts(tokenizer, prompts[start : start + args.batch_size], 192)
+        t = args.temperature
+        out = generate(
+            sampler,
+            tokenizer,
+            ids,
+            mask,
+            max_new_tokens=args.max_new_tokens,
+            temperature=t,
+            generator_seed=args.seed + start,
+            return_logits=True,
+            compute_dtype=bf16,
+        )
+        real = out.response_mask.bool()
+        decoded = logprobs_from_logits(out.logits.float() / t, out.response)
+        ctx = out.context_length
+        full = sequence_logprobs(trained, out.query_response, out.attention_mask, ctx, t, compute_dtype=bf16)
+        exact = sequence_logprobs(policy, out.query_response, out.attention_mask, ctx, t)
+        eos = torch.zeros_like(real)
+        eos[torch.arange(len(real)), real.sum(1) - 1] = out.ended
+        for name, values in (("decode", decoded), ("full", full), ("fp32", exact), ("eos", eos)):
+            rows[name].append(values[real])
+    return {name: torch.cat(values) for name, values in rows.items()}
+
+
+def table(results: dict[str, dict[str, torch.Tensor]]) -> str:
+    lines = [
+        "| setting | tokens (EOS) | decode - full: mean, mean abs | full - fp32: mean, mean abs | "
+        "full - fp32 at EOS: mean, mean abs |",
+        "|---|---|---|---|---|",
+    ]
+    for setting, r in results.items():
+
+        def cell(d: torch.Tensor) -> str:
+            return f"{d.mean():+.4f}, {d.abs().mean():.4f}" if len(d) else "-"
+
+        eos = r["eos"]
+        lines.append(
+            f"| {setting} | {len(eos)} ({int(eos.sum())}) | {cell(r['decode'] - r['full'])} | "
+            f"{cell(r['full'] - r['fp32'])} | {cell((r['full'] - r['fp32'])[eos])} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a plain model dir, e.g. the sft stage's models/sft")
+    parser.add_argument("--prompts", required=True, help="a validated split (.jsonl with prompt_messages)")
+    parser.add_argument("--prompts-n", type=int, default=64, help="distinct prompts (default 64)")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per sampling batch (PPO's default 8)")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from rlhflow.models import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    policy = load_causal_lm(args.model, pad_token_id=tokenizer.pad_token_id).eval()
+    prompts = load_prompts(args.prompts, args.prompts_n)
+    with torch.no_grad():
+        results = {
+            name: differences(policy, tokenizer, prompts, fp32_head=head, args=args) for name, head in SETTINGS.items()
+        }
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
