@@ -2,7 +2,8 @@
 fp32 (`ppo.fp32_lm_head`), printed as a Markdown table.
 
 Responses are sampled as PPO samples them in bf16 (from a copy with bf16 linear weights, KV-cache decoding, at
-`--temperature`, `--max-new-tokens`, prompts cut to their last 192 tokens), once per head setting from the same
+`--temperature`, `--max-new-tokens`, prompts cut to their last `ppo.max_prompt_length` tokens: params.yaml's ppo
+settings unless given), once per head setting from the same
 seed. For every response token, the log-probability of the sampled token under logits / temperature:
 
 - decode - full: the sampling pass's own (KV-cache decoding) against a full forward pass in the same precision,
@@ -25,14 +26,9 @@ import torch
 SETTINGS = {"bf16": False, "bf16, fp32 output layer": True}
 
 
-def load_prompts(path: str, n: int) -> list:
-    import pandas as pd
-
-    rows = pd.read_json(path, lines=True)
-    return list(rows.drop_duplicates("prompt")["prompt_messages"])[:n]
-
-
-def differences(policy, tokenizer, prompts, *, fp32_head: bool, args) -> dict[str, torch.Tensor]:
+def differences(
+    policy, tokenizer, prompts, *, fp32_head: bool, max_prompt_length: int, args
+) -> dict[str, torch.Tensor]:
     """Per response token (flattened): the sampled log-probs as decoded, from a bf16 full pass and from fp32."""
     from rlhflow.logits import logprobs_from_logits
     from rlhflow.models import linear_weights_to, output_layer_in_fp32
@@ -43,7 +39,7 @@ def differences(policy, tokenizer, prompts, *, fp32_head: bool, args) -> dict[st
     sampler = linear_weights_to(copy.deepcopy(trained), bf16).eval()  # what PPO samples from
     rows = {"decode": [], "full": [], "fp32": [], "eos": []}
     for start in range(0, len(prompts), args.batch_size):
-        ids, mask = encode_prompts(tokenizer, prompts[start : start + args.batch_size], 192)
+        ids, mask = encode_prompts(tokenizer, prompts[start : start + args.batch_size], max_prompt_length)
         t = args.temperature
         out = generate(
             sampler,
@@ -88,19 +84,23 @@ def table(results: dict[str, dict[str, torch.Tensor]]) -> str:
 
 
 def main() -> None:
+    from rlhflow.config import load_config
+
+    ppo = load_config().ppo  # PPO's sampling settings as params.yaml sets them
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a plain model dir, e.g. the sft stage's models/sft")
     parser.add_argument("--prompts", required=True, help="a validated split (.jsonl with prompt_messages)")
     parser.add_argument("--prompts-n", type=int, default=64, help="distinct prompts (default 64)")
-    parser.add_argument("--batch-size", type=int, default=8, help="prompts per sampling batch (PPO's default 8)")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--batch-size", type=int, default=ppo.batch_size, help="prompts per sampling batch")
+    parser.add_argument("--max-new-tokens", type=int, default=ppo.max_new_tokens)
+    parser.add_argument("--temperature", type=float, default=ppo.temperature)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from bench.ppo_precision import load_prompts
     from rlhflow.models import load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
@@ -108,7 +108,10 @@ def main() -> None:
     prompts = load_prompts(args.prompts, args.prompts_n)
     with torch.no_grad():
         results = {
-            name: differences(policy, tokenizer, prompts, fp32_head=head, args=args) for name, head in SETTINGS.items()
+            name: differences(
+                policy, tokenizer, prompts, fp32_head=head, max_prompt_length=ppo.max_prompt_length, args=args
+            )
+            for name, head in SETTINGS.items()
         }
     print(table(results))
 

@@ -83,12 +83,13 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def load_prompts(path: str | None) -> list[list[dict]]:
+def load_prompts(path: str | None, n: int = 64) -> list[list[dict]]:
+    """The first `n` distinct prompts of a validated split, else the built-in PROMPTS."""
     if path and Path(path).exists():
         import pandas as pd
 
         rows = pd.read_json(path, lines=True)
-        return list(rows.drop_duplicates("prompt")["prompt_messages"])[:64]
+        return list(rows.drop_duplicates("prompt")["prompt_messages"])[:n]
     return [[{"role": "user", "content": p}] for p in PROMPTS]
 
 
