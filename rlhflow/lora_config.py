@@ -18,6 +18,18 @@ class LoraSettings(Section):
         description="the linear layers that get an adapter",
     )
 
+    def peft_config(self, **extra):
+        """This shape as peft's LoraConfig (peft is imported here, so only runs with LoRA load it)."""
+        from peft import LoraConfig as PeftLoraConfig
+
+        return PeftLoraConfig(
+            r=self.r,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=list(self.target_modules),
+            **extra,
+        )
+
 
 class LoraConfig(LoraSettings):
     """A stage's LoRA: whether it trains an adapter; every other key it does not set comes from `lora`."""

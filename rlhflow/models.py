@@ -364,3 +364,30 @@ def copy_weights_into(target: torch.nn.Module, source: torch.nn.Module) -> None:
     for mine, theirs in zip(target.modules(), source.modules(), strict=True):
         for name, param in mine.named_parameters(recurse=False):
             param.copy_(getattr(theirs, name))
+
+
+def is_peft(model: torch.nn.Module) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
+
+
+def add_lora(model: torch.nn.Module, lora, *, seed: int) -> torch.nn.Module:
+    """`model` with LoRA adapters of the shape `lora` (rlhflow.lora_config.LoraSettings) gives; a peft model is
+    returned as it is. peft is imported here only, so full fine-tuning never loads it."""
+    if is_peft(model):
+        return model
+    from peft import get_peft_model
+
+    with torch.random.fork_rng():  # seeded adapter init that leaves the caller's RNG alone
+        torch.manual_seed(seed)
+        return get_peft_model(model, lora.peft_config())
+
+
+def checkpoint_activations(model: torch.nn.Module) -> None:
+    """Gradient checkpointing on a transformer (a peft model's base): non-reentrant, so gradients reach every
+    trainable parameter (LoRA adapters, a value head reading the last hidden state) without inputs that need them."""
+    base = model.get_base_model() if is_peft(model) else model
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

@@ -72,18 +72,7 @@ def sft_trainer(cfg: SFTConfig, model, tokenizer, dataset, *, work_dir: str | os
     from trl import SFTConfig as TrainerConfig
     from trl import SFTTrainer
 
-    peft_config = None
-    if cfg.lora.enabled:
-        from peft import LoraConfig
-
-        lora = cfg.lora
-        peft_config = LoraConfig(
-            r=lora.r,
-            lora_alpha=lora.alpha,
-            lora_dropout=lora.dropout,
-            target_modules=list(lora.target_modules),
-            task_type="CAUSAL_LM",
-        )
+    peft_config = cfg.lora.peft_config(task_type="CAUSAL_LM") if cfg.lora.enabled else None
     args = TrainerConfig(
         output_dir=str(work_dir),
         num_train_epochs=cfg.epochs,

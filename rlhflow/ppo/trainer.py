@@ -18,10 +18,9 @@ All models run without dropout (eval mode; train mode only for gradient checkpoi
 Precision (`precision`, resolved by rlhflow.models.resolve_precision): bf16 runs the forward passes under autocast,
 with fp32 master weights and fp32 AdamW state; the frozen reference and the copy rollouts sample from (refreshed
 before each rollout) hold their linear weights in bf16, what autocast would cast them to; log-probs, KL, values,
-advantages and losses are fp32; `fp32_lm_head` computes the logits of all three in fp32 (rlhflow.models.
-output_layer_in_fp32). The rollout's old log-probs come from the same forward pass as training's, on the
-same rows in the same order (the first epoch's minibatches, split into its micro-batches), so the first
-minibatch's ratio pi / pi_old starts at 1 in either precision.
+advantages and losses are fp32, and `fp32_lm_head` makes the logits of all three fp32 too (output_layer_in_fp32).
+The rollout's old log-probs come from training's forward pass on the same rows in the same order (the first epoch's
+minibatches and micro-batches), so the first minibatch's ratio pi / pi_old starts at 1 in either precision.
 
 Stats passed to log_fn(stats, update) after every update (means over the global batch when several processes
 share it; the time/ entries are the main process's):
@@ -41,7 +40,6 @@ share it; the time/ entries are the main process's):
 
 from __future__ import annotations
 
-# peft is imported only when LoRA is asked for (ppo.lora.enabled): full fine-tuning never loads it.
 import copy
 import os
 import random
@@ -57,9 +55,12 @@ from tqdm.auto import tqdm
 from rlhflow import distributed
 from rlhflow.config import REPO_ROOT, PPOConfig
 from rlhflow.models import (
+    add_lora,
+    checkpoint_activations,
     copy_weights_into,
     disable_dropout,
     fp32_matmuls_exact,
+    is_peft,
     linear_weights_to,
     output_layer_in_fp32,
     resolve_precision,
@@ -86,21 +87,6 @@ def _resolve(path: str | os.PathLike) -> Path:
     """Relative paths are relative to the repository root, as everywhere in params.yaml."""
     p = Path(os.path.expanduser(str(path)))
     return p if p.is_absolute() else REPO_ROOT / p
-
-
-def _is_peft(model: torch.nn.Module) -> bool:
-    return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
-
-
-def _checkpoint_activations(model: torch.nn.Module) -> None:
-    """Gradient checkpointing on a transformer (a peft model's base): non-reentrant, so gradients reach every
-    trainable parameter (LoRA adapters, a value head reading the last hidden state) without inputs that need them."""
-    base = model.get_base_model() if _is_peft(model) else model
-    kwargs = {"use_reentrant": False}
-    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x's name
-        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 class PPOTrainer(Checkpoints):
@@ -164,16 +150,16 @@ class PPOTrainer(Checkpoints):
             if mixed:
                 critic = critic.float()
         if cfg.lora.enabled:
-            policy = self._add_lora(policy)
+            policy = add_lora(policy, self.cfg.lora, seed=self.seed)
             if critic is not None:
-                critic.backbone = self._add_lora(critic.backbone)
+                critic.backbone = add_lora(critic.backbone, self.cfg.lora, seed=self.seed)
             if cfg.lora.dropout > 0:
                 warnings.warn(
                     "ppo.lora.dropout > 0 is inactive: PPO runs every model in eval mode (no dropout)", stacklevel=2
                 )
         # the reference: given, or with LoRA the adapter-free base (no copy), else a frozen copy of the start policy;
         # in bf16 its linear weights are held in bf16, the values autocast computes with anyway
-        if ref_policy is None and not _is_peft(policy):
+        if ref_policy is None and not is_peft(policy):
             ref_policy = copy.deepcopy(policy)
         if ref_policy is not None:
             ref_policy = disable_dropout(ref_policy).to(self.device).eval().requires_grad_(False)
@@ -182,7 +168,7 @@ class PPOTrainer(Checkpoints):
         # bf16: rollouts sample from a copy with bf16 linear weights, refreshed before each rollout: under autocast it
         # computes exactly what the master weights compute, without casting each weight at every decode step (not LoRA)
         self.sampler = None
-        if mixed and not _is_peft(policy):
+        if mixed and not is_peft(policy):
             self.sampler = linear_weights_to(copy.deepcopy(policy), self.dtype).eval().requires_grad_(False)
 
         self.model = PolicyAndValue(
@@ -191,9 +177,9 @@ class PPOTrainer(Checkpoints):
         self.model = self.model.to(self.device).eval()
         disable_dropout(self.model)  # LoRA's dropout too: training may switch to train mode (checkpointing)
         if cfg.gradient_checkpointing:
-            _checkpoint_activations(policy)
+            checkpoint_activations(policy)
             if critic is not None:
-                _checkpoint_activations(critic.backbone)
+                checkpoint_activations(critic.backbone)
         # Data parallelism (a no-op in one process): every process starts from rank 0's weights, takes its shard
         # of each global batch (ppo.batch_size and ppo.mini_batch_size are global), and sums its gradients and
         # statistics with the others', so an update is the one a single process would make on the global batch.
@@ -248,21 +234,6 @@ class PPOTrainer(Checkpoints):
     @property
     def policy(self) -> torch.nn.Module:
         return self.model.policy
-
-    def _add_lora(self, model: torch.nn.Module) -> torch.nn.Module:
-        if _is_peft(model):
-            return model
-        from peft import LoraConfig, get_peft_model
-
-        lora = self.cfg.lora
-        with torch.random.fork_rng():  # seeded adapter init that leaves the caller's RNG alone
-            torch.manual_seed(self.seed)
-            return get_peft_model(
-                model,
-                LoraConfig(
-                    r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules)
-                ),
-            )
 
     # ---- rollout ---------------------------------------------------------------------------------
 
@@ -579,7 +550,7 @@ class PPOTrainer(Checkpoints):
 
     def _value_state(self) -> dict[str, torch.Tensor]:
         module = self.model.value_module()
-        if isinstance(module, Critic) and _is_peft(module.backbone):
+        if isinstance(module, Critic) and is_peft(module.backbone):
             module = copy.deepcopy(module)
             module.backbone = module.backbone.merge_and_unload()
         return {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
@@ -589,7 +560,7 @@ class PPOTrainer(Checkpoints):
         `value_head.safetensors` (the value head, or with value_model=separate the whole critic: backbone.*, head.*)."""
         out = _resolve(out_dir if out_dir is not None else self.cfg.out_dir)
         policy = self.policy
-        if _is_peft(policy):
+        if is_peft(policy):
             policy = copy.deepcopy(policy).merge_and_unload()
         save_plain(policy, self.tokenizer, out)
         save_file(
