@@ -372,7 +372,7 @@ def is_peft(model: torch.nn.Module) -> bool:
 
 def add_lora(model: torch.nn.Module, lora, *, seed: int) -> torch.nn.Module:
     """`model` with LoRA adapters of the shape `lora` (rlhflow.lora_config.LoraSettings) gives; a peft model is
-    returned as it is. peft is imported here only, so full fine-tuning never loads it."""
+    returned as it is. peft is imported only when this is called, so full fine-tuning never loads it."""
     if is_peft(model):
         return model
     from peft import get_peft_model
