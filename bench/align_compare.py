@@ -177,6 +177,8 @@ def _groups(points: list[Point]):
     ppo stage run)."""
     from rlhfops import tracking
 
+    if not points:  # e.g. the curves of a DPO-only comparison: no online algorithm
+        return
     with_digests = [(p, tracking.params_digest(p.cfg)) for p in points]
     runs = _pipeline_runs(points[0].cfg, {digest for _, digest in with_digests})
     groups: dict[tuple[str, str], list[tuple[Point, str]]] = {}

@@ -187,3 +187,8 @@ def test_set_for_reaches_one_algorithm_and_the_paired_table_differences_seed_by_
     assert rows["test: KL to SFT, nats"].endswith("| -1.50 (-7.85 to 4.85) |")  # 3 - 4 and 3 - 5
     with pytest.raises(SystemExit):
         align_compare.main(["--algorithms", "ppo", "--set-for", "rloo:align.learning_rate=1e-5", "--table-only"])
+
+
+def test_a_comparison_without_online_algorithms_draws_no_curves():
+    # `--algorithms dpo` alone: no PPO, GRPO or RLOO point to draw (this used to fail on an empty list)
+    assert align_compare.curves([]) == {}
