@@ -3,8 +3,8 @@ fp32 (`ppo.fp32_lm_head`), printed as a Markdown table.
 
 Responses are sampled as PPO samples them in bf16 (from a copy with bf16 linear weights, KV-cache decoding, at
 `--temperature`, `--max-new-tokens`, prompts cut to their last `ppo.max_prompt_length` tokens: params.yaml's ppo
-settings unless given), once per head setting from the same
-seed. For every response token, the log-probability of the sampled token under logits / temperature:
+settings unless given), once per head setting from the same seed. For every response token, the log-probability
+of the sampled token under logits / temperature:
 
 - decode - full: the sampling pass's own (KV-cache decoding) against a full forward pass in the same precision,
   the one PPO's old log-probs and training use: how far the sampler is from the policy PPO thinks it samples;

@@ -370,6 +370,11 @@ def is_peft(model: torch.nn.Module) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
 
 
+def unwrap_peft(model: torch.nn.Module) -> torch.nn.Module:
+    """A peft model's underlying transformer; any other model as it is."""
+    return model.get_base_model() if is_peft(model) else model
+
+
 def add_lora(model: torch.nn.Module, lora, *, seed: int) -> torch.nn.Module:
     """`model` with LoRA adapters of the shape `lora` (rlhflow.lora_config.LoraSettings) gives; a peft model is
     returned as it is. peft is imported only when this is called, so full fine-tuning never loads it."""
@@ -385,7 +390,7 @@ def add_lora(model: torch.nn.Module, lora, *, seed: int) -> torch.nn.Module:
 def checkpoint_activations(model: torch.nn.Module) -> None:
     """Gradient checkpointing on a transformer (a peft model's base): non-reentrant, so gradients reach every
     trainable parameter (LoRA adapters, a value head reading the last hidden state) without inputs that need them."""
-    base = model.get_base_model() if is_peft(model) else model
+    base = unwrap_peft(model)
     kwargs = {"use_reentrant": False}
     if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x's name
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

@@ -29,7 +29,7 @@ from transformers.generation import StoppingCriteria, StoppingCriteriaList, Stop
 from rlhflow.cpu_packed_linear import packed_linears
 from rlhflow.decoding import DRAWS, logits_processors, sample_dropping_finished
 from rlhflow.logits import entropy_from_logits, logprobs_from_logits
-from rlhflow.models import autocast
+from rlhflow.models import autocast, unwrap_peft
 
 Messages = list[dict]
 
@@ -215,7 +215,7 @@ def _only_generation_config(model: nn.Module, gen_config: GenerationConfig):
     """Make `gen_config` the model's own generation config while it generates: transformers fills every field the
     call leaves unset (None) from the model's generation_config (min_p, suppress_tokens, repetition_penalty, ...),
     and any of those would change the sampling distribution away from softmax(logits / T) with top-k / top-p."""
-    target = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model's transformer
+    target = unwrap_peft(model)
     saved = target.generation_config
     target.generation_config = gen_config
     try:
@@ -458,8 +458,7 @@ class ValueHead(nn.Module):
 
 def policy_backbone(policy: nn.Module) -> nn.Module:
     """The transformer body of a causal LM (without the LM head), unwrapping a peft model."""
-    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
-    return base.get_decoder()
+    return unwrap_peft(policy).get_decoder()
 
 
 class Critic(nn.Module):
