@@ -239,3 +239,25 @@ def test_sampled_kl_is_response_kl_of_each_row_whatever_the_batching(tok):
             policy, reference, outputs, 1.0, pad_token_id=tok.pad_token_id, batch_size=batch_size, by_length=by_length
         )
         torch.testing.assert_close(kl, per_batch.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_scoring_batches_are_as_wide_as_their_longest_row():
+    """A scoring batch holds each row's prompt and response left-padded as one: as wide as its longest row (not its
+    longest prompt plus its longest response), with every row's response, and nothing else, under its mask."""
+    from rlhflow.evaluation.metrics import _batches_by_length
+
+    queries = [[5, 6, 7, 8, 9, 10], [11], [12, 13, 14]]
+    answers = [[1], [2, 3, 4, 20, 21], []]
+    (rows, query_response, attention, context_length, response_mask), *rest = _batches_by_length(
+        queries, answers, 0, 3, False, "cpu"
+    )
+    assert not rest and rows == [0, 1, 2]
+    assert query_response.shape == (3, 7)  # the longest row: 6 + 1 tokens (not 6 + 5)
+    assert context_length == 7 - 5  # the last 5 columns hold every response
+    for i, row in enumerate(rows):
+        window = query_response[i, context_length:]
+        assert window[response_mask[i].bool()].tolist() == answers[row]
+        assert query_response[i][attention[i].bool()].tolist() == queries[row] + answers[row]
+    # a response with no prompt token before it still has a context column to be predicted from
+    (_, query_response, _, context_length, response_mask), *_ = _batches_by_length([[]], [[3, 4]], 0, 1, True, "cpu")
+    assert context_length == 1 and query_response[0, 1:].tolist() == [3, 4] and response_mask.tolist() == [[1, 1]]

@@ -33,17 +33,28 @@ Messages = list[dict[str, str]]
 def _batches_by_length(queries, answers, pad_token_id: int, batch_size: int, by_length: bool, device):
     """Rows (prompt ids, response ids) in batches of `batch_size`, in order of length (`by_length`; else as given), so
     that a batch pads little. Yields each batch's row indices, query_response, attention mask, context length and
-    response mask (prompts left-padded, responses right-padded)."""
+    response mask.
+
+    Each row is its prompt and response together, left-padded as one: a batch is as wide as its longest row, not as
+    its longest prompt plus its longest response (1.37x the real tokens on the shipped held-out prompts and SFT
+    answers, against 1.04x). Every response then ends in the last column, so the last `max response length`
+    columns hold every row's response (after the end of its prompt for a shorter one): the context length is the
+    width less that, and the response mask marks each row's own tokens in those columns."""
     order = list(range(len(answers)))
     if by_length:
         order.sort(key=lambda i: len(queries[i]) + len(answers[i]))
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
-        query, query_mask = pad_sequences([queries[i] for i in rows], pad_token_id, side="left")
-        response, response_mask = pad_sequences([answers[i] for i in rows], pad_token_id, side="right")
-        query_response = torch.cat([query, response], dim=1).to(device)
-        attention = torch.cat([query_mask, response_mask], dim=1).to(device)
-        yield rows, query_response, attention, query.shape[1], response_mask.to(device)
+        query_response, attention = pad_sequences(
+            [list(queries[i]) + list(answers[i]) for i in rows], pad_token_id, side="left"
+        )
+        _, response_mask = pad_sequences([answers[i] for i in rows], pad_token_id, side="left")
+        window = response_mask.shape[1]
+        if query_response.shape[1] <= window:  # no prompt token before the first response: one pad column
+            query_response = torch.nn.functional.pad(query_response, (1, 0), value=pad_token_id)
+            attention = torch.nn.functional.pad(attention, (1, 0))
+        context_length = query_response.shape[1] - window
+        yield rows, query_response.to(device), attention.to(device), context_length, response_mask.to(device)
 
 
 @torch.no_grad()
