@@ -270,7 +270,7 @@ def trainer_args(cfg: Config, device: torch.device, work_dir: str | Path):
         use_cpu=device.type != "cuda",
         bf16=device.type == "cuda" and trainer_bf16(a.precision, device, "align"),
         fp16=False,
-        gradient_checkpointing=a.gradient_checkpointing,
+        activation_checkpointing=a.gradient_checkpointing,  # transformers 5 name (gradient_checkpointing: deprecated)
         disable_dropout=True,
         dataloader_num_workers=0,
         disable_tqdm=not distributed.is_main_process(),

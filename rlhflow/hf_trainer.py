@@ -4,7 +4,9 @@ training precision, Trainer checkpoints and resuming from them, and forwarding t
 from __future__ import annotations
 
 # transformers is imported by the functions that build Trainer pieces: precision and checkpoint lookups need only torch.
+import contextlib
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -63,4 +65,14 @@ def train_resuming(trainer, work_dir: str | os.PathLike, *, what: str, log_fn: L
         print(f"{what}: resuming training from {resume.name} (step {step})", flush=True)
         if log_fn:
             log_fn({"resumed_from_step": float(step)}, step)
-    trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+    with trl_alias_warning_off():
+        trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+
+
+@contextlib.contextmanager
+def trl_alias_warning_off():
+    """While inside: no FutureWarning for trl's reads of transformers' deprecated `is_gradient_checkpointing`
+    (trl.models.utils, when it builds a LoRA model and around sampling): not ours to fix; that message alone."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        yield

@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 
 from rlhflow.config import SFTConfig
-from rlhflow.hf_trainer import LogFn, checkpoint_args, log_callback, train_resuming
+from rlhflow.hf_trainer import LogFn, checkpoint_args, log_callback, train_resuming, trl_alias_warning_off
 from rlhflow.models import pick_device, trainer_bf16
 from rlhflow.policy import prompt_ids, prompt_text
 
@@ -82,7 +82,7 @@ def sft_trainer(cfg: SFTConfig, model, tokenizer, dataset, *, work_dir: str | os
         max_length=cfg.max_length,
         packing=cfg.packing,
         completion_only_loss=True,
-        gradient_checkpointing=False,  # trl's default on: ~30% slower steps, needed only for large models
+        activation_checkpointing=False,  # trl's default on: ~30% slower steps, needed only for large models
         logging_steps=LOGGING_STEPS,
         report_to="none",
         seed=seed,
@@ -93,14 +93,15 @@ def sft_trainer(cfg: SFTConfig, model, tokenizer, dataset, *, work_dir: str | os
         disable_tqdm=False,
     )
     torch.manual_seed(seed)  # the LoRA adapter's initialisation
-    return SFTTrainer(
-        model=model,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-        callbacks=[log_callback(log_fn)],
-    )
+    with trl_alias_warning_off():
+        return SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+            callbacks=[log_callback(log_fn)],
+        )
 
 
 def train_sft(trainer, *, log_fn: LogFn | None = None):

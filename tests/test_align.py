@@ -214,12 +214,15 @@ def completion_logprob(model, batch) -> torch.Tensor:
     return (logps * batch["completion_mask"][:, 1:]).sum(-1)
 
 
-def test_dpo_raises_the_chosen_log_ratio_on_a_hand_built_pair(tmp_path, tiny_model_dir, one_thread):
+def tiny_policy_and_reference(model_dir):
     from rlhflow.models import load_causal_lm, load_tokenizer
 
-    tokenizer = load_tokenizer(str(tiny_model_dir))
-    policy = load_causal_lm(str(tiny_model_dir), pad_token_id=tokenizer.pad_token_id)
-    reference = load_causal_lm(str(tiny_model_dir), pad_token_id=tokenizer.pad_token_id)
+    tokenizer = load_tokenizer(str(model_dir))
+    return tokenizer, *(load_causal_lm(str(model_dir), pad_token_id=tokenizer.pad_token_id) for _ in range(2))
+
+
+def test_dpo_raises_the_chosen_log_ratio_on_a_hand_built_pair(tmp_path, tiny_model_dir, one_thread):
+    tokenizer, policy, reference = tiny_policy_and_reference(tiny_model_dir)
     row = {
         "prompt": "Is water wet?",
         "prompt_messages": [{"role": "user", "content": "Is water wet?"}],
@@ -250,6 +253,19 @@ def test_dpo_raises_the_chosen_log_ratio_on_a_hand_built_pair(tmp_path, tiny_mod
     assert chosen_ratio > 0.05  # DPO pushed the chosen response up ...
     assert chosen_ratio - rejected_ratio > 0.1  # ... and away from the rejected one
     assert trainer.state.log_history[-2]["rewards/accuracies"] == 1.0
+
+
+@pytest.mark.filterwarnings("error:.*checkpointing.*:FutureWarning")  # no deprecated-name warning in the log
+def test_dpo_training_warns_nothing_about_checkpointing_names(tmp_path, tiny_model_dir, one_thread):
+    """trl's configs turn activation checkpointing on by default; the stage sets it by transformers 5's name, and
+    trl's own read of the deprecated alias is filtered by its message alone."""
+    tokenizer, policy, reference = tiny_policy_and_reference(tiny_model_dir)
+    row = {"prompt": "Hi?", "prompt_messages": [{"role": "user", "content": "Hi?"}], "chosen": "Hi.", "rejected": "no"}
+    cfg = load_config(overrides=["align.algorithm=dpo", "align.steps=1", "align.batch_size=1"])
+    device = torch.device("cpu")
+    align.train_policy(cfg, policy=policy, tokenizer=tokenizer, train_rows=[row], work_dir=tmp_path, device=device,
+                       ref_model=reference)  # fmt: skip
+    assert not policy.is_activation_checkpointing
 
 
 # ---- bad settings -----------------------------------------------------------------------------------

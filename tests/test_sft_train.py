@@ -125,6 +125,7 @@ def test_loss_is_on_completion_tokens_only(tiny_model_dir, tok, tmp_path):
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.filterwarnings("error:.*checkpointing.*:FutureWarning")  # no deprecated-name warning in the log
 def test_training_lowers_the_loss_and_saves_a_plain_model(tiny_model_dir, tok, tmp_path, one_thread, lora):
     from transformers import LlamaForCausalLM
 
