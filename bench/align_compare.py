@@ -12,7 +12,9 @@ Equal budgets (`EQUAL_BUDGET`): PPO, GRPO and RLOO each generate 160 responses t
 prompt) and take 40 optimiser steps of 4 responses: PPO 20 rollouts of 8 (`ppo.samples_per_prompt=4`, two
 minibatches each); GRPO and RLOO 20 generations of 8 split into 2 steps each (`align.steps_per_generation=2`). The
 budgets are computed from each point's settings (`rlhflow.align_config.training_budget`) and must be equal before
-anything runs. DPO generates nothing; it reads preference pairs, and `--dpo-equal-time` gives it PPO's wall time.
+anything runs. DPO generates nothing; it reads preference pairs, and `--dpo-equal-time` gives it PPO's wall time:
+the steps that PPO's mean stage time buys at DPO's seconds per step over all its finished runs
+(`dpo_equal_time_steps`; each DPO run at another step count sharpens the estimate).
 
 Each algorithm's KL weight is swept (`--betas`: multiples of its default, `BETA_KEYS`) since the three define the
 penalty differently (PPO k1 summed into the reward, GRPO k3 per token in the loss, RLOO k1 in the reward): the
@@ -339,21 +341,44 @@ def _save_figure(fig, path) -> None:
     plots.close(fig)
 
 
-def dpo_equal_time_steps(points: list[Point]) -> int | None:
-    """align.steps for a DPO run as long as PPO's stage, from finished runs of both (the first seed of each)."""
+def _stage_seconds(points: list[Point]) -> list[float | None]:
+    """Per point: the ppo stage's wall time of its newest finished run, None where it has none."""
     from rlhfops import tracking
 
     digests = [tracking.params_digest(p.cfg) for p in points]
     runs = _pipeline_runs(points[0].cfg, set(digests))
-    seconds = {}
-    for p, digest in zip(points, digests):
-        _, stage = runs.get(digest, (None, None))
-        if stage is not None and "time/ppo_s" in stage.data.metrics:
-            seconds.setdefault(p.algorithm, (stage.data.metrics["time/ppo_s"], p.cfg))
-    if "ppo" not in seconds or "dpo" not in seconds:
+    stages = [runs.get(digest, (None, None))[1] for digest in digests]
+    return [s.data.metrics.get("time/ppo_s") if s is not None else None for s in stages]
+
+
+def dpo_step_times(dpo: Point, max_steps: int) -> dict[int, float]:
+    """align.steps -> the DPO stage's wall time, for every step count from 1 to `max_steps` that DPO finished at
+    `dpo`'s other settings (its seed included)."""
+    candidates = {}
+    for n in range(1, max_steps + 1):
+        overrides = [*dpo.overrides, f"align.steps={n}"]
+        candidates[n] = Point("dpo", dpo.beta, dpo.seed, overrides, load_config(overrides=overrides))
+    seconds = _stage_seconds(list(candidates.values()))
+    return {n: t for n, t in zip(candidates, seconds) if t is not None}
+
+
+def dpo_equal_time_steps(points: list[Point]) -> tuple[int, dict[int, float]] | None:
+    """align.steps for a DPO run as long as PPO's stage, and DPO's finished step counts with their seconds.
+
+    PPO's wall time is the mean of its points' stage times; DPO's seconds per step are its finished runs' seconds
+    over their steps, at the first DPO point's settings and any step count. DPO's stage is almost all steps (at 10
+    steps on the default pipeline its training loop took 459 of the stage's 464 s), so no fixed part is fitted: with
+    steps of uneven length (each batch as long as its longest pair) two or three runs would put one anywhere."""
+    ppo = [p for p in points if p.algorithm == "ppo"]
+    ppo_seconds = [t for t in _stage_seconds(ppo) if t is not None] if ppo else []
+    dpo = next((p for p in points if p.algorithm == "dpo"), None)
+    if not ppo_seconds or dpo is None:
         return None
-    ppo_s, (dpo_s, dpo) = seconds["ppo"][0], seconds["dpo"]
-    return max(1, round(ppo_s / (dpo_s / dpo.align.steps)))
+    times = dpo_step_times(dpo, 4 * dpo.cfg.align.steps)
+    if not times:
+        return None
+    per_step = sum(times.values()) / sum(times)
+    return max(1, round(sum(ppo_seconds) / len(ppo_seconds) / per_step)), times
 
 
 def own_overrides(specs: list[str], algorithms: list[str], parser: argparse.ArgumentParser) -> dict[str, list[str]]:
@@ -419,14 +444,18 @@ def main(argv: list[str] | None = None) -> None:
             swept = list(dict.fromkeys(p.beta for p in points if p.algorithm == algorithm))
             sweep(algorithm, {BETA_KEYS[algorithm]: swept})
     if args.dpo_equal_time:
-        steps = dpo_equal_time_steps(points)
-        if steps is None:
+        fitted = dpo_equal_time_steps(points)
+        if fitted is None:
             sys.exit("--dpo-equal-time needs finished ppo and dpo points first")
+        steps, times = fitted
+        print(f"DPO at PPO's wall time: {steps} steps (DPO's stage seconds by steps: {times})", flush=True)
         if not args.table_only:
             sweep("dpo", {"align.steps": [str(steps)]})
-        for p in make_points(["dpo"], [*args.overrides, f"align.steps={steps}"], [1.0], args.seeds):
-            p.beta = f"{p.beta}, {steps} steps (PPO's wall time)"
-            points.append(p)
+        default = next(p.cfg.align.steps for p in points if p.algorithm == "dpo")
+        for n in sorted({steps, *times} - {default}):  # the equal-time point, then DPO's other step counts
+            for p in make_points(["dpo"], [*args.overrides, f"align.steps={n}"], [1.0], args.seeds):
+                p.beta = f"{p.beta}, {n} steps" + (" (PPO's wall time)" if n == steps else "")
+                points.append(p)
 
     markdown = table(points)
     if args.paired:

@@ -99,15 +99,23 @@ def test_the_table_aggregates_seeds_and_reads_each_points_newest_finished_run(st
 
 
 def test_dpo_equal_time_steps_from_ppo_and_dpo_stage_times(store):
-    points = align_compare.make_points(["ppo", "dpo"], store, [1.0], seeds=1)
-    ppo, dpo = (p.cfg for p in points)
-    tracking.setup(ppo)
+    """PPO's wall time is the mean over its seeds; DPO's seconds per step come from all its finished runs at the
+    first DPO point's settings, any step count."""
+    points = align_compare.make_points(["ppo", "dpo"], store, [1.0], seeds=2)
+    ppo0, ppo1, dpo0, dpo1 = (p.cfg for p in points)
+    tracking.setup(ppo0)
     assert align_compare.dpo_equal_time_steps(points) is None  # needs both runs
-    log_point(ppo, 420.0, 0.85)
+    log_point(ppo0, 400.0, 0.85)
+    log_point(ppo1, 440.0, 0.80)
     assert align_compare.dpo_equal_time_steps(points) is None
-    log_point(dpo, 1000.0, 0.58)
-    # DPO ran 20 steps in 1000 s: PPO's 420 s buy 8 of them
-    assert align_compare.dpo_equal_time_steps(points) == round(420 / (1000 / dpo.align.steps))
+    log_point(dpo0, 1000.0, 0.58)
+    log_point(dpo1, 9999.0, 0.58)  # the first DPO point's seed alone is read
+    # DPO ran 20 steps in 1000 s: 50 s a step, so PPO's 420 s (the mean of 400 and 440) buy 8 of them
+    assert dpo0.align.steps == 20
+    assert align_compare.dpo_equal_time_steps(points) == (8, {20: 1000.0})
+    # and 8 steps in 200 s: 1200 s for 28 steps, 42.9 s a step, so 420 s buy 9.8 steps
+    log_point(load_config(overrides=[*points[2].overrides, "align.steps=8"]), 200.0, 0.55)
+    assert align_compare.dpo_equal_time_steps(points) == (10, {8: 200.0, 20: 1000.0})
 
 
 def test_curves_order_each_algorithms_points_by_kl_and_the_plot_draws_one_line_per_algorithm(store):
