@@ -366,9 +366,10 @@ def dpo_equal_time_steps(points: list[Point]) -> tuple[int, dict[int, float]] | 
     """align.steps for a DPO run as long as PPO's stage, and DPO's finished step counts with their seconds.
 
     PPO's wall time is the mean of its points' stage times; DPO's seconds per step are its finished runs' seconds
-    over their steps, at the first DPO point's settings and any step count. DPO's stage is almost all steps (at 10
-    steps on the default pipeline its training loop took 459 of the stage's 464 s), so no fixed part is fitted: with
-    steps of uneven length (each batch as long as its longest pair) two or three runs would put one anywhere."""
+    over their steps, at the first DPO point's settings and any step count up to 4x its own. DPO's stage is almost
+    all steps (at 10 steps on the default pipeline its training loop took 459 of the stage's 464 s), so no fixed
+    part is fitted: with steps of uneven length (each batch as long as its longest pair) two or three runs would put
+    one anywhere."""
     ppo = [p for p in points if p.algorithm == "ppo"]
     ppo_seconds = [t for t in _stage_seconds(ppo) if t is not None] if ppo else []
     dpo = next((p for p in points if p.algorithm == "dpo"), None)
