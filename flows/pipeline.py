@@ -25,6 +25,7 @@ FAILED and stops everything downstream.
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import json
 import sys
@@ -60,10 +61,32 @@ _TRANSIENT_NAMES = {
 }
 
 
+# a full disk or quota, as an OSError's errno or in the message of what wraps it (sqlite, torch, safetensors)
+_DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_DISK_FULL_MESSAGES = ("no space left on device", "disk quota exceeded", "database or disk is full")
+
+
+def _disk_full(err: BaseException) -> bool:
+    """Whether `err`, or an error it was raised from or while handling, says the disk or quota is full."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _DISK_FULL_ERRNOS:
+            return True
+        if any(text in str(current).lower() for text in _DISK_FULL_MESSAGES):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def is_transient(err: BaseException) -> bool:
     """A failure a retry may fix: the network, a server restarting, a busy database or lock; not a missing file, a
-    bad setting or a directory that is no git repository, which fail the same way every time."""
+    bad setting, a directory that is no git repository or a full disk, which fail the same way every time (a full
+    disk retried only fills it again)."""
     if isinstance(err, (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError)):
+        return False
+    if _disk_full(err):
         return False
     if isinstance(err, (ConnectionError, TimeoutError, OSError)):
         return True

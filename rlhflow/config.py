@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -22,6 +23,7 @@ from rlhflow.config_section import Section, inherit, inherited_keys, without_inh
 from rlhflow.evaluate_config import EvaluateConfig
 from rlhflow.lora_config import LoraConfig, LoraSettings
 from rlhflow.ppo_config import PPOConfig
+from rlhflow.redaction import redact_urls
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PARAMS = REPO_ROOT / "params.yaml"
@@ -246,7 +248,14 @@ class JudgeConfig(RewardModelConfig):
     api_key_env: str = Field(
         "OPENAI_API_KEY",
         description="kind=llm: the environment variable holding the endpoint's API key (read at run time, never "
-        "logged)",
+        "logged): a name of the form <NAME>API_KEY or <NAME>_TOKEN in capitals (OPENAI_API_KEY, MY_JUDGE_TOKEN), "
+        "never one of another service's credentials the pipeline knows (OTHER_SERVICE_CREDENTIALS: HF_TOKEN, "
+        "MLFLOW_TRACKING_TOKEN, PREFECT_API_KEY, ...)",
+    )
+    allow_plain_http: bool = Field(
+        False,
+        description="kind=llm: let an http:// judge.endpoint on another host than this one (127.0.0.0/8, ::1, "
+        "localhost) receive the API key and the answers unencrypted; off: such an endpoint fails at config load",
     )
     template: str | None = Field(
         None,
@@ -256,6 +265,14 @@ class JudgeConfig(RewardModelConfig):
     request_timeout: float = Field(60.0, gt=0, description="kind=llm: seconds per request")
     max_retries: int = Field(2, ge=0, description="kind=llm: retries of a failed request or a malformed verdict")
 
+    # what judge.api_key_env may name: an API key or token, and not the credential of a service the pipeline uses
+    API_KEY_ENV_FORM: ClassVar[re.Pattern] = re.compile(r"[A-Z][A-Z0-9_]*(API_KEY|_TOKEN)")
+    OTHER_SERVICE_CREDENTIALS: ClassVar[frozenset[str]] = frozenset(
+        {"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MLFLOW_TRACKING_TOKEN", "PREFECT_API_KEY", "AWS_SESSION_TOKEN"}
+        | {"AWS_SECURITY_TOKEN", "GITHUB_TOKEN", "GH_TOKEN", "CI_JOB_TOKEN", "DATABRICKS_TOKEN", "WANDB_API_KEY"}
+        | {"ACTIONS_RUNTIME_TOKEN", "ACTIONS_ID_TOKEN_REQUEST_TOKEN", "DVC_STUDIO_TOKEN", "STUDIO_TOKEN"}
+    )
+
     @model_validator(mode="after")
     def _kind_has_its_settings(self) -> JudgeConfig:
         needed = {"trained": [], "reward_model": ["model"], "llm": ["model", "endpoint"]}[self.kind]
@@ -263,6 +280,52 @@ class JudgeConfig(RewardModelConfig):
         if missing:
             raise ValueError(f"judge.kind={self.kind} needs {' and '.join(missing)} (unset)")
         return self
+
+    @model_validator(mode="after")
+    def _the_key_goes_only_where_it_belongs(self) -> JudgeConfig:
+        """The API key is read from judge.api_key_env and sent to judge.endpoint: the variable must hold a key
+        meant for it, and the key must not cross the network in clear text unless the user says so."""
+        name = self.api_key_env
+        if not self.API_KEY_ENV_FORM.fullmatch(name) or name in self.OTHER_SERVICE_CREDENTIALS:
+            raise ValueError(
+                f"judge.api_key_env={name!r} does not name a judge API key: it must be an upper-case name ending in "
+                "API_KEY or _TOKEN (e.g. OPENAI_API_KEY) and not another service's credential "
+                f"({', '.join(sorted(self.OTHER_SERVICE_CREDENTIALS))})"
+            )
+        if self.kind == "llm" and self.endpoint and not self.allow_plain_http:
+            scheme, host = self._scheme_and_host(self.endpoint)
+            if scheme != "https" and not (scheme == "http" and self._is_loopback(host)):
+                raise ValueError(
+                    f"judge.endpoint {scheme}://{host}/... is not https: the API key (${name}) and every answer "
+                    "would cross the network unencrypted. Use https, an http endpoint on this host (127.0.0.1, ::1, "
+                    "localhost), or set judge.allow_plain_http=true"
+                )
+        return self
+
+    @staticmethod
+    def _scheme_and_host(url: str) -> tuple[str, str]:
+        """The scheme and host of a URL, lower case (host without user info or port; "" when it has none)."""
+        from urllib.parse import urlsplit
+
+        try:
+            parts = urlsplit(url)
+            return parts.scheme.lower(), (parts.hostname or "")
+        except ValueError:  # a malformed host, e.g. an unclosed IPv6 bracket
+            return url.partition(":")[0].lower(), ""
+
+    @staticmethod
+    def _is_loopback(host: str) -> bool:
+        """127.0.0.0/8, ::1 (an IPv4-mapped loopback address too) or localhost."""
+        import ipaddress
+
+        if host == "localhost":
+            return True
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        mapped = getattr(address, "ipv4_mapped", None)
+        return address.is_loopback or bool(mapped and mapped.is_loopback)
 
 
 class TrackingConfig(Section):
@@ -348,6 +411,15 @@ class Config(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _outputs_destroy_nothing_else(self) -> Config:
+        """No output or checkpoint setting points at the repository, a directory above it or the home directory,
+        the shipped data, or another such setting's path (rlhflow/output_paths.py)."""
+        from rlhflow.output_paths import check_output_paths
+
+        check_output_paths(self.model_dump(by_alias=True), self.path, [REPO_ROOT, project_root(REPO_ROOT)])
+        return self
+
     @property
     def eval_temperature(self) -> float:
         """The temperature evaluation samples at and computes the KL at: evaluate.temperature, else ppo.temperature."""
@@ -411,8 +483,10 @@ def _format_validation_error(err: ValidationError) -> str:
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
         if e["type"] == "extra_forbidden":
             lines.append(f"unknown parameter {key!r}")
+        elif not e["loc"]:  # a check across sections: its message names the keys, the input is the whole config
+            lines.append(e["msg"].removeprefix("Value error, "))
         else:
-            lines.append(f"parameter {key!r}: {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"parameter {key!r}: {e['msg']} (got {redact_urls(repr(e.get('input')))})")
     return "invalid parameters:\n  " + "\n  ".join(lines)
 
 

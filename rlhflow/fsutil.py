@@ -1,4 +1,6 @@
-"""Atomic writes: an interrupted stage never leaves a half output that DVC would cache or a stage would read."""
+"""Atomic, durable writes: an interrupted stage (or a machine that lost power) never leaves a half output that DVC
+would cache or a stage would read. Every directory the pipeline makes holds a marker (MADE_MARKER); only such
+directories are replaced or deleted, so a mistyped path never costs a file the pipeline did not write."""
 
 from __future__ import annotations
 
@@ -51,6 +53,88 @@ def saved_for_file(path: str | os.PathLike, *, data_file: str | os.PathLike, **e
     return record
 
 
+MADE_MARKER = ".rlhflow-made"  # in every directory the pipeline makes: only such directories are replaced or deleted
+
+
+class ForeignPathError(ValueError):
+    """An output or checkpoint setting points at something the pipeline did not make: it is neither replaced nor
+    deleted."""
+
+
+def is_made(directory: str | os.PathLike) -> bool:
+    """Whether the pipeline made `directory` (it holds the marker)."""
+    return (Path(directory) / MADE_MARKER).is_file()
+
+
+def mark_made(directory: str | os.PathLike, setting: str) -> None:
+    """Mark `directory` as the pipeline's; the text says what made it (the same bytes every run: outputs stay
+    reproducible)."""
+    marker = Path(directory) / MADE_MARKER
+    if not marker.is_file():
+        marker.write_text(json.dumps({"made_by": "rlhflow", "setting": setting}) + "\n")
+
+
+def refuse_foreign(path: str | os.PathLike, setting: str) -> None:
+    """Raise ForeignPathError unless `path` is missing, an empty directory or a directory the pipeline made."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ForeignPathError(
+            f"{setting}={path}: a file is there, not a directory the pipeline made; it is left as it was. "
+            f"Point {setting} at another path."
+        )
+    if path.is_dir() and not is_made(path) and any(path.iterdir()):
+        raise ForeignPathError(
+            f"{setting}={path}: the directory is not empty and holds no {MADE_MARKER}, so the pipeline did not make "
+            f"it and will neither replace nor delete it; it is left as it was. Point {setting} at another path, or "
+            "move the directory away (an output of a pipeline version from before the marker: delete it, or mark it "
+            f"with `touch {path / MADE_MARKER}`)."
+        )
+
+
+def _remove_entry(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def remove_made(directory: str | os.PathLike) -> bool:
+    """Delete `directory` when the pipeline made it, its marker last (a deletion cut short leaves a directory still
+    marked, which the next run deletes); a missing or unmarked one is left as it is. True when deleted."""
+    directory = Path(directory)
+    if directory.is_symlink() or not is_made(directory):
+        return False
+    for entry in directory.iterdir():
+        if entry.name != MADE_MARKER:
+            _remove_entry(entry)
+    (directory / MADE_MARKER).unlink()
+    directory.rmdir()
+    return True
+
+
+def _fsync(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """Make a directory's entries (a rename into it) durable."""
+    _fsync(directory)
+
+
+def fsync_tree(root: str | os.PathLike) -> None:
+    """Flush every file and directory under `root` to disk: after a crash a renamed output is whole, not a directory
+    of empty or cut files."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            if not os.path.islink(os.path.join(dirpath, name)):
+                _fsync(os.path.join(dirpath, name))
+        _fsync(dirpath)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -61,67 +145,85 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _temp_name(final: Path, kind: str) -> Path:
+    return final.with_name(f".{final.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
 def remove_stale_temps(final: str | os.PathLike) -> list[Path]:
-    """Remove the temporary siblings of `final` (`.<name>.tmp-<pid>...`, `.<name>.old-<pid>`) left by a
-    process that was killed before it could clean up; those of live processes are kept. A process killed
-    between the two renames of `atomic_dir` leaves no `final` but its `.old-<pid>`: that previous output
-    is put back."""
+    """Remove the temporary siblings of `final` (`.<name>.tmp-<pid>-...`, `.<name>.old-<pid>-...`) left by a
+    process that was killed before it could clean up; those of live processes are kept, and so is anything of that
+    name the pipeline did not mark as its own. A process killed between the two renames of `atomic_dir` leaves no
+    `final` but its `.old-<pid>`: that previous output is put back."""
     final = Path(final)
     removed = []
     for stale in sorted(final.parent.glob(f".{final.name}.*")):
         match = re.fullmatch(rf"\.{re.escape(final.name)}\.(tmp|old)-(\d+)(?:-.*)?", stale.name)
-        if not match or _pid_alive(int(match.group(2))):
+        if not match or _pid_alive(int(match.group(2))) or stale.is_symlink() or not is_made(stale):
             continue
         if match.group(1) == "old" and not final.exists():
             os.replace(stale, final)
-        else:
-            if stale.is_dir() and not stale.is_symlink():
-                shutil.rmtree(stale, ignore_errors=True)
-            else:
-                stale.unlink(missing_ok=True)
+        elif remove_made(stale):
             removed.append(stale)
     return removed
 
 
 @contextlib.contextmanager
-def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary sibling dir; on success it replaces `final`, on error it is removed and `final`
-    (the previous good output) is left untouched. Temp dirs of killed earlier runs are removed first."""
+def atomic_dir(final: str | os.PathLike, *, setting: str) -> Iterator[Path]:
+    """Yield a temporary sibling dir, marked as the pipeline's; on success it replaces `final` (flushed to disk
+    first), on error it is removed and `final` (the previous good output) is left untouched. Temp dirs of killed
+    earlier runs are removed first. `final` must be missing, empty or made by the pipeline: anything else is refused
+    (ForeignPathError naming `setting`, the params key) and left as it was."""
     final = Path(final)
+    _refuse_unswappable(final, setting)
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(final)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = _temp_name(final, "tmp")
     tmp.mkdir()
+    mark_made(tmp, setting)
     try:
         yield tmp
+        _refuse_unswappable(final, setting)  # again: something may have been put there meanwhile
+        fsync_tree(tmp)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_made(tmp)
         raise
-    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    old = _temp_name(final, "old")
     if final.exists():
         os.replace(final, old)
     os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(final.parent)
+    if old.exists() and not remove_made(old):
+        old.rmdir()  # the empty directory that stood there
+
+
+def _refuse_unswappable(final: Path, setting: str) -> None:
+    if final.is_symlink():  # the swap would replace the link, not write where it points
+        raise ForeignPathError(f"{setting}={final}: a symbolic link; point {setting} at a directory instead")
+    refuse_foreign(final, setting)
 
 
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike, *, binary: bool = False) -> Iterator[IO]:
     """A UTF-8 text file handle (a bytes one with `binary`) whose content appears at `path` only once the block
-    succeeds (a unique temp file in the same directory, then os.replace); on error the temp file is removed.
-    Temp files of killed earlier writers are removed first."""
+    succeeds and the file is on disk (written in a marked temp dir beside it, flushed, then os.replace); on error
+    the temp dir is removed. Temp dirs of killed earlier writers are removed first."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(path)
     # not mkstemp: its files are private (0600), and outputs must get the usual permissions (umask)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp_dir = _temp_name(path, "tmp")
+    tmp_dir.mkdir()
     try:
+        mark_made(tmp_dir, "a temporary file")
+        tmp = tmp_dir / path.name
         with open(tmp, "xb") if binary else open(tmp, "x", encoding="utf-8") as f:
             yield f
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        fsync_dir(path.parent)
+    finally:
+        remove_made(tmp_dir)
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -133,14 +235,19 @@ def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:
     write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True, default=float) + "\n")
 
 
-def prepare_checkpoint_dir(ckpt_dir: str | os.PathLike, fingerprint: str) -> Path:
+def prepare_checkpoint_dir(ckpt_dir: str | os.PathLike, fingerprint: str, *, setting: str) -> Path:
     """Keep the checkpoints of an interrupted run made from the same inputs (`fingerprint`, any text: the
     stages use `rlhfops.hashing.inputs_fingerprint`) so it can resume; drop anything else. The fingerprint is
-    kept in `inputs.json` inside the dir."""
+    kept in `inputs.json` inside the dir. A directory the pipeline did not make (not empty, no marker) is refused
+    (ForeignPathError naming `setting`, the params key) and left as it was."""
     ckpt_dir = Path(ckpt_dir)
-    marker = ckpt_dir / "inputs.json"
-    if ckpt_dir.exists() and (not marker.exists() or marker.read_text() != fingerprint):
-        shutil.rmtree(ckpt_dir)
+    refuse_foreign(ckpt_dir, setting)
+    inputs = ckpt_dir / "inputs.json"
+    if is_made(ckpt_dir) and (not inputs.exists() or inputs.read_text() != fingerprint):
+        for entry in ckpt_dir.iterdir():  # the marker stays: a clearing cut short leaves the directory still ours
+            if entry.name != MADE_MARKER:
+                _remove_entry(entry)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(marker, fingerprint)
+    mark_made(ckpt_dir, setting)
+    write_text_atomic(inputs, fingerprint)
     return ckpt_dir

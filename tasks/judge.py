@@ -71,7 +71,7 @@ def measure_given_judge(cfg: Config, ctx: StageContext) -> dict[str, float]:
     mlflow.log_params(description)
     held_out, verdicts = judges.pair_metrics(judge, rows)
     record = {"describe": description, "basis_md5": judge.basis_md5()}
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, setting="judge.out_dir") as tmp:
         write_json_atomic(tmp / judges.JUDGE_FILE, record)
     mlflow.log_dict(record, judges.JUDGE_FILE)
 

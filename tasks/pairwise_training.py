@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from rlhflow.config import Config, RewardModelConfig
+from rlhflow.config import Config, JudgeConfig, RewardModelConfig
 
 
 class StageLog(Protocol):
@@ -70,14 +70,13 @@ def train_pairwise_model(
     """Train a reward model (the proxy or the judge) on one validated split, score the test split, log and register
     it (as `model_name` in the run, `registered_name` in the registry). Metrics are named `<prefix>/accuracy`,
     `<prefix>/accuracy_se`, `<prefix>/margin`, ..."""
-    import shutil
     import tempfile
 
     import mlflow
 
     from rlhflow import distributed
     from rlhflow.data.readers import read_jsonl
-    from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir
+    from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir, remove_made
     from rlhflow.reward_model import evaluate_pairs, save_pair_scores, train_reward_model
     from rlhfops import registry, tracking
     from rlhfops.serving.reward import RewardPyfunc
@@ -94,11 +93,13 @@ def train_pairwise_model(
         tracking.log_dataset(train_file, name=f"preferences-{split}", context="training")
     out_dir = cfg.path(rm_cfg.out_dir)
     # the other processes of a multi-process run write only into a scratch dir, which is thrown away
-    output = atomic_dir(out_dir) if ctx.main_process else tempfile.TemporaryDirectory()
+    section = "judge" if isinstance(rm_cfg, JudgeConfig) else "reward_model"  # the params keys named in errors
+    output = atomic_dir(out_dir, setting=f"{section}.out_dir") if ctx.main_process else tempfile.TemporaryDirectory()
     # Trainer checkpoints of an interrupted run with the same inputs are resumed from; others are dropped
     checkpoint_dir = cfg.path(rm_cfg.checkpoint_dir)
     if ctx.main_process:
-        prepare_checkpoint_dir(checkpoint_dir, checkpoint_fingerprint(cfg, rm_cfg, train_file, seed))
+        fingerprint = checkpoint_fingerprint(cfg, rm_cfg, train_file, seed)
+        prepare_checkpoint_dir(checkpoint_dir, fingerprint, setting=f"{section}.checkpoint_dir")
     distributed.barrier()
     with output as tmp:
         rm = train_reward_model(
@@ -121,8 +122,8 @@ def train_pairwise_model(
             f"{prefix}/score_mean": rm.mean,
             f"{prefix}/score_std": rm.std,
         }
-    shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
     ctx.log_metrics(metrics)
     mlflow.log_dict({"normalization": {"mean": rm.mean, "std": rm.std}}, "reward_normalization.json")
     registry.log_model_dir(cfg, out_dir, name=model_name, wrapper=RewardPyfunc, registered_name=registered_name)
+    remove_made(checkpoint_dir)  # logged and registered: nothing left to resume
     return metrics

@@ -41,7 +41,9 @@ def prepare_checkpoint_dir(cfg: Config):
     """Keep the checkpoints of an interrupted run with the same inputs (to resume); drop anything else."""
     from rlhflow import fsutil
 
-    return fsutil.prepare_checkpoint_dir(cfg.path(cfg.ppo.checkpoint_dir), checkpoint_fingerprint(cfg))
+    return fsutil.prepare_checkpoint_dir(
+        cfg.path(cfg.ppo.checkpoint_dir), checkpoint_fingerprint(cfg), setting="ppo.checkpoint_dir"
+    )
 
 
 # PPO's statistics that every algorithm logs, under their shared names (rlhflow/align.py): the reward source's
@@ -138,14 +140,13 @@ def run_trl(cfg: Config, ctx: StageContext) -> dict[str, float]:
     """GRPO, RLOO or DPO with trl (rlhflow/align.py), under the same contract as PPO: settings checked before any
     model loads, Trainer checkpoints resumed after a kill, the policy in ppo.out_dir, metrics/ppo_history.csv."""
     import math
-    import shutil
 
     import mlflow
     import torch
 
     from rlhflow import align, distributed
     from rlhflow.data.readers import read_jsonl
-    from rlhflow.fsutil import atomic_dir
+    from rlhflow.fsutil import atomic_dir, remove_made
     from rlhflow.fsutil import prepare_checkpoint_dir as keep_or_clear
     from rlhflow.models import enable_tf32, load_causal_lm, load_tokenizer, pick_device, save_plain
     from rlhflow.ppo.reward_and_critic import load_reward_source
@@ -163,7 +164,7 @@ def run_trl(cfg: Config, ctx: StageContext) -> dict[str, float]:
 
     checkpoint_dir = cfg.path(cfg.ppo.checkpoint_dir)
     if ctx.main_process:  # checkpoints of an interrupted run with the same inputs are resumed from; others dropped
-        keep_or_clear(checkpoint_dir, align_fingerprint(cfg))
+        keep_or_clear(checkpoint_dir, align_fingerprint(cfg), setting="ppo.checkpoint_dir")
     distributed.barrier()
     torch.manual_seed(cfg.seed)
     policy = load_causal_lm(sft_dir, pad_token_id=tokenizer.pad_token_id)
@@ -188,12 +189,11 @@ def run_trl(cfg: Config, ctx: StageContext) -> dict[str, float]:
     write_history(cfg.path(cfg.metrics_dir) / "ppo_history.csv", history)
 
     out_dir = cfg.path(cfg.ppo.out_dir)
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, setting="ppo.out_dir") as tmp:
         save_plain(policy, tokenizer, tmp)
     table = align.completions_table(checkpoint_dir, algorithm)
     if table is not None:
         mlflow.log_table(table, artifact_file="align_completions.json")
-    shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
 
     last = history[-max(1, len(history) // 4) :]  # the final quarter of the steps, smoothed
     metrics = {}
@@ -206,17 +206,16 @@ def run_trl(cfg: Config, ctx: StageContext) -> dict[str, float]:
     metrics["align/steps"] = float(len(history))
     ctx.log_metrics(metrics)
     register_policy(cfg, out_dir, algorithm)
+    remove_made(checkpoint_dir)  # logged and registered: nothing left to resume
     return metrics
 
 
 def run_ppo(cfg: Config, ctx: StageContext) -> dict[str, float]:
-    import shutil
-
     import torch
 
     from rlhflow import distributed
     from rlhflow.data.readers import read_jsonl
-    from rlhflow.fsutil import atomic_dir
+    from rlhflow.fsutil import atomic_dir, remove_made
     from rlhflow.models import (
         attn_implementation_for,
         enable_tf32,
@@ -272,9 +271,8 @@ def run_ppo(cfg: Config, ctx: StageContext) -> dict[str, float]:
     )
 
     out_dir = cfg.path(cfg.ppo.out_dir)
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, setting="ppo.out_dir") as tmp:
         trainer.save(tmp)
-    shutil.rmtree(checkpoint_dir, ignore_errors=True)  # finished: nothing left to resume
     last = history[-max(1, len(history) // 4) :]  # the final quarter of updates, smoothed
     metrics = {
         f"{k}_final": sum(h[k] for h in last) / len(last)
@@ -285,6 +283,7 @@ def run_ppo(cfg: Config, ctx: StageContext) -> dict[str, float]:
     metrics["ppo/updates"] = float(len(history))
     ctx.log_metrics(metrics)
     register_policy(cfg, out_dir, "ppo")
+    remove_made(checkpoint_dir)  # logged and registered: nothing left to resume
     return metrics
 
 

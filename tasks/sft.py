@@ -81,7 +81,6 @@ def checkpoint_fingerprint(cfg: Config) -> str:
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
-    import shutil
     import tempfile
 
     import mlflow
@@ -90,7 +89,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow import distributed, sampling
     from rlhflow.data.readers import read_jsonl
     from rlhflow.evaluation.metrics import perplexity, save_held_out_perplexity
-    from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir
+    from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir, remove_made
     from rlhflow.models import load_causal_lm, load_tokenizer, pick_device, save_plain
     from rlhflow.sft import demonstration_dataset, sft_trainer, train_sft
     from rlhfops import registry, tracking
@@ -132,14 +131,16 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
 
     model = load_causal_lm(s.model, trust_remote_code=s.trust_remote_code, pad_token_id=tokenizer.pad_token_id)
     out_dir = cfg.path(s.out_dir)
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, setting="sft.out_dir") as tmp:
         save_plain(model, tokenizer, tmp)
         if s.train:
             # a GGUF-loaded model: the Trainer can neither train nor save it, so train the plain copy just saved
             if getattr(model, "hf_quantizer", None) is not None:
                 model = load_causal_lm(str(tmp), pad_token_id=tokenizer.pad_token_id)
             metrics["sft/perplexity_before"] = held_out_perplexity(model)
-            checkpoint_dir = prepare_checkpoint_dir(cfg.path(s.checkpoint_dir), checkpoint_fingerprint(cfg))
+            checkpoint_dir = prepare_checkpoint_dir(
+                cfg.path(s.checkpoint_dir), checkpoint_fingerprint(cfg), setting="sft.checkpoint_dir"
+            )
 
             def log_fn(m: dict, step: int) -> None:
                 ctx.log_metrics({f"sft/{k}": v for k, v in m.items()}, step=step)
@@ -153,8 +154,6 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
         # the baseline figure, saved with the model: evaluate reads it for the same rows instead of measuring again
         metrics["sft/perplexity"] = held_out_perplexity(model)
         save_held_out_perplexity(tmp, metrics["sft/perplexity"], rows=s.perplexity_rows, data_file=test_file)
-    if s.train:
-        shutil.rmtree(cfg.path(s.checkpoint_dir), ignore_errors=True)  # finished: nothing left to resume
 
     metrics["sft/parameters"] = float(sum(p.numel() for p in model.parameters()))
     if s.n_samples:
@@ -173,6 +172,8 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     registry.log_model_dir(
         cfg, out_dir, name="sft_model", wrapper=PolicyPyfunc, registered_name=REGISTERED_NAME if s.train else None
     )
+    if s.train:
+        remove_made(cfg.path(s.checkpoint_dir))  # logged and registered: nothing left to resume
     return metrics
 
 

@@ -15,7 +15,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.evaluation.compare import sample_reference
     from rlhflow.fsutil import atomic_dir
 
-    with atomic_dir(cfg.path(cfg.evaluate.reference_dir)) as tmp:
+    with atomic_dir(cfg.path(cfg.evaluate.reference_dir), setting="evaluate.reference_dir") as tmp:
         metrics = sample_reference(cfg, tmp)
     ctx.log_metrics(metrics)
     return metrics

@@ -34,7 +34,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.data.formats import load_preferences
     from rlhflow.data.readers import write_jsonl
     from rlhflow.data.splits import assign_splits, cross_split_prefix_pairs
-    from rlhflow.fsutil import atomic_dir
+    from rlhflow.fsutil import atomic_dir, remove_made
     from rlhflow.models import load_tokenizer
     from rlhflow.validation import DataValidationError, validate_preferences
     from rlhfops import tracking
@@ -68,22 +68,22 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     out_dir, report_dir = cfg.path(cfg.validate_.out_dir), cfg.path(cfg.validate_.report_dir)
     failed_dir = report_dir.with_name(report_dir.name + ".failed")
     try:
-        with atomic_dir(report_dir) as tmp_report:
+        with atomic_dir(report_dir, setting="validate.report_dir") as tmp_report:
             try:
                 result = validate_preferences(splits, cfg=v, tokenizer=tokenizer, report_dir=tmp_report)
             except DataValidationError:
-                shutil.rmtree(failed_dir, ignore_errors=True)
-                shutil.copytree(tmp_report, failed_dir)
+                if remove_made(failed_dir) or not failed_dir.exists():  # one the pipeline did not make stays
+                    shutil.copytree(tmp_report, failed_dir)  # marked, as tmp_report is
                 raise
             written = {split: result.kept(split, df) for split, df in splits.items()}
-            with atomic_dir(out_dir) as tmp_out:
+            with atomic_dir(out_dir, setting="validate.out_dir") as tmp_out:
                 for split, df in written.items():  # train.jsonl, judge.jsonl, dev.jsonl, test.jsonl
                     write_jsonl(df, tmp_out / f"{split}.jsonl")
     except DataValidationError:
         if failed_dir.exists():
             mlflow.log_artifacts(str(failed_dir), artifact_path="validation_failed")
         raise
-    shutil.rmtree(failed_dir, ignore_errors=True)
+    remove_made(failed_dir)
 
     mlflow.log_artifacts(str(report_dir), artifact_path="validation")
     tracking.log_dataset(out_dir / "train.jsonl", name="preferences-train", context="training")

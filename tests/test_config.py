@@ -108,7 +108,16 @@ def test_the_served_parameter_form_has_the_params_as_defaults():
 # ---- inherited keys: judge from reward_model, sft.lora and ppo.lora from lora ----------------------------------
 
 # the judge's keys that reward_model does not have (which judge it is): written always, never inherited
-JUDGE_OWN = ("kind", "model", "endpoint", "api_key_env", "template", "request_timeout", "max_retries")
+JUDGE_OWN = (
+    "kind",
+    "model",
+    "endpoint",
+    "api_key_env",
+    "allow_plain_http",
+    "template",
+    "request_timeout",
+    "max_retries",
+)
 
 
 def test_the_judge_takes_the_reward_model_keys_it_does_not_set():
@@ -216,3 +225,10 @@ def test_stages_declare_the_keys_they_inherit():
             for part in key.split("."):
                 assert isinstance(node, dict) and part in node, f"{stage.name}: {key} is not in params.yaml"
                 node = node[part]
+
+
+def test_a_check_across_sections_names_its_keys_not_the_whole_config():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["ppo.checkpoint_dir=data"])
+    message = str(err.value)
+    assert "ppo.checkpoint_dir=data: resolves to" in message and "'seed'" not in message and "<root>" not in message

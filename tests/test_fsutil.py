@@ -1,10 +1,27 @@
-"""rlhflow/fsutil.py: a file written through atomic_file appears whole or not at all, in text and in bytes."""
+"""rlhflow/fsutil.py: a file written through atomic_file appears whole or not at all, in text and in bytes; a
+directory the pipeline did not make is never replaced or deleted (atomic_dir, prepare_checkpoint_dir, the removal of
+stale temporary paths), and is left as it was."""
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
+
 import pytest
 
-from rlhflow.fsutil import atomic_file
+from rlhflow.fsutil import (
+    MADE_MARKER,
+    ForeignPathError,
+    atomic_dir,
+    atomic_file,
+    is_made,
+    mark_made,
+    prepare_checkpoint_dir,
+    remove_made,
+    remove_stale_temps,
+)
 
 
 @pytest.mark.parametrize("binary, content", [(False, "a line\n"), (True, b"\x89PNG\r\n\x1a\n")])
@@ -19,3 +36,88 @@ def test_atomic_file_writes_whole_or_leaves_nothing(tmp_path, binary, content):
         raise RuntimeError("drawing failed")
     assert (path.read_bytes() if binary else path.read_text()) == content  # the earlier file, untouched
     assert sorted(p.name for p in path.parent.iterdir()) == ["figure.png"]  # no temp file left
+
+
+def dead_pid() -> int:
+    """The id of a process that has exited."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_atomic_dir_refuses_a_directory_it_did_not_make(tmp_path):
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "canary.txt").write_text("mine")
+    with pytest.raises(ForeignPathError, match=rf"ppo\.out_dir={re.escape(str(out))}.*no {re.escape(MADE_MARKER)}"):
+        with atomic_dir(out, setting="ppo.out_dir") as tmp:
+            (tmp / "model.safetensors").write_text("weights")
+    assert (out / "canary.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # nothing swapped, no temp left
+    assert sorted(p.name for p in out.iterdir()) == ["canary.txt"]
+
+
+def test_atomic_dir_replaces_its_own_output_and_marks_it(tmp_path):
+    out = tmp_path / "policy"
+    out.mkdir()  # an empty directory holds nothing to lose
+    for content in ("first", "second"):
+        with atomic_dir(out, setting="ppo.out_dir") as tmp:
+            (tmp / "model.txt").write_text(content)
+        assert (out / "model.txt").read_text() == content
+        assert is_made(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]
+    assert json.loads((out / MADE_MARKER).read_text()) == {"made_by": "rlhflow", "setting": "ppo.out_dir"}
+
+
+def test_prepare_checkpoint_dir_refuses_a_directory_it_did_not_make(tmp_path):
+    ckpt = tmp_path / "data"
+    ckpt.mkdir()
+    (ckpt / "canary.txt").write_text("mine")
+    with pytest.raises(ForeignPathError, match=rf"ppo\.checkpoint_dir={re.escape(str(ckpt))}"):
+        prepare_checkpoint_dir(ckpt, "inputs-1", setting="ppo.checkpoint_dir")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["canary.txt"]
+    assert (ckpt / "canary.txt").read_text() == "mine"
+
+
+def test_prepare_checkpoint_dir_keeps_the_same_inputs_and_clears_its_own_of_other_inputs(tmp_path):
+    ckpt = prepare_checkpoint_dir(tmp_path / "ckpt", "inputs-1", setting="sft.checkpoint_dir")
+    (ckpt / "checkpoint-4").mkdir()
+    prepare_checkpoint_dir(ckpt, "inputs-1", setting="sft.checkpoint_dir")
+    assert (ckpt / "checkpoint-4").is_dir()  # same inputs: resumed from
+    prepare_checkpoint_dir(ckpt, "inputs-2", setting="sft.checkpoint_dir")
+    assert sorted(p.name for p in ckpt.iterdir()) == [MADE_MARKER, "inputs.json"]
+    assert (ckpt / "inputs.json").read_text() == "inputs-2"
+    assert remove_made(ckpt) and not ckpt.exists()
+
+
+def test_stale_temp_cleanup_removes_only_what_the_pipeline_made(tmp_path):
+    pid = dead_pid()
+    final = tmp_path / "validated"
+    ours = tmp_path / f".validated.tmp-{pid}-0a1b2c3d"
+    ours.mkdir()
+    mark_made(ours, "validate.out_dir")
+    (ours / "train.jsonl").write_text("half")
+    foreign_dir = tmp_path / f".validated.tmp-{pid}"
+    foreign_dir.mkdir()
+    (foreign_dir / "canary.txt").write_text("mine")
+    foreign_file = tmp_path / f".validated.tmp-{pid}-0a1b2c3d.bak"
+    foreign_file.write_text("mine too")
+    foreign_old = tmp_path / f".validated.old-{pid}"  # no output at `final`: only a marked one is put back
+    foreign_old.mkdir()
+    (foreign_old / "canary.txt").write_text("mine three")
+
+    assert remove_stale_temps(final) == [ours]
+    assert not ours.exists() and not final.exists()
+    assert (foreign_dir / "canary.txt").read_text() == "mine"
+    assert foreign_file.read_text() == "mine too"
+    assert (foreign_old / "canary.txt").read_text() == "mine three"
+
+
+def test_a_killed_swap_puts_the_previous_output_back(tmp_path):
+    pid = dead_pid()
+    old = tmp_path / f".validated.old-{pid}-0a1b2c3d"
+    old.mkdir()
+    mark_made(old, "validate.out_dir")
+    (old / "train.jsonl").write_text("previous")
+    remove_stale_temps(tmp_path / "validated")
+    assert (tmp_path / "validated" / "train.jsonl").read_text() == "previous"

@@ -235,7 +235,7 @@ def write_outputs(cfg: Config, result: PolicyEvaluation, decisions: list, judge_
         reward_quantiles(samples["sft_reward"], samples["ppo_reward"]).to_csv(index=False),
     )
     write_text_atomic(metrics_dir / CALIBRATION_CSV, calibration_table(buckets).to_csv(index=False))
-    with atomic_dir(cfg.path(cfg.evaluate.report_dir)) as tmp:
+    with atomic_dir(cfg.path(cfg.evaluate.report_dir), setting="evaluate.report_dir") as tmp:
         write_json_atomic(tmp / "samples.json", samples)
         figures = {
             "reward_distributions": plots.reward_distributions(samples["sft_reward"], samples["ppo_reward"]),

@@ -1,19 +1,23 @@
 """PPO checkpoints: everything a killed run needs to resume as if it never stopped (trainable weights, the optimiser,
 every random stream, the KL controller, the score statistics, the prompt queue and the history), written atomically
-and read back. A mixin of rlhflow.ppo.trainer.PPOTrainer, whose attributes it reads and restores."""
+and durably, and read back (the newest readable of the last two). A mixin of rlhflow.ppo.trainer.PPOTrainer, whose
+attributes it reads and restores."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import uuid
 import warnings
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from rlhflow.fsutil import ForeignPathError, fsync_dir, fsync_tree, is_made, mark_made, remove_made
+
 CHECKPOINT_PREFIX = "step-"
+KEPT_CHECKPOINTS = 2  # the newest and the one before it, to fall back to
 # PPO settings that may change between a run and its resumption without changing what the run means: the run
 # length, where checkpoints go, and the memory knobs (how a minibatch's gradient is computed, not what it is: a run
 # that ran out of memory resumes with them set). tasks/ppo.py keys a checkpoint dir on the others.
@@ -32,19 +36,38 @@ class Checkpoints:
         return {name: p.detach().contiguous().cpu() for name, p in self.model.named_parameters() if p.requires_grad}
 
     def save_checkpoint(self) -> Path:
-        """Write checkpoint_dir/step-NNNNNN atomically (a temp dir renamed into place); older ones are removed."""
+        """Write checkpoint_dir/step-NNNNNN atomically and durably (a marked temp dir, flushed to disk, renamed into
+        place); all but the newest KEPT_CHECKPOINTS are removed, so a newest one found cut short or unreadable on
+        resumption still has an older one to fall back to."""
         root = self.checkpoint_dir
         root.mkdir(parents=True, exist_ok=True)
         final = root / f"{CHECKPOINT_PREFIX}{self.step:06d}"
-        tmp = root / f".tmp-{final.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
-        save_file(self._trainable_state(), str(tmp / "trainable.safetensors"))
-        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        mark_made(tmp, "ppo.checkpoint_dir")
+        try:
+            self._write_state(tmp)
+            fsync_tree(tmp)
+            if final.exists() and not remove_made(final):
+                raise ForeignPathError(
+                    f"ppo.checkpoint_dir: {final} is a directory the pipeline did not make; left as it was"
+                )
+        except BaseException:
+            remove_made(tmp)
+            raise
+        os.replace(tmp, final)
+        fsync_dir(root)
+        for old in self._checkpoints(root)[:-KEPT_CHECKPOINTS]:
+            remove_made(old)
+        return final
+
+    def _write_state(self, directory: Path) -> None:
+        save_file(self._trainable_state(), str(directory / "trainable.safetensors"))
+        torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
         rng = {"torch": torch.get_rng_state(), "generator": self.generator.get_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
-        torch.save(rng, tmp / "rng.pt")
+        torch.save(rng, directory / "rng.pt")
         py_state = self.py_rng.getstate()
         state = {
             "step": self.step,
@@ -56,23 +79,20 @@ class Checkpoints:
             "history": self.history,
             "config": self.cfg.model_dump(),
         }
-        (tmp / "trainer_state.json").write_text(json.dumps(state))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in self._checkpoints(root):
-            if old != final:
-                shutil.rmtree(old, ignore_errors=True)
-        return final
+        (directory / "trainer_state.json").write_text(json.dumps(state))
 
     @staticmethod
     def _checkpoints(root: Path) -> list[Path]:
+        """The complete checkpoints in `root` the pipeline made, oldest first."""
         if not root.is_dir():
             return []
         return sorted(
             p
             for p in root.iterdir()
-            if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and (p / "trainer_state.json").exists()
+            if p.is_dir()
+            and p.name.startswith(CHECKPOINT_PREFIX)
+            and (p / "trainer_state.json").exists()
+            and is_made(p)
         )
 
     def load_checkpoint(self, path: str | os.PathLike | None = None) -> bool:
@@ -114,23 +134,38 @@ class Checkpoints:
         return True
 
     def _read_checkpoint(self, path: str | os.PathLike | None) -> dict | None:
-        """The checkpoint at `path` (default: the latest in cfg.checkpoint_dir) in memory, or None."""
-        if path is None:
-            found = self._checkpoints(self.checkpoint_dir)
-            if not found:
-                return None
-            path = found[-1]
-        path = Path(path)
+        """The checkpoint at `path` (default: the newest readable one in cfg.checkpoint_dir) in memory, or None when
+        there is none. An unreadable newest checkpoint (cut short by a crash, a full disk) is named in a warning and
+        the one before it is read instead."""
+        if path is not None:
+            return self._read_checkpoint_at(Path(path))
+        found = self._checkpoints(self.checkpoint_dir)
+        for candidate in reversed(found):
+            try:
+                return self._read_checkpoint_at(candidate)
+            except Exception as err:  # any damage: a cut file, bad JSON, a broken zip or safetensors header
+                warnings.warn(
+                    f"PPO checkpoint {candidate} is unreadable ({type(err).__name__}: {err}); trying an older one",
+                    stacklevel=2,
+                )
+        if found:
+            raise RuntimeError(
+                f"no PPO checkpoint in {self.checkpoint_dir} is readable ({', '.join(p.name for p in found)}); delete "
+                "the directory to train from the start"
+            )
+        return None
+
+    def _read_checkpoint_at(self, path: Path) -> dict:
         state = json.loads((path / "trainer_state.json").read_text())
         # a linear learning-rate schedule spans `steps`: another run length changes the updates already made
         resumable = RESUMABLE_SETTINGS - ({"steps"} if self.cfg.lr_schedule == "linear" else set())
         changed = sorted(
             k for k, v in self.cfg.model_dump().items() if k not in resumable and state["config"].get(k) != v
         )
-        if changed:
-            warnings.warn(f"resuming from {path} with changed PPO settings: {', '.join(changed)}", stacklevel=2)
         state["trainable"] = load_file(str(path / "trainable.safetensors"))
         # on the CPU: load_state_dict moves each state tensor to its parameter's device (also on the other ranks)
         state["optimizer"] = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
         state["rng"] = torch.load(path / "rng.pt", weights_only=True)
+        if changed:  # once the checkpoint has been read whole: a damaged one is skipped without this warning
+            warnings.warn(f"resuming from {path} with changed PPO settings: {', '.join(changed)}", stacklevel=3)
         return state

@@ -1,0 +1,102 @@
+"""Where outputs and checkpoints may go: checked when the config loads (rlhflow.config.Config), before any stage
+runs. A stage replaces its output directory whole and deletes its checkpoint directory when done, so a setting
+that points one at the repository root, a directory above it, the home directory, the data the repository ships
+or another stage's output would cost files the pipeline did not write."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+from collections.abc import Callable
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+# Every setting naming a directory a stage writes (replaced whole, or deleted once the stage is done).
+OUTPUT_SETTINGS = (
+    "data.demo.out_dir",
+    "validate.out_dir",
+    "validate.report_dir",
+    "sft.out_dir",
+    "sft.checkpoint_dir",
+    "reward_model.out_dir",
+    "reward_model.checkpoint_dir",
+    "judge.out_dir",
+    "judge.checkpoint_dir",
+    "ppo.out_dir",
+    "ppo.checkpoint_dir",
+    "evaluate.reference_dir",
+    "evaluate.report_dir",
+    "metrics_dir",
+)
+# The data the repository ships (data/README.md), protected where git cannot list the tracked files (an image
+# without .git); tests/test_safe_paths.py checks it covers every file git tracks under data/.
+SHIPPED_DATA = ("data/README.md", "data/hh-rlhf-harmless", "data/llamafactory-dpo-en")
+
+
+@functools.cache
+def shipped_paths(root: Path) -> frozenset[str]:
+    """Repository-relative paths of every file the repository at `root` ships (tracked by git), of every directory
+    above one, and .git; without git, those of SHIPPED_DATA."""
+    try:
+        listed = subprocess.run(
+            ["git", "-C", str(root), "ls-files", "-z"], capture_output=True, check=True, timeout=60
+        ).stdout
+        files = [f for f in os.fsdecode(listed).split("\0") if f]
+    except (OSError, subprocess.SubprocessError):  # no git, no repository, a repository of another owner
+        files = []
+    paths = set()
+    for file in [*(files or SHIPPED_DATA), ".git"]:
+        parts = PurePosixPath(file).parts
+        paths.update("/".join(parts[: i + 1]) for i in range(len(parts)))
+    return frozenset(paths)
+
+
+def _is_at_or_above(path: Path, place: Path) -> bool:
+    return place.parts[: len(path.parts)] == path.parts
+
+
+def _overlaps(a: Path, b: Path) -> bool:
+    return _is_at_or_above(a, b) or _is_at_or_above(b, a)
+
+
+def output_path_problem(path: Path, repo_roots: list[Path], home: Path) -> str | None:
+    """Why an output or checkpoint directory may not be at `path` (absolute, resolved), or None."""
+    for root in repo_roots:
+        if _is_at_or_above(path, root):
+            return f"the repository root {root}" if path == root else f"a directory above the repository {root}"
+    if _is_at_or_above(path, home):
+        return f"the home directory {home}" if path == home else f"a directory above the home directory {home}"
+    for root in repo_roots:
+        if path.is_relative_to(root) and path.relative_to(root).as_posix() in shipped_paths(root):
+            return f"a path the repository {root} ships or that holds files it ships (its data, its code)"
+    return None
+
+
+def check_output_paths(values: dict[str, Any], resolve: Callable[[str], Path], repo_roots: list[Path]) -> None:
+    """Raise ValueError naming the setting and its path when an output or checkpoint setting resolves to the
+    repository (the workspace, and the project around a DVC experiment's temporary copy) or a directory above it,
+    the home directory or one above it, a path holding shipped files, or the path of another such setting (the same,
+    or one inside the other). `values`: the config as params.yaml holds it; `resolve`: Config.path; `repo_roots`:
+    the workspace and the project it belongs to (rlhflow.config.project_root)."""
+    repo_roots = list(dict.fromkeys(p.resolve() for p in repo_roots))
+    home = Path(os.path.expanduser("~")).resolve()
+    resolved: dict[str, Path] = {}
+    for key in OUTPUT_SETTINGS:
+        value: Any = values
+        for part in key.split("."):
+            value = value[part]
+        path = resolve(value).resolve()
+        problem = output_path_problem(path, repo_roots, home)
+        if problem:
+            raise ValueError(
+                f"{key}={value}: resolves to {path}, {problem}; the stage replaces or deletes this directory, so "
+                "it would destroy files the pipeline did not write. Point it at a directory of its own."
+            )
+        clash = next((other for other, p in resolved.items() if _overlaps(path, p)), None)
+        if clash:
+            raise ValueError(
+                f"{key}={value}: resolves to {path}, which is or holds or lies inside {clash}={resolved[clash]}; "
+                "each stage output and checkpoint directory needs a path of its own."
+            )
+        resolved[key] = path
