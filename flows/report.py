@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from rlhflow.config import Config
+from rlhflow.redaction import redact_url
 
 SUMMARY_METRICS = [
     ("rm/accuracy", "proxy reward model accuracy (held-out pairs)"),
@@ -57,12 +58,11 @@ class StageOutcome:
 
 
 def mlflow_ui_base(tracking_uri: str) -> str:
+    """Where run links point, without credentials: the links are printed and published as Prefect artifacts."""
     base = os.environ.get(MLFLOW_UI_URL_ENV)
-    if base:
-        return base.rstrip("/")
-    if tracking_uri.startswith(("http://", "https://")):
-        return tracking_uri.rstrip("/")
-    return "http://127.0.0.1:5000"
+    if not base:
+        base = tracking_uri if tracking_uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    return redact_url(base).rstrip("/")
 
 
 def mlflow_experiment_url(tracking_uri: str, experiment_id: str) -> str:

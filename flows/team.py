@@ -50,6 +50,7 @@ from flows.pipeline import (
 )
 from rlhflow.config import REPO_ROOT, Config, parse_config_args
 from rlhflow.evaluation import judges
+from rlhflow.redaction import user_info_removed
 from rlhfops import launch, restore, tracking, workspace
 from rlhfops.run_record import artifact_dir
 from rlhfops.stage_lock import LOCK_FILE, PARAMS_FILE, lock_entry, uncached_outputs
@@ -181,7 +182,7 @@ def team_pipeline(
     cfg = with_overrides(config, overrides)
     uri = tracking.tracking_uri(cfg)
     # every stage on every worker logs to the store this run resolved, whatever their environments say
-    cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"tracking_uri": uri})})
+    cfg, stage_cfg = with_tracking_uri(cfg, uri), with_tracking_uri(cfg, user_info_removed(uri))
     names = selected_stages(cfg, stages)
     tracking.preflight(cfg)
     judges.preflight(cfg.judge)
@@ -199,7 +200,7 @@ def team_pipeline(
                 f"{STAGE_FLOW}/{queue_of(name)}",
                 parameters=dict(
                     stage=name,
-                    config=cfg,
+                    config=stage_cfg,
                     lock=dict(lock["stages"]),
                     parent_run_id=parent_id,
                     remote=remote,
@@ -227,6 +228,13 @@ def team_pipeline(
         mlflow.log_text(tracking.redact(yaml.safe_dump(lock, sort_keys=False)), LOCK_FILE)
         mlflow.log_text(tracking.redact(yaml.safe_dump(cfg.to_params(), sort_keys=False)), PARAMS_FILE)
     return results
+
+
+def with_tracking_uri(cfg: Config, uri: str) -> Config:
+    """`cfg` logging to `uri`. The stage runs get the URI without user info: Prefect stores and shows their
+    parameters, and each worker adds the credentials its own environment holds for that store (tracking.tracking_uri:
+    its $MLFLOW_TRACKING_URI, else MLflow's $MLFLOW_TRACKING_USERNAME/PASSWORD)."""
+    return cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"tracking_uri": uri})})
 
 
 # A worker that sent no heartbeat for this many of its heartbeat intervals is gone (Prefect's own rule, which its

@@ -2,7 +2,8 @@
 
 The tracking URI is `tracking.tracking_uri` from params, else $MLFLOW_TRACKING_URI, else a sqlite store at
 the repository root. A relative sqlite path is taken from the repository root too (never from the cwd, so DVC
-stages and flows write to the same store).
+stages and flows write to the same store). The URI's credentials (user info, a key in its query) and secret
+environment values never reach what is printed, logged or stored (`redact`).
 """
 
 from __future__ import annotations
@@ -23,13 +24,18 @@ from typing import Any
 
 from rlhflow.config import REPO_ROOT, Config, project_root
 from rlhflow.fsutil import write_json_atomic
+from rlhflow.redaction import REDACTED, redact_url, redact_urls, user_info_removed
 from rlhfops.hashing import file_md5
 
 
 def tracking_uri(cfg: Config) -> str:
-    return absolute_sqlite_uri(
-        cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
-    )
+    """The store this run logs to. A configured URI without user info that $MLFLOW_TRACKING_URI names with user info
+    is taken from the environment: a team run's stage parameters carry the store without credentials
+    (flows/team.py), and each worker adds the ones its own environment holds."""
+    configured, environment = cfg.tracking.tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
+    if configured and environment and configured != environment and user_info_removed(environment) == configured:
+        configured = environment
+    return absolute_sqlite_uri(configured or environment or "sqlite:///mlflow.db")
 
 
 def absolute_sqlite_uri(uri: str) -> str:
@@ -62,6 +68,8 @@ def setup(cfg: Config):
 
     uri = tracking_uri(cfg)
     mlflow.set_tracking_uri(uri)
+    if redact_url(uri) != uri:  # MLflow prints run links with the URI's credentials; the flows print theirs without
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     if uri.startswith("sqlite:"):
         _create_sqlite_store_once(uri)
     name = cfg.tracking.experiment
@@ -206,8 +214,6 @@ def _check_writable_dir(where: Path, uri: str) -> None:
 # ---- secrets never reach MLflow ----------------------------------------------------------------------------
 
 _SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY|PRIVATE_KEY|AUTH", re.I)
-_URL_PASSWORD = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<password>[^@/\s]+)@")
-REDACTED = "***"
 
 
 def secret_values(environ: dict[str, str] | None = None) -> list[str]:
@@ -217,8 +223,9 @@ def secret_values(environ: dict[str, str] | None = None) -> list[str]:
 
 
 def redact(text: str) -> str:
-    """`text` with URL passwords (scheme://user:password@host) and secret environment values masked."""
-    text = _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@", str(text))
+    """`text` with its URLs' credentials (user info, credential query values: rlhflow.redaction) and secret
+    environment values masked."""
+    text = redact_urls(text)
     for value in secret_values():
         text = text.replace(value, REDACTED)
     return text
@@ -293,7 +300,7 @@ def start_run(
 PARAMS_DIGEST_TAG = "params_md5"
 # Options added after runs were recorded, each with the value that leaves a run as it was: at that value the key is
 # left out of the digest, so earlier runs keep theirs (a sweep's reuse and `--table-only` still find them).
-DIGEST_NEUTRAL = {"ppo.fp32_lm_head": False}
+DIGEST_NEUTRAL = {"ppo.fp32_lm_head": False, "judge.allow_plain_http": False}
 
 
 def params_digest(cfg: Config) -> str:

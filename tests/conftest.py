@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -9,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -221,3 +222,50 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def mlflow_server(root: Path) -> Iterator[str]:
+    """`mlflow server` on 127.0.0.1 over the store <root>/mlflow.db (artifacts in <root>/mlartifacts), as `make ui`
+    starts it, without authentication: it ignores the credentials a client sends. Yields its URL; stopped after."""
+    from rlhfops.tracking import sqlite_artifact_root
+
+    uri = f"sqlite:///{root}/mlflow.db"
+    artifacts = sqlite_artifact_root(uri).as_uri()
+    port = free_port()
+    env = {**os.environ}
+    env.pop("MLFLOW_TRACKING_URI", None)  # mlflow.set_tracking_uri in the pipeline exports it
+    log_path = root / "mlflow-server.log"
+    server = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", uri]
+    server += ["--default-artifact-root", artifacts, "--artifacts-destination", artifacts]
+    server += ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    with log_path.open("w") as log:
+        # its own process group: uvicorn and the job runner with it
+        proc = subprocess.Popen(server, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 300  # its start takes ~10 s alone, minutes on a busy 2-core machine
+            while not _answers_api(url):
+                assert proc.poll() is None, f"mlflow server exited: {log_path.read_text()}"
+                assert time.monotonic() < deadline, "mlflow server did not answer its API within 300 s"
+                time.sleep(0.5)
+            yield url
+        finally:
+            proc.terminate()  # the server stops its workers on SIGTERM (~3 s) ...
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=20)
+            with contextlib.suppress(ProcessLookupError):  # ... and whatever is left of its group is killed
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _answers_api(url: str) -> bool:
+    """Whether the server answers an API call: /health answers before the first call's lazy imports are done,
+    which on a busy machine take longer than the pipeline's preflight waits."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/api/2.0/mlflow/experiments/search?max_results=1", timeout=30) as response:
+            return response.status == 200
+    except OSError:
+        return False

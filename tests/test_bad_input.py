@@ -5,6 +5,7 @@ work starts, naming the key, through the flow and through the CLIs."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -149,6 +150,23 @@ def broken_json_list(d):
     return [f"data.preferences={d / 'p.json'}"], [r"invalid JSON on line 6"]
 
 
+def write_gzipped_long_line(path: Path, line_bytes: int) -> Path:
+    """A .jsonl.gz whose line 1 is a good row and line 2 `line_bytes` zeros: gzip members of 64 MiB of zeros one after
+    another (one valid gzip file, about 1 MB on disk per GiB of zeros)."""
+    zeros = gzip.compress(b"0" * (64 << 20), compresslevel=9)
+    with open(path, "wb") as f:
+        f.write(gzip.compress((json.dumps(row(0)) + "\n").encode()))
+        for _ in range(line_bytes // (64 << 20)):
+            f.write(zeros)
+        f.write(gzip.compress(b"\n"))
+    return path
+
+
+def gzipped_gigabyte_line(d):
+    path = write_gzipped_long_line(d / "p.jsonl.gz", 1 << 30)
+    return [f"data.preferences={path}"], [r"p\.jsonl\.gz: line 2 is longer than 16777216 bytes"]
+
+
 CASES = [
     missing_column,
     nulls,
@@ -165,6 +183,7 @@ CASES = [
     not_a_preference_file,
     missing_file,
     broken_json_list,
+    gzipped_gigabyte_line,
 ]
 
 
@@ -259,3 +278,61 @@ def test_bad_parameters_fail_the_cli_before_any_work(module, tmp_path, tiny_mode
         assert re.search(pattern, done.stderr), done.stderr
     assert "Traceback" not in done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- bounded reading: a line or a file past the readers' limits fails early, in bounded memory --------------
+
+MEMORY_PROBE = """
+import resource, sys
+from pathlib import Path
+from rlhflow.data.errors import DataFormatError
+from rlhflow.data.readers import read_file
+
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    read_file(Path(sys.argv[1]), None)
+except DataFormatError as err:
+    print(err)
+print("peak growth KiB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""
+
+
+def test_a_gigabyte_line_in_a_small_gzip_fails_naming_file_and_line_in_bounded_memory(tmp_path):
+    from rlhflow.data.readers import MAX_LINE_BYTES
+
+    path = write_gzipped_long_line(tmp_path / "bomb.jsonl.gz", 1 << 30)
+    assert path.stat().st_size < 2 << 20  # about 1 MB on disk for 1 GiB of line
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-c", MEMORY_PROBE, str(path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"{path}: line 2 is longer than {MAX_LINE_BYTES} bytes" in done.stdout, done.stdout
+    growth_mib = int(done.stdout.rsplit("peak growth KiB", 1)[1]) / 1024
+    assert growth_mib < 4 * MAX_LINE_BYTES / 2**20, f"reading grew the process by {growth_mib:.0f} MiB"
+
+
+def test_a_json_list_item_past_the_line_limit_fails_naming_file_and_line(tmp_path):
+    from rlhflow.data.errors import DataFormatError
+    from rlhflow.data.readers import MAX_LINE_BYTES, read_file
+
+    path = tmp_path / "p.json"
+    path.write_text("[\n" + json.dumps(row(0)) + ',\n{"prompt": "' + "a" * MAX_LINE_BYTES + '"}\n]\n')
+    with pytest.raises(DataFormatError, match=r"p\.json: invalid JSON on line 3: item 2 is longer than"):
+        read_file(path, None)
+
+
+def test_a_file_past_the_decompressed_limit_fails_naming_file_and_line(tmp_path, monkeypatch):
+    """Blank lines are no rows, so validate.max_rows cannot stop them: the decompressed size does."""
+    from rlhflow.data import readers
+    from rlhflow.data.errors import DataFormatError
+
+    monkeypatch.setattr(readers, "MAX_DECOMPRESSED_BYTES", 1 << 20)  # 1 MiB: the same check as 4 GiB, sooner
+    path = tmp_path / "p.jsonl.gz"
+    path.write_bytes(gzip.compress((json.dumps(row(0)) + "\n").encode() + (b" " * 1000 + b"\n") * 4096))
+    first = len(json.dumps(row(0))) + 1
+    stop = (readers.MAX_DECOMPRESSED_BYTES - first) // 1001 + 2  # the line whose bytes pass the limit
+    with pytest.raises(
+        DataFormatError, match=rf"p\.jsonl\.gz: more than 1048576 bytes once decompressed .*line {stop}\b"
+    ):
+        readers.read_file(path, None)

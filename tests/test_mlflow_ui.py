@@ -8,17 +8,11 @@ test-artifacts/ (their paths are printed) whether the checks pass or fail."""
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, tiny_pipeline_overrides
+from conftest import REPO, mlflow_server, tiny_pipeline_overrides
 
 from rlhfops.stages import STAGE_NAMES
 
@@ -54,61 +48,8 @@ def finished_run(tmp_path_factory, tiny_model_dir, one_thread) -> Path:
 @pytest.fixture(scope="module")
 def mlflow_ui(finished_run):
     """`mlflow server` on the finished run's store, as `make ui` starts it; yields its URL."""
-    from rlhfops.tracking import sqlite_artifact_root
-
-    uri = f"sqlite:///{finished_run}/mlflow.db"
-    artifacts = sqlite_artifact_root(uri).as_uri()
-    port = free_port()
-    env = {**os.environ}
-    env.pop("MLFLOW_TRACKING_URI", None)  # mlflow.set_tracking_uri in the pipeline exports it
-    log = (finished_run / "mlflow-server.log").open("w")
-    proc = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "mlflow"),
-            "server",
-            "--backend-store-uri",
-            uri,
-            "--default-artifact-root",
-            artifacts,
-            "--artifacts-destination",
-            artifacts,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-        ],
-        cwd=finished_run,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )  # its own process group: uvicorn and the job runner with it
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"mlflow server exited: {(finished_run / 'mlflow-server.log').read_text()}"
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "mlflow server did not answer /health within 120 s"
-            time.sleep(0.5)
+    with mlflow_server(finished_run) as url:
         yield url
-    finally:
-        proc.terminate()  # the server stops its workers on SIGTERM (~3 s) ...
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
-        with contextlib.suppress(ProcessLookupError):  # ... and whatever is left of its group is killed
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        log.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """Security: model code from a model dir runs only when params turn `trust_remote_code` on; weights load only
 from safetensors; every torch.load in the project uses weights_only; the Prefect server a run starts listens on
-127.0.0.1 only; secrets from the environment never reach MLflow (params, tags, artifacts, the store itself) or
-the Prefect logs of the run."""
+127.0.0.1 only; secrets from the environment and the user and password of the tracking URI are never printed, and
+never reach MLflow (params, tags, artifacts, the store itself), Prefect (parameters, artifacts, logs) or a file of the
+run. URL redaction, the judge's key and the Docker build context: tests/test_secrets.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import REPO, flow_run_logs, tiny_pipeline_overrides
+from conftest import REPO, flow_run_logs, mlflow_server, tiny_pipeline_overrides
 
 from rlhfops.stages import STAGES
 
@@ -119,12 +120,16 @@ def test_every_torch_load_in_the_project_uses_weights_only():
     assert all(ok for _, ok in calls), [where for where, ok in calls if not ok]
 
 
-def test_redact_masks_url_passwords_and_secret_environment_values(monkeypatch):
+def test_redact_masks_url_credentials_and_secret_environment_values(monkeypatch):
     from rlhfops.tracking import redact
 
     monkeypatch.setenv("MY_SERVICE_TOKEN", "tok-123456789")
-    assert redact("postgresql://bob:hunter2pw@db:5432/mlflow") == "postgresql://bob:***@db:5432/mlflow"
-    assert redact("https://user:p%40ss@mlflow.example.com") == "https://user:***@mlflow.example.com"
+    assert redact("postgresql://bob:hunter2pw@db:5432/mlflow") == "postgresql://db:5432/mlflow"
+    assert redact("https://user:p%40ss@mlflow.example.com") == "https://mlflow.example.com"
+    assert (
+        redact("https://api.example.com/v1?api-version=2&api-key=k1")
+        == "https://api.example.com/v1?api-version=2&api-key=***"
+    )
     assert redact("header Bearer tok-123456789 sent") == "header Bearer *** sent"
     assert redact("sqlite:////tmp/mlflow.db") == "sqlite:////tmp/mlflow.db"
 
@@ -137,6 +142,7 @@ SECRETS = {
     "AWS_SECRET_ACCESS_KEY": "SECRETxAWSxKEYx+/abcdefghij",
     "RLHFLOW_WEBHOOK_TOKEN": "SECRETxCUSTOMxTOKENx777",
 }
+URI_USER_INFO = "rlhf-team:SECRETxURIxPASSWORDx31"
 
 
 def listening_addresses(port: int) -> set[str]:
@@ -163,30 +169,67 @@ def test_the_prefect_server_listens_on_loopback_only(prefect_server):
 
 
 @pytest.mark.system
-def test_environment_secrets_never_reach_mlflow_or_prefect_logs(prefect_server, tmp_path, tiny_model_dir, monkeypatch):
+def test_environment_secrets_never_reach_mlflow_or_prefect_logs(
+    prefect_server, tmp_path, tiny_model_dir, monkeypatch, capfd
+):
+    """A whole tiny run with secrets in the environment and a user and password in $MLFLOW_TRACKING_URI, which points
+    at a real MLflow server (it ignores them): none of them is printed, logged, or stored in MLflow (params, tags,
+    artifacts, the store itself), in Prefect (the flow run's parameters, artifacts, logs) or in any file of the run."""
     import mlflow
 
     from flows.pipeline import rlhf_pipeline
 
     for name, value in SECRETS.items():
         monkeypatch.setenv(name, value)
-    state = rlhf_pipeline(overrides=tiny_pipeline_overrides(tmp_path, tiny_model_dir), return_state=True)
-    assert state.is_completed(), state
+    monkeypatch.delenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", raising=False)  # the run sets it: unset after
+    secrets = {**SECRETS, "the tracking URI's user and password": URI_USER_INFO}
+    with mlflow_server(tmp_path) as url:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", url.replace("http://", f"http://{URI_USER_INFO}@"))
+        overrides = tiny_pipeline_overrides(tmp_path, tiny_model_dir, tracking=False)
+        state = rlhf_pipeline(overrides=overrides, return_state=True)
+        assert state.is_completed(), state
+        client = mlflow.MlflowClient(url)
+        runs = client.search_runs([client.get_experiment_by_name("rlhf").experiment_id])
 
     def leaks(text: str) -> list[str]:
-        return [name for name, value in SECRETS.items() if value in text]
+        return [name for name, value in secrets.items() if value in text]
 
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    runs = client.search_runs([client.get_experiment_by_name("rlhf").experiment_id])
+    printed = capfd.readouterr()
+    assert f"{url}/#/experiments/" in printed.out + printed.err  # the run's link, printed without credentials
+    assert not leaks(printed.out + printed.err)
     assert len(runs) == 1 + len(STAGES)  # the parent and one run per stage
     for run in runs:
         assert not leaks(json.dumps(run.data.params)), run.data.tags.get("stage")
         assert not leaks(json.dumps(run.data.tags)), run.data.tags.get("stage")
-    artifacts = [p for p in (tmp_path / "mlartifacts").rglob("*") if p.is_file()]
-    assert any(p.name == "MLmodel" for p in artifacts)
-    for path in artifacts + [tmp_path / "mlflow.db"]:  # every byte MLflow stored, the database included
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]  # the store, the artifacts, the flow's lock, outputs
+    assert any(p.name == "MLmodel" for p in written) and any(p.name == "mlflow.db" for p in written)
+    lock = REPO / "dvc.lock"
+    for path in written + ([lock] if lock.exists() else []):
         assert not leaks(path.read_bytes().decode("utf-8", errors="replace")), path
 
     messages = flow_run_logs(state.state_details.flow_run_id)
     assert any("MLflow parent run" in m for m in messages)  # the run's own log lines are there
     assert not leaks("\n".join(messages))
+    published = prefect_records(state.state_details.flow_run_id)
+    assert f"{url}/#/experiments/" in published  # the report and the link artifact
+    assert not leaks(published)
+
+
+def prefect_records(flow_run_id) -> str:
+    """What the Prefect API holds of a flow run besides its logs: its parameters and its artifacts, as text."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    async def read() -> str:
+        async with get_client() as prefect:
+            run = await prefect.read_flow_run(flow_run_id)
+            artifacts = await prefect.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+            )
+        assert artifacts, "the run published no artifact"
+        shown = [json.dumps(run.parameters, default=str)]
+        return "\n".join(shown + [f"{a.key} {a.description} {a.data}" for a in artifacts])
+
+    return asyncio.run(read())

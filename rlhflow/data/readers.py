@@ -29,6 +29,15 @@ from rlhflow.sources import SourceNotFoundError, resolve_source
 FILE_TYPES = ".jsonl, .jsonl.gz, .json (a list of objects), .parquet"
 _CHUNK = 1 << 20  # bytes read at a time from JSON files
 
+# What one JSONL/JSON file (gzipped or not) may make this process hold: one line of JSONL or one item of a JSON list,
+# and the whole file once decompressed. Both are checked while reading, so a 10 GB line packed into a small .jsonl.gz
+# fails after MAX_LINE_BYTES, not once memory runs out. They guard memory, not the data: the shipped hh-rlhf pairs'
+# longest line is 8 KB and the file 2 MB decompressed; a real preference pair past 16 MiB, or a file past 4 GiB (held
+# in memory whole as rows, validate.max_rows of them), is not one this pipeline can train on anyway. Constants, not
+# params: no setting of a run should change what reading a file may cost.
+MAX_LINE_BYTES = 16 << 20
+MAX_DECOMPRESSED_BYTES = 4 << 30
+
 
 def read_rows(
     source: str | os.PathLike, *, hf_split: str = "train", max_rows: int | None = None
@@ -91,10 +100,54 @@ def _open_binary(path: Path):
     return gzip.open(path, "rb") if gzipped else open(path, "rb")
 
 
+class _BoundedFile:
+    """A data file's bytes, gunzipped when gzipped, read within MAX_LINE_BYTES a line and MAX_DECOMPRESSED_BYTES in
+    all: a line is read at most MAX_LINE_BYTES + 1 bytes at a time, so a longer one fails without being held."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.file = _open_binary(path)
+        self.bytes_read = 0
+
+    def __enter__(self) -> _BoundedFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.file.close()
+
+    def readline(self, line_no: int) -> bytes:
+        """Line `line_no` (1-based, for the error), its newline included; b"" at the end of the file."""
+        raw = self.file.readline(MAX_LINE_BYTES + 1)
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            raise DataFormatError(
+                f"{self.path}: line {line_no} is longer than {MAX_LINE_BYTES} bytes (rlhflow.data.readers."
+                "MAX_LINE_BYTES); stopped reading it there. One line holds one record: split the file's records one "
+                "per line"
+            )
+        self._count(len(raw), f"line {line_no}")
+        return raw
+
+    def read(self, size: int, line_no: int) -> bytes:
+        chunk = self.file.read(size)
+        self._count(len(chunk), f"line {line_no}")
+        return chunk
+
+    def _count(self, size: int, where: str) -> None:
+        self.bytes_read += size
+        if self.bytes_read > MAX_DECOMPRESSED_BYTES:
+            raise DataFormatError(
+                f"{self.path}: more than {MAX_DECOMPRESSED_BYTES} bytes once decompressed (rlhflow.data.readers."
+                f"MAX_DECOMPRESSED_BYTES); stopped reading at {where}. Split the data into smaller files"
+            )
+
+
 def _first_char(path: Path) -> str | None:
     """The first non-whitespace character (BOM skipped), or None for an empty file."""
-    with _open_binary(path) as f:
-        while chunk := f.read(4096):
+    with _BoundedFile(path) as f:
+        while chunk := f.read(4096, 1):
             text = chunk.decode("utf-8", errors="replace").lstrip("\ufeff \t\r\n")
             if text:
                 return text[0]
@@ -114,9 +167,10 @@ def _iter_jsonl(path: Path, max_rows: int | None) -> Iterator[tuple[int, Any]]:
     problems: list[str] = []
     bad_lines: list[int] = []
     count = 0
-    offset = 0
-    with _open_binary(path) as f:
-        for line_no, raw in enumerate(f, start=1):
+    offset, line_no = 0, 0
+    with _BoundedFile(path) as f:
+        while raw := f.readline(line_no + 1):
+            line_no += 1
             line_offset, offset = offset, offset + len(raw)
             try:
                 text = raw.decode("utf-8")
@@ -154,13 +208,13 @@ class _TextStream:
 
     def __init__(self, path: Path):
         self.path = path
-        self.file = _open_binary(path)
+        self.file = _BoundedFile(path)
         self.decoder = codecs.getincrementaldecoder("utf-8")()
         self.bytes_read = 0
         self.newlines_read = 0
 
     def read(self, size: int) -> str:
-        chunk = self.file.read(size)
+        chunk = self.file.read(size, self.newlines_read + 1)
         try:
             text = self.decoder.decode(chunk, final=not chunk)
         except UnicodeDecodeError as err:
@@ -225,11 +279,13 @@ def _iter_json_array(path: Path, max_rows: int | None) -> Iterator[tuple[int, An
             while True:  # a value cut by the chunk boundary fails or ends at the buffer's end: read on
                 try:
                     obj, end = decoder.raw_decode(buf, pos)
-                    if end < len(buf) or eof:
+                    if (end < len(buf) or eof) and end - pos <= MAX_LINE_BYTES:  # a longer one fails below
                         break
                 except json.JSONDecodeError as err:
                     if eof:
                         raise fail(f"{err.msg} (item {item})", err.pos) from None
+                if len(buf) - pos > MAX_LINE_BYTES:  # characters: at least as many bytes
+                    raise fail(f"item {item} is longer than MAX_LINE_BYTES={MAX_LINE_BYTES} bytes", pos)
                 refill(max(_CHUNK, len(buf)))
             if not isinstance(obj, dict):
                 raise fail(f"item {item} is a {type(obj).__name__}, expected an object", pos)

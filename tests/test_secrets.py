@@ -1,0 +1,183 @@
+"""Secrets that stay secret: a URL is shown without its user info or the credentials in its query; the judge's API
+key comes only from a variable named as one and travels in clear text only to this host, unless the user opts in;
+the Docker build context leaves out what git ignores and the local secret files. A whole run with a password in the
+tracking URI: tests/test_security.py."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from rlhflow.config import ConfigError, load_config
+from rlhflow.redaction import redact_url, redact_urls
+
+# ---- URLs ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url,shown",
+    [
+        ("http://bob:hunter2@127.0.0.1:5000", "http://127.0.0.1:5000"),
+        ("https://TOKEN123@mlflow.example.com/", "https://mlflow.example.com/"),
+        ("postgresql://bob:p@ss@db:5432/mlflow", "postgresql://db:5432/mlflow"),  # a raw @ in the password
+        ("https://host/v1?api-version=2024-06-01&api-key=abc", "https://host/v1?api-version=2024-06-01&api-key=***"),
+        ("https://host/v1?key=abc#frag", "https://host/v1?key=***#frag"),
+        ("https://b.s3.amazonaws.com/o?X-Amz-Signature=f00&X-Amz-Credential=AKIA", None),
+        (
+            "https://acct.blob.core.windows.net/c?sv=2022&sig=abc%2Fdef",
+            "https://acct.blob.core.windows.net/c?sv=2022&sig=***",
+        ),
+        (
+            "https://h/x?access_token=t&apiKey=k&client_secret=s&page=2",
+            "https://h/x?access_token=***&apiKey=***&client_secret=***&page=2",
+        ),
+        ("https://h/x?keyword=rlhf&monkey=1", "https://h/x?keyword=rlhf&monkey=1"),  # words, not substrings
+        ("http://127.0.0.1:5000/#/experiments/1/runs/abc", "http://127.0.0.1:5000/#/experiments/1/runs/abc"),
+        ("sqlite:////tmp/mlflow.db", "sqlite:////tmp/mlflow.db"),
+    ],
+)
+def test_a_url_is_shown_without_user_info_or_query_credentials(url, shown):
+    if shown is None:  # every signed-URL parameter masked
+        shown = "https://b.s3.amazonaws.com/o?X-Amz-Signature=***&X-Amz-Credential=***"
+    assert redact_url(url) == shown
+
+
+def test_urls_in_text_and_markdown_links_are_redacted(monkeypatch):
+    from rlhfops.tracking import redact
+
+    link = "http://u:pw123456@127.0.0.1:5000/#/experiments/1/runs/r"
+    text = f"MLflow run: [{link}]({link}); judge https://api.example.com/v1?key=sk-123 answered 500"
+    expected = (
+        "MLflow run: [http://127.0.0.1:5000/#/experiments/1/runs/r](http://127.0.0.1:5000/#/experiments/1/runs/r); "
+        "judge https://api.example.com/v1?key=*** answered 500"
+    )
+    assert redact_urls(text) == expected
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "pw123456-and-more")
+    assert redact(text + " pw123456-and-more") == expected + " ***"  # the environment's secrets too
+
+
+def test_run_links_carry_no_credentials(monkeypatch):
+    from flows.report import mlflow_experiment_url, mlflow_run_url
+
+    monkeypatch.delenv("RLHF_MLFLOW_UI_URL", raising=False)
+    uri = "https://team:s3cr3t-pw@mlflow.example.com:8443"
+    assert mlflow_run_url(uri, "1", "abc") == "https://mlflow.example.com:8443/#/experiments/1/runs/abc"
+    assert mlflow_experiment_url(uri, "1") == "https://mlflow.example.com:8443/#/experiments/1/runs"
+    monkeypatch.setenv("RLHF_MLFLOW_UI_URL", "http://viewer:pw@127.0.0.1:5000/")
+    assert mlflow_run_url(uri, "1", "abc") == "http://127.0.0.1:5000/#/experiments/1/runs/abc"
+
+
+def test_a_store_named_without_credentials_takes_this_machines_own(monkeypatch):
+    """A team run's stage parameters name the store without user info; each worker adds the credentials its own
+    $MLFLOW_TRACKING_URI holds for that store, and only for that store."""
+    from rlhfops.tracking import tracking_uri
+
+    cfg = load_config(overrides=["tracking.tracking_uri=http://127.0.0.1:5000"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://worker:pw@127.0.0.1:5000")
+    assert tracking_uri(cfg) == "http://worker:pw@127.0.0.1:5000"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://worker:pw@127.0.0.1:5001")  # another store: not its password
+    assert tracking_uri(cfg) == "http://127.0.0.1:5000"
+
+
+# ---- the judge's API key ------------------------------------------------------------------------------------
+
+LLM = ["judge.kind=llm", "judge.model=judge-model"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["AWS_SECRET_ACCESS_KEY", "MLFLOW_TRACKING_PASSWORD", "HF_TOKEN", "PREFECT_API_KEY", "openai_api_key", "PATH"],
+)
+def test_the_api_key_variable_must_name_a_judge_key(name):
+    with pytest.raises(
+        ConfigError, match=rf"judge.api_key_env='{name}' does not name a judge API key: .*API_KEY or _TOKEN"
+    ):
+        load_config(overrides=[f"judge.api_key_env={name}"])
+
+
+@pytest.mark.parametrize("name", ["OPENAI_API_KEY", "ANTHROPIC_API_KEY", "MY_JUDGE_TOKEN", "VLLM_API_KEY"])
+def test_key_like_variable_names_are_accepted(name):
+    assert load_config(overrides=[f"judge.api_key_env={name}"]).judge.api_key_env == name
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    ["http://127.0.0.1:8000/v1", "http://127.5.6.7/v1", "http://localhost:8000/v1", "http://[::1]:8000/v1"]
+    + ["https://api.example.com/v1", "https://10.0.0.5/v1"],
+)
+def test_https_or_loopback_endpoints_are_accepted(endpoint):
+    assert load_config(overrides=[*LLM, f"judge.endpoint={endpoint}"]).judge.endpoint == endpoint
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "http://10.0.0.5:8000/v1",
+        "http://judge.internal/v1",
+        "http://user:pw-SECRET-9@127.0.0.1.evil.com/v1?key=k-SECRET-9",
+    ],
+)
+def test_a_plain_http_endpoint_elsewhere_fails_at_load_unless_allowed(endpoint):
+    with pytest.raises(
+        ConfigError, match=r"judge.endpoint http://[^ ]+ is not https.*judge.allow_plain_http=true"
+    ) as err:
+        load_config(overrides=[*LLM, f"judge.endpoint={endpoint}"])
+    assert "SECRET" not in str(err.value)  # the endpoint named without its credentials
+    cfg = load_config(overrides=[*LLM, f"judge.endpoint={endpoint}", "judge.allow_plain_http=true"])
+    assert cfg.judge.allow_plain_http
+
+
+def test_allowing_plain_http_leaves_earlier_runs_digests_as_they_were():
+    """Off, the setting is left out of the params digest (tests/test_tracking.py checks every DIGEST_NEUTRAL key);
+    on, it is a different configuration."""
+    from rlhfops.tracking import DIGEST_NEUTRAL, params_digest
+
+    assert DIGEST_NEUTRAL["judge.allow_plain_http"] is False
+    assert params_digest(load_config(overrides=["judge.allow_plain_http=true"])) != params_digest(load_config())
+
+
+# ---- the Docker build context -------------------------------------------------------------------------------
+
+SECRET_FILES = [".env", ".env.local", "configs/.env.prod", ".dvc/config.local", ".stack/stack.env", "stack.env"]
+SECRET_FILES += ["certs/server.pem", "deploy/tls.key", ".netrc", ".git-credentials"]
+
+
+def ignore_lines(path: Path) -> list[str]:
+    return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
+def as_docker_pattern(git_pattern: str) -> str:
+    """A .gitignore pattern as .dockerignore writes it: Docker matches from the context's root, so a pattern that git
+    matches at any depth (no leading or inner `/`) takes `**/`."""
+    anchored = "/" in git_pattern.rstrip("/")
+    pattern = git_pattern.strip("/")
+    return pattern if anchored else f"**/{pattern}"
+
+
+DOCKER_GLOB = {"**/": "(.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}
+
+
+def docker_excludes(rules: list[str], path: str) -> bool:
+    """Whether Docker leaves `path` out of the build context: the last rule that matches it or a folder above it
+    decides (`!` re-includes); `**` spans folders, `*` and `?` stay within one."""
+    excluded = False
+    for rule in rules:
+        negated, pattern = rule.startswith("!"), rule.lstrip("!")
+        parts = re.split(r"(\*\*/|\*\*|\*|\?)", pattern)
+        regex = "".join(DOCKER_GLOB.get(part, re.escape(part)) for part in parts)
+        if re.fullmatch(rf"{regex}(/.*)?", path):
+            excluded = not negated
+    return excluded
+
+
+def test_the_docker_context_leaves_out_what_git_ignores_and_local_secrets():
+    docker = ignore_lines(REPO / ".dockerignore")
+    missing = [p for p in ignore_lines(REPO / ".gitignore") if as_docker_pattern(p) not in docker]
+    assert not missing, f".gitignore patterns .dockerignore lacks: {missing}"
+    assert not [f for f in SECRET_FILES if not docker_excludes(docker, f)], docker
+    kept = ["params.yaml", ".env.example", "rlhflow/config.py", "data/hh-rlhf-harmless/harmless-base.jsonl.gz"]
+    assert not [f for f in kept if docker_excludes(docker, f)]
+    assert docker_excludes(docker, "rlhflow/__pycache__/config.cpython-311.pyc")
