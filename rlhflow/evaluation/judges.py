@@ -15,11 +15,15 @@ prompt is asked twice, with the answers in both orders, so position bias cancels
 soft preference is the mean of the two orders; the verdict is a's win only when both orders name a, b's only when
 both name b, else a tie (0.5).
 
-Reading a verdict (`parse_verdict`): a reply names output 1 or 2 when it begins with one (`1`, `(2)`, `Output 1`,
-`Answer: 2`, `Output (a)`, `Response B`, or just `a`/`b`), otherwise when exactly one of the two is named anywhere in
-it (a standalone digit 1 or 2, `Output 2`, `(b)`). A reply naming neither, or both and neither first, is malformed:
-it is asked again, up to `judge.max_retries` times, then counted and its prompt named (`Verdicts.malformed_items`);
-that order counts 0.5, so a malformed reply is never silently dropped nor taken for a verdict.
+What the llm judge reads (`LLMJudge.render`): the template filled in one pass (`str.format_map`), the conversation
+as a JSON list of `{"role", "content"}` messages and each answer as a JSON string, so that no answer can expand a
+placeholder, end its own block or speak as the instructions. A template holds exactly the placeholders
+`{instruction}`, `{output_1}` and `{output_2}` (str.format syntax, a literal brace doubled), checked when it is loaded.
+
+Reading a verdict (`parse_verdict`): the reply, with surrounding whitespace removed, must be exactly `1` or `2`.
+Anything else (`Output 1`, `2.`, `**1**`, a sentence) is malformed: it is asked again, up to `judge.max_retries`
+times, then counted and its prompt named (`Verdicts.malformed_items`); that order counts 0.5, so a malformed reply
+is never silently dropped nor taken for a verdict.
 
 The endpoint's API key is read from the environment variable `judge.api_key_env` at request time (absent: no
 Authorization header) and sent only in that header: it is never in `describe()`, a log line or an error message.
@@ -31,7 +35,7 @@ import hashlib
 import json
 import logging
 import os
-import re
+import string
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +48,7 @@ import numpy as np
 
 from rlhflow.config import REPO_ROOT, JudgeConfig
 from rlhflow.fsutil import dir_md5
+from rlhflow.redaction import REDACTED, redact_urls, user_info_removed
 
 if TYPE_CHECKING:
     import httpx
@@ -54,8 +59,9 @@ log = logging.getLogger(__name__)
 
 Messages = list[dict[str, str]]
 DEFAULT_TEMPLATE = Path(__file__).with_name("judge_template.txt")
-PLACEHOLDERS = ("{instruction}", "{output_1}", "{output_2}")
-MAX_TOKENS = 16  # a verdict is one character; a little room for "Output (a)" and markdown
+PLACEHOLDERS = ("instruction", "output_1", "output_2")
+VERDICTS = {"1": 1, "2": 2}  # the only replies read as verdicts (after stripping surrounding whitespace)
+MAX_TOKENS = 16  # a verdict is one character; the rest shows in the log what a malformed reply said
 PREFLIGHT_TIMEOUT_S = 10.0
 LLM_WORKERS = 4  # requests in flight at once
 JUDGE_FILE = "judge.json"  # what the judge stage writes for a judge it did not train
@@ -211,70 +217,75 @@ def load_reward_model_judge(spec: str, *, max_length: int, batch_size: int, devi
 
 # ---- the llm judge: a chat model behind an OpenAI-compatible endpoint --------------------------------------------
 
-_OUTPUT_WORD = r"\b(?:output|answer|response|reply|verdict|option|candidate)"
-# after such a word: (1) / [b], a digit not part of a number, or a letter that ends the phrase ("Output B is ...")
-_NAMED = re.compile(
-    rf"{_OUTPUT_WORD}\s*[:#]?\s*(?:[(\[]\s*([12ab])\s*[)\]]|([12])(?!\w|[.,]\d)|([ab])(?=\s*(?:$|[.,;:!*]|is\b|wins\b)))",
-    re.I,
-)
-_BRACKETED = re.compile(r"[(\[]\s*([12ab])\s*[)\]]", re.I)
-_DIGIT = re.compile(r"(?<![\w.,])([12])(?!\w|[.,]\d)")
-_LEADING_NOISE = re.compile(r"^[\s\"'*_`#>:.\-]*")
-_VERDICT = {"1": 1, "2": 2, "a": 1, "b": 2}
-
 
 def parse_verdict(reply: str) -> int | None:
-    """1 or 2: which output a reply names (module docstring); None when it names neither, or both and neither
-    first."""
-    text = _LEADING_NOISE.sub("", reply or "")
-    whole = text.strip(" \t\n\"'*_`.!").lower()
-    if whole in _VERDICT:  # the whole reply is the verdict
-        return _VERDICT[whole]
-    for pattern in (_NAMED, _BRACKETED, _DIGIT):  # the reply begins with a verdict
-        first = pattern.match(text)
-        if first:
-            return _named(first)
-    named = {_named(m) for p in (_NAMED, _BRACKETED, _DIGIT) for m in p.finditer(text)}
-    return named.pop() if len(named) == 1 else None
+    """1 or 2 when the reply, stripped of surrounding whitespace, is exactly that digit; None (malformed) for anything
+    else, however plainly it seems to name an output: a loose reading takes "Output 1 is worse than Output 2" for 1."""
+    return VERDICTS.get((reply or "").strip())
 
 
-def _named(match: re.Match) -> int:
-    return _VERDICT[next(g for g in match.groups() if g).lower()]
+_PLACEHOLDER_RULE = (
+    f"a template holds {', '.join('{' + p + '}' for p in PLACEHOLDERS)} and no other field, in str.format syntax "
+    "(a literal brace is written twice: {{ or }})"
+)
+
+
+def check_template(text: str, where: str) -> None:
+    """Each placeholder is there, as a bare `{name}` (no conversion or format spec), and no other field is: a value
+    meant for one placeholder never lands in another. `where` names the file in the error."""
+    try:
+        fields = [(name, conv, spec) for _, name, spec, conv in string.Formatter().parse(text) if name is not None]
+    except ValueError as err:
+        raise JudgeUnavailableError(f"{where}: {err}; {_PLACEHOLDER_RULE}") from None
+    unknown = sorted(
+        {
+            "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+            for name, conv, spec in fields
+            if name not in PLACEHOLDERS or conv or spec
+        }
+    )
+    if unknown:
+        raise JudgeUnavailableError(f"{where}: unknown placeholder(s) {', '.join(unknown)}; {_PLACEHOLDER_RULE}")
+    missing = [f"{{{p}}}" for p in PLACEHOLDERS if p not in {name for name, _, _ in fields}]
+    if missing:
+        raise JudgeUnavailableError(f"{where}: lacks the placeholder(s) {', '.join(missing)}; {_PLACEHOLDER_RULE}")
 
 
 def load_template(template: str | os.PathLike | None) -> tuple[str, str]:
     """(the template's text, its name): `judge.template` (relative paths from the repository root) or the shipped
-    default. Each placeholder must be there."""
+    default, its placeholders checked (check_template)."""
     path = DEFAULT_TEMPLATE if template is None else Path(os.path.expanduser(str(template)))
     if not path.is_absolute():
         path = REPO_ROOT / path
+    where = f"judge.template={template}" + ("" if str(path) == str(template) else f" ({path})")
     try:
         text = path.read_bytes().decode()  # as the file is (no newline translation): its md5 is the file's
     except (OSError, UnicodeDecodeError) as err:
         reason = getattr(err, "strerror", None) or err
-        raise JudgeUnavailableError(f"judge.template={template}: cannot read it ({reason})") from None
-    missing = [p for p in PLACEHOLDERS if p not in text]
-    if missing:
-        raise JudgeUnavailableError(f"judge.template={template or path}: lacks the placeholder(s) {', '.join(missing)}")
+        raise JudgeUnavailableError(f"{where}: cannot read it ({reason})") from None
+    check_template(text, where)
     return text, "default" if template is None else str(template)
 
 
-def render_instruction(prompt_messages: Messages) -> str:
-    """The conversation so far as the judge reads it: a single user turn as it is, a dialogue as `Role: text`
-    turns."""
-    if len(prompt_messages) == 1 and prompt_messages[0]["role"] == "user":
-        return prompt_messages[0]["content"]
-    return "\n\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in prompt_messages)
+# The judge reads the conversation and the answers as JSON rather than inside a fence with a random delimiter: the
+# encoding closes each block by construction (every quote and line break inside a value is escaped, so a value is
+# one line between its own quotes, whatever it says), and a request stays a function of its inputs, so greedy
+# verdicts reproduce and a retry asks the same question.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def as_json(value: Any) -> str:
+    """`value` as one line of JSON: non-ASCII text stays readable (ensure_ascii=False), and the line breaks that
+    json.dumps then leaves as they are (NEL, U+2028, U+2029) are escaped as well."""
+    return json.dumps(value, ensure_ascii=False).translate(_LINE_BREAKS_JSON_KEEPS)
 
 
 def public_endpoint(endpoint: str) -> str:
-    """The endpoint as it may be shown and logged: scheme, host, port and path; no user, password or query."""
-    parts = urlsplit(endpoint)
-    host = parts.hostname or ""
-    if ":" in host:  # IPv6
-        host = f"[{host}]"
-    netloc = f"{host}:{parts.port}" if parts.port else host
-    return urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
+    """The endpoint as it may be shown and logged: scheme, host, port and path. No user info (rlhflow.redaction), and
+    no query or fragment at all: a key may sit there under any name, and the judge's basis stays the same whatever
+    key the query carries."""
+    parts = urlsplit(user_info_removed(endpoint))
+    return urlunsplit((parts.scheme, parts.netloc.lower(), parts.path.rstrip("/"), "", ""))
 
 
 class LLMJudge(Judge):
@@ -312,18 +323,21 @@ class LLMJudge(Judge):
 
     # -- asking
 
-    def render(self, instruction: str, output_1: str, output_2: str) -> str:
-        text = self.template
-        for placeholder, value in zip(PLACEHOLDERS, (instruction, output_1, output_2)):
-            text = text.replace(placeholder, value)
-        return text
+    def render(self, prompt_messages: Messages, output_1: str, output_2: str) -> str:
+        """What the judge is asked: the template filled in one pass (str.format_map reads no value for placeholders),
+        the conversation as a JSON list of its messages and each answer as a JSON string (as_json)."""
+        conversation = [{"role": m["role"], "content": m["content"]} for m in prompt_messages]
+        values = {"instruction": as_json(conversation), "output_1": as_json(output_1), "output_2": as_json(output_2)}
+        return self.template.format_map(values)
 
     def _api_key(self) -> str | None:
         return os.environ.get(self.api_key_env) or None
 
     def _scrub(self, text: str) -> str:
+        """An error's text without the key or any URL credential (an endpoint's query key echoed back)."""
         key = self._api_key()
-        return text.replace(key, "***") if key else text
+        text = redact_urls(text)
+        return text.replace(key, REDACTED) if key else text
 
     def client(self, timeout: float | None = None) -> httpx.Client:
         import httpx
@@ -375,9 +389,11 @@ class LLMJudge(Judge):
             f"judge.endpoint {shown} {problem}; check judge.endpoint and judge.model={self.model}"
         )
 
-    def verdict(self, client: httpx.Client, instruction: str, output_1: str, output_2: str) -> tuple[int | None, str]:
+    def verdict(
+        self, client: httpx.Client, prompt_messages: Messages, output_1: str, output_2: str
+    ) -> tuple[int | None, str]:
         """(1 or 2, the reply); (None, the last reply) when it stayed malformed after judge.max_retries more asks."""
-        content = self.render(instruction, output_1, output_2)
+        content = self.render(prompt_messages, output_1, output_2)
         for attempt in range(self.max_retries + 1):
             reply = self.chat(client, content)
             choice = parse_verdict(reply)
@@ -388,8 +404,7 @@ class LLMJudge(Judge):
 
     def compare(self, prompt_messages: list[Messages], answers_a: list[str], answers_b: list[str]) -> Verdicts:
         _check_lengths(prompt_messages, answers_a, answers_b)
-        instructions = [render_instruction(p) for p in prompt_messages]
-        jobs = [(i, swapped) for i in range(len(instructions)) for swapped in (False, True)]
+        jobs = [(i, swapped) for i in range(len(prompt_messages)) for swapped in (False, True)]
 
         with self.client() as client:
 
@@ -397,7 +412,7 @@ class LLMJudge(Judge):
                 """The preference for a of one order (None: malformed), and the reply."""
                 i, swapped = job
                 first, second = (answers_b[i], answers_a[i]) if swapped else (answers_a[i], answers_b[i])
-                choice, reply = self.verdict(client, instructions[i], first, second)
+                choice, reply = self.verdict(client, prompt_messages[i], first, second)
                 return (None if choice is None else float((choice == 1) != swapped)), reply
 
             pool = ThreadPoolExecutor(max_workers=max(1, min(self.workers, len(jobs))))
@@ -414,7 +429,8 @@ class LLMJudge(Judge):
         items = sorted({i for i, _ in malformed})
         if malformed:
             log.warning(
-                "llm judge: %d of %d replies named no output after %d retries (counted as ties), on prompts %s; "
+                "llm judge: %d of %d replies were not exactly 1 or 2 after %d retries (counted as ties), on prompts "
+                "%s; "
                 "e.g. malformed verdict %r",
                 len(malformed),
                 len(jobs),
