@@ -6,8 +6,10 @@ RUN_ID is an MLflow parent run of the pipeline flow. Its artifact `dvc.lock` bec
 the repository's dvc.lock; what the local DVC cache lacks is pulled from the DVC remote (--remote, else DVC's
 default remote); DVC checks the cached outputs out, the metrics and plot data come from the run's artifacts,
 user data files the run read are put back where it read them; and each md5 is checked against the run's record
-(rlhfops/restore.py). Exits 1 when anything differs or cannot be restored. The Prefect deployment
-`restore-run/restore` (flows/serve.py) runs the same flow.
+(rlhfops/restore.py). Nothing is written unless every path of the record is one that the stage list and the
+config give its stage, inside the workspace, and every object holds its recorded md5; the restore holds the
+workspace (rlhfops/workspace.py) throughout, waiting for a run that holds it. Exits 1 when anything differs or
+cannot be restored. The Prefect deployment `restore-run/restore` (flows/serve.py) runs the same flow.
 """
 
 from __future__ import annotations

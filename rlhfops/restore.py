@@ -2,12 +2,20 @@
 its MLflow parent run, rlhfops/run_record.py), DVC checks the cached outputs out (pulling missing objects from a
 remote), the uncached ones come from the run's artifacts, and every md5 is checked against the record; and push a
 run's objects to a DVC remote.
+
+A record is data from a tracking server and a remote that others can write to, so a restore trusts none of it
+before checking: it writes only where the current stage list and config put a stage's outputs and user data,
+inside the workspace (`check_record`), each object's md5 is checked in the cache before it is checked out
+(`verify_objects`), and the workspace is held throughout (rlhfops/workspace.py). Any refusal comes before the
+first write.
 """
 
 from __future__ import annotations
 
 # dvc and mlflow are heavy: they are imported inside the functions that use them.
+import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -15,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from rlhflow.config import REPO_ROOT, Config
-from rlhfops import tracking
-from rlhfops.hashing import dvc_md5s
+from rlhfops import tracking, workspace
+from rlhfops.dvc_yaml import stage_deps
+from rlhfops.hashing import dvc_md5s, file_md5
 from rlhfops.stage_lock import (
     LOCK_FILE,
     dvc_repo,
@@ -25,8 +34,13 @@ from rlhfops.stage_lock import (
     load_lock,
     made_by_stages,
     repo_lock,
+    stage_outputs,
     state_dir,
 )
+from rlhfops.stages import STAGE_NAMES, get_stage
+
+# what DVC records for a file (md5) or a directory (md5 of its listing, `.dir`); anything else is no object name
+OBJECT_NAME = re.compile(r"[0-9a-f]{32}(\.dir)?")
 
 
 class RestoreError(RuntimeError):
@@ -75,8 +89,8 @@ def run_lock(run_id: str, cfg: Config, dst: Path) -> tuple[dict[str, Any], Path 
 
 def restore(run_id: str, cfg: Config, remote: str | None = None) -> list[Restored]:
     """Put a parent run's outputs and user data back into the workspace (`restore_lock` of its `dvc.lock`
-    artifact, the uncached outputs from its `outputs/` artifacts)."""
-    with tempfile.TemporaryDirectory() as tmp:
+    artifact, the uncached outputs from its `outputs/` artifacts), holding the workspace throughout."""
+    with workspace.exclusive(f"restore of run {run_id}"), tempfile.TemporaryDirectory() as tmp:
         lock, outputs = run_lock(run_id, cfg, Path(tmp))
         stages = lock.get("stages", {})
         if not stages:
@@ -92,29 +106,36 @@ def restore_lock(
     `remote` (default: DVC's default remote), DVC checks the cached outputs out, the uncached ones are copied from
     `outputs` (a run's `outputs/` artifacts), and user data files
     (`user_data`) are put back where the run read them, a changed file kept beside as `<name>.before-restore`.
-    Then every restored file's md5 is compared with the record."""
+    Nothing is written before every path is found to be one the stage list and config name (`check_record`) and
+    every object and copy to hold its recorded md5 (`verify_objects`); the workspace is held all along. Then
+    every restored file's md5 is compared with the record."""
     if not is_dvc_project():
         raise RestoreError(f"{REPO_ROOT} is not a DVC project: nothing to restore from")
-    data = _recorded_user_data(stages, cfg)
-    sources: dict[str, str] = {}
-    with dvc_repo() as repo, repo_lock(repo):
-        for name, entry in stages.items():
-            _write_lock_entry(repo, name, entry)
-        repo._reset()  # DVC's index, if built, predates these entries
-        outs = [o for n in stages for o in repo.stage.load_one(name=n).outs if o.use_cache and o.hash_info]
-        cached = {o.def_path: o.hash_info.value for o in outs}
-        fetch(repo, {**cached, **{p: h for _, p, h in data}}, remote)
-        for name in stages:
-            sources.update(_checkout_stage(repo, name, outputs))
-        for _, path, md5 in data:
-            sources[path] = _put_back(repo, cfg, cfg.path(path), md5)
-    with dvc_md5s(state_dir(cfg)) as md5_of:
-        results = [
-            Restored(name, o["path"], o.get("md5"), md5_of(cfg.path(o["path"])), sources.get(o["path"], ""))
-            for name, entry in stages.items()
-            for o in entry.get("outs", [])
-        ]
-        results += [Restored(name, p, h, md5_of(cfg.path(p)), sources[p]) for name, p, h in data]
+    with workspace.exclusive("a restore"):
+        data = check_record(stages, cfg)
+        sources: dict[str, str] = {}
+        with dvc_repo() as repo, repo_lock(repo):
+            declared = {name: _declared_stage(repo, name, entry) for name, entry in stages.items()}
+            cached, copies = _recorded_outputs(stages, declared)
+            objects = {**cached, **{p: h for _, p, h in data}}
+            fetch(repo, objects, remote)
+            verify_objects(repo, cfg, objects)
+            _verify_copies(copies, outputs)
+            # every check passed: from here on the workspace is written
+            for name, entry in stages.items():
+                _write_lock_entry(declared[name], entry)
+            repo._reset()  # DVC's index, if built, predates these entries
+            for name in stages:
+                sources.update(_checkout_stage(repo, name, outputs))
+            for _, path, md5 in data:
+                sources[path] = _put_back(repo, cfg, cfg.path(path), md5)
+        with dvc_md5s(state_dir(cfg)) as md5_of:
+            results = [
+                Restored(name, o["path"], o.get("md5"), md5_of(cfg.path(o["path"])), sources.get(o["path"], ""))
+                for name, entry in stages.items()
+                for o in entry.get("outs", [])
+            ]
+            results += [Restored(name, p, h, md5_of(cfg.path(p)), sources[p]) for name, p, h in data]
     return results
 
 
@@ -128,6 +149,59 @@ def _recorded_user_data(stages: dict[str, Any], cfg: Config) -> list[tuple[str, 
         for d in entry.get("deps", [])
         if d.get("md5") and is_user_data(cfg, d["path"], made)
     ]
+
+
+# ---- what a record may write, checked before anything is written -------------------------------------------------
+
+
+def _inside(path: Path, root: Path = REPO_ROOT) -> bool:
+    """Whether `path`, every symlink on the way followed, lies under `root`."""
+    return path.resolve().is_relative_to(root.resolve())
+
+
+def _refusal(cfg: Config, stage: str, kind: str, path: str, md5: Any, named: set[str]) -> str | None:
+    """Why the record's `path` (an output, or user data it would put back) may not be written; None when it may:
+    the current stage list and config name it for that stage, it holds a DVC object name, and it lies inside the
+    workspace. User data outside it is put back only where the config itself names that path (a user's own file,
+    `--set data.preferences=/abs/path`), never because a record says so."""
+    rel = os.path.normpath(path)
+    if rel not in named:
+        return f"stage {stage}: {kind} {path} is not a path the stage list and the config name for this stage"
+    if md5 is not None and not (isinstance(md5, str) and OBJECT_NAME.fullmatch(md5)):
+        return f"stage {stage}: {kind} {path} has md5 {md5!r}, which names no DVC object"
+    where = Path(os.path.normpath(cfg.path(rel)))
+    if kind == "user data" and not where.is_relative_to(REPO_ROOT):
+        return None  # the user's own file, where the config (not the record) says it is
+    if not _inside(where):
+        return f"stage {stage}: {kind} {path} leads outside the workspace {REPO_ROOT} (to {where.resolve()})"
+    return None
+
+
+def check_record(stages: dict[str, Any], cfg: Config) -> list[tuple[str, str, str]]:
+    """Refuse a record (stage -> lock entry) that would write anywhere but where the current stage list and
+    `cfg` put a stage's outputs and user data: every such path named at once, before anything is written.
+    Returns the user data to put back: (stage, path, md5)."""
+    problems = [
+        f"stage {n!r} is not in the stage list ({', '.join(STAGE_NAMES)})" for n in stages if n not in STAGE_NAMES
+    ]
+    known = {n: e for n, e in stages.items() if n in STAGE_NAMES}
+    data = _recorded_user_data(known, cfg)
+    for name, entry in known.items():
+        stage = get_stage(name)
+        outs = {os.path.normpath(stage.resolve(cfg, t)) for t in stage_outputs(stage)}
+        problems += [
+            _refusal(cfg, name, "output", o.get("path", ""), o.get("md5"), outs) for o in entry.get("outs", [])
+        ]
+        deps = {os.path.normpath(stage.resolve(cfg, t)) for t in stage_deps(stage)}
+        problems += [_refusal(cfg, name, "user data", p, h, deps) for n, p, h in data if n == name]
+    problems = [p for p in problems if p]
+    if problems:
+        raise RestoreError(
+            "the run's record names paths a restore may not write; nothing was written: "
+            + "; ".join(problems)
+            + " (a run made with `--set` overrides that move paths restores with the same ones)"
+        )
+    return data
 
 
 def _entries(odb: Any, dirs: list[Any]) -> list[Any]:
@@ -167,6 +241,109 @@ def fetch(repo: Any, objects: dict[str, str], remote: str | None = None) -> None
         lacking = missing()
     if lacking:
         raise RestoreError(f"not in the local DVC cache, and the DVC remote lacks them too: {sorted(lacking)}")
+
+
+# ---- the objects a record names, checked in the cache before anything is checked out -----------------------------
+
+
+def _object_problem(odb: Any, md5: str) -> str | None:
+    """Why the cache's object `md5` cannot be checked out (missing, or its bytes hash otherwise); None if sound."""
+    obj = Path(odb.oid_to_path(md5))
+    if not obj.is_file():
+        return f"object {md5} is not in the DVC cache"
+    actual = file_md5(obj)
+    if actual != md5.removesuffix(".dir"):
+        return f"object {md5} in the DVC cache ({obj}) has md5 {actual}: forged or corrupted"
+    return None
+
+
+def _listing_problems(odb: Any, target: Path, md5: str) -> list[str]:
+    """What is wrong with a (sound) directory object: its listing must be DVC's, name only files inside the
+    directory `target` (no absolute path, no `..`, no symlink there leading out), each a sound object."""
+    try:
+        entries = [(str(e["relpath"]), str(e["md5"])) for e in json.loads(Path(odb.oid_to_path(md5)).read_bytes())]
+    except (ValueError, KeyError, TypeError):
+        return [f"directory object {md5} is not a DVC listing"]
+    problems = []
+    for rel, h in entries:
+        if os.path.isabs(rel) or ".." in Path(rel).parts or not _inside(target / rel, target):
+            problems.append(f"its listing {md5} names {rel}, outside the directory")
+        elif not OBJECT_NAME.fullmatch(h) or h.endswith(".dir"):
+            problems.append(f"its listing {md5} gives {rel} the md5 {h!r}, which names no DVC object")
+        elif problem := _object_problem(odb, h):
+            problems.append(f"{rel}: {problem}")
+    return problems
+
+
+def verify_objects(repo: Any, cfg: Config, objects: dict[str, str]) -> None:
+    """Every object (path -> DVC md5) is in the local DVC cache and holds what its md5 says: a file's bytes, a
+    directory's listing and each file it lists, as DVC computes them. Checked before anything is checked out, so
+    a forged or corrupted object writes nothing. Raises RestoreError naming each path."""
+    odb = repo.cache.local
+    problems = []
+    for path, md5 in objects.items():
+        problem = _object_problem(odb, md5)
+        if problem is None and md5.endswith(".dir"):
+            problems += [f"{path}: {p}" for p in _listing_problems(odb, cfg.path(path), md5)]
+        elif problem:
+            problems.append(f"{path}: {problem}")
+    if problems:
+        raise RestoreError(
+            "the DVC cache does not hold what the run recorded; nothing was written: " + "; ".join(problems)
+        )
+
+
+def _kept_copy(outputs: Path | None, path: str) -> Path | None:
+    """Where a run's artifacts keep the uncached output `path` (run_record.artifact_dir); None when they do not."""
+    copy = outputs / os.path.normpath(path).lstrip("/") if outputs else None
+    return copy if copy is not None and copy.is_file() else None
+
+
+def _verify_copies(copies: dict[str, tuple[str, str | None]], outputs: Path | None) -> None:
+    """Each uncached output (path -> (stage, recorded md5)) has a copy among the run's artifacts with that md5."""
+    problems = []
+    for path, (stage, md5) in copies.items():
+        copy = _kept_copy(outputs, path)
+        if copy is None:
+            problems.append(f"stage {stage}: the run kept no copy of {path}")
+        elif md5 is not None and file_md5(copy) != md5:
+            problems.append(f"stage {stage}: the run's copy of {path} has md5 {file_md5(copy)}, its record {md5}")
+    if problems:
+        raise RestoreError("the run's artifacts differ from its record; nothing was written: " + "; ".join(problems))
+
+
+def _declared_stage(repo: Any, name: str, entry: dict[str, Any]) -> Any:
+    """DVC's stage `name` (dvc.yaml), every output the record gives it one that dvc.yaml lists."""
+    from dvc.stage.exceptions import StageNotFound
+
+    try:
+        dstage = repo.stage.load_one(name=name)
+    except StageNotFound:
+        raise RestoreError(f"stage {name} of the run is not in dvc.yaml") from None
+    listed = {o.def_path for o in dstage.outs}
+    unknown = [o["path"] for o in entry.get("outs", []) if o["path"] not in listed]
+    if unknown:
+        raise RestoreError(
+            f"stage {name}: the run wrote {unknown}, which dvc.yaml does not list as outputs "
+            "(an override moved them): restore with the same paths in params.yaml"
+        )
+    return dstage
+
+
+def _recorded_outputs(
+    stages: dict[str, Any], declared: dict[str, Any]
+) -> tuple[dict[str, str], dict[str, tuple[str, str | None]]]:
+    """The record's outputs that DVC caches (path -> md5) and those the run's artifacts keep (path -> (stage,
+    md5)): every uncached output dvc.yaml lists for a recorded stage, as `_checkout_stage` copies them."""
+    cached, copies = {}, {}
+    for name, entry in stages.items():
+        recorded = {o["path"]: o.get("md5") for o in entry.get("outs", [])}
+        for out in declared[name].outs:
+            if out.use_cache and recorded.get(out.def_path):
+                cached[out.def_path] = recorded[out.def_path]
+            elif not out.use_cache:
+                copies[out.def_path] = (name, recorded.get(out.def_path))
+    return cached, copies
 
 
 def _put_back(repo: Any, cfg: Config, path: Path, md5: str) -> str:
@@ -274,41 +451,27 @@ def push_run(lock: dict[str, Any], cfg: Config, remote: str | None = None) -> in
     return len(result.transferred)
 
 
-def _write_lock_entry(repo: Any, name: str, entry: dict[str, Any]) -> None:
+def _write_lock_entry(dstage: Any, entry: dict[str, Any]) -> None:
     """The stage's dvc.lock entry becomes the run's (deps, params and outputs as they were)."""
-    from dvc.stage.exceptions import StageNotFound
     from dvc.stage.loader import StageLoader
 
-    try:
-        dstage = repo.stage.load_one(name=name)
-    except StageNotFound:
-        raise RestoreError(f"stage {name} of the run is not in dvc.yaml") from None
-    by_path = {o.def_path: o for o in dstage.outs}
-    unknown = [o["path"] for o in entry.get("outs", []) if o["path"] not in by_path]
-    if unknown:
-        raise RestoreError(
-            f"stage {name}: the run wrote {unknown}, which dvc.yaml does not list as outputs "
-            "(an override moved them): restore with the same paths in params.yaml"
-        )
     StageLoader.fill_from_lock(dstage, entry)
     dstage.dump(update_pipeline=False)
 
 
 def _checkout_stage(repo: Any, name: str, outputs: Path | None) -> dict[str, str]:
-    """DVC checks out the stage's cached outputs as its dvc.lock entry has them; the uncached ones are copied
-    from the run's artifacts."""
+    """DVC checks out the stage's cached outputs as its dvc.lock entry has them (`fetch` brought what was
+    missing, `verify_objects` checked it); the uncached ones are copied from the run's artifacts."""
     dstage = repo.stage.load_one(name=name)
     sources = {}
     cached = [o for o in dstage.outs if o.use_cache]
     if cached:
-        repo.checkout(targets=[name], force=True)  # `fetch` brought what was missing
+        repo.checkout(targets=[name], force=True)
         sources.update({o.def_path: "dvc cache" for o in cached})
     for out in dstage.outs:
         if out.use_cache:
             continue
-        copy = outputs / os.path.normpath(out.def_path).lstrip("/") if outputs else None
-        if copy is None or not copy.is_file():
-            raise RestoreError(f"stage {name}: the run kept no copy of {out.def_path}")
+        copy = _kept_copy(outputs, out.def_path)  # `_verify_copies` found it, with the recorded md5
         Path(out.fs_path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(copy, out.fs_path)
         sources[out.def_path] = "mlflow"

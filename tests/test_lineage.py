@@ -260,7 +260,8 @@ def _user_rows(seed: int) -> str:
 @pytest.mark.system
 def test_user_data_and_a_remote_keep_a_run_restorable(tmp_path, tiny_model_dir):
     """A preference file outside the repository goes into the DVC cache; `--push` sends the run to a remote;
-    with the local cache gone and the file changed, restore pulls the run back, the file's old content too."""
+    with the local cache gone and the file changed, restore pulls the run back, the file's old content too (where
+    the restore's config names the file, as the run's did)."""
     import shutil
 
     import mlflow
@@ -290,7 +291,11 @@ def test_user_data_and_a_remote_keep_a_run_restorable(tmp_path, tiny_model_dir):
     assert _workspace_md5s(repo, {"stages": {"validate": lock1["stages"]["validate"]}}) != validated1
 
     shutil.rmtree(repo / ".dvc/cache")  # as on another machine: only the remote has the first run
-    out = ok(sys.executable, "-m", "flows.restore", first.info.run_id)
+    # a file outside the workspace is put back only where the restore's own config names it, not the record
+    res = run(sys.executable, "-m", "flows.restore", first.info.run_id)
+    assert res.returncode == 1 and f"user data {user} is not a path" in res.stdout + res.stderr, res.stderr[-3000:]
+    assert user.read_text() == _user_rows(seed=2) and not (user.parent / "prefs.jsonl.before-restore").exists()
+    out = ok(sys.executable, "-m", "flows.restore", first.info.run_id, "--set", f"data.preferences={user}")
     assert "MISMATCH" not in out and "restored" in out, out
     assert user.read_text() == first_rows
     assert (user.parent / "prefs.jsonl.before-restore").read_text() == _user_rows(seed=2)  # nothing is lost
