@@ -3,6 +3,7 @@
 # make lint  - set up (first time), then ruff: lint and format check (configured in pyproject.toml)
 # make ui    - set up (first time), then a Prefect server, an MLflow server and the pipeline's deployments (Ctrl-C stops all)
 # make stack - set up (first time), then the team stack: PostgreSQL, S3, MLflow and Prefect servers, 2 workers (Ctrl-C stops all)
+#              its secrets in .stack/secrets.json; clients: source .stack/stack.env
 # make test-stack - the team stack's tests (tests/test_team_stack.py: they start and stop their own stack)
 # make bench - set up (first time), build the peer venv (trl 1.12, once), then the benchmarks (docs/benchmarks.md)
 # make docs  - set up (first time), then the documentation site (MkDocs) in site/
@@ -101,7 +102,8 @@ bench: setup $(TRL_STAMP)
 	$(BIN)/python -m bench.profile_compare $(PROFILE_ARGS)
 	$(BIN)/python -m bench.ppo_bench $(BENCH_ARGS)
 
-# Both servers bind to UI_HOST (127.0.0.1: this machine only); e.g. `make ui PREFECT_PORT=4300 MLFLOW_PORT=5001`
+# Both servers bind to UI_HOST (127.0.0.1: this machine only); e.g. `make ui PREFECT_PORT=4300 MLFLOW_PORT=5001`.
+# Prefect's API wants the auth string in $PREFECT_HOME/ui.env (~/.prefect/ui.env): other clients source it
 UI_HOST ?= 127.0.0.1
 PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000

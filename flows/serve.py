@@ -8,6 +8,11 @@ Deployments: `rlhf-pipeline/pipeline` (every stage), `rlhf-sweep/sweep` (a grid 
 form is built from the typed config (rlhflow/config.py) with the values of params.yaml as defaults. Flow runs
 execute in subprocesses of this process, in the repository (so relative paths of params.yaml mean what they
 mean for `make run`). Ctrl-C stops the deployments and, with --start-servers, both servers.
+
+With --start-servers the Prefect server takes requests from its owner only: it requires an API auth string
+($PREFECT_API_AUTH_STRING, else the one $PREFECT_HOME/ui.env keeps, else a new one written there, mode 0600),
+checks CSRF tokens and lets only its own UI's origin call it from a browser. Other clients:
+`source ~/.prefect/ui.env`; the UI asks for the same string.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ import urllib.request
 from pathlib import Path
 
 from rlhflow.config import REPO_ROOT
+from rlhfops.stack_access import new_auth_string, prefect_server_security, write_private
 
 DEFAULT_HOST = "127.0.0.1"
+UI_ENV_FILE = "ui.env"  # in $PREFECT_HOME: what a client of `make ui`'s Prefect server needs
 PIPELINE_DEPLOYMENT = "rlhf-pipeline/pipeline"
 
 
@@ -134,6 +141,23 @@ def stop(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
             proc.wait()
 
 
+def ui_client_env(prefect_url: str) -> tuple[dict[str, str], Path]:
+    """The variables a client of `make ui`'s Prefect server needs (its API URL and auth string), and the file that
+    holds them ($PREFECT_HOME/ui.env, mode 0600). The auth string: $PREFECT_API_AUTH_STRING, else the file's from an
+    earlier start (a browser logged in stays so), else a new one."""
+    home = Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser()
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = home / UI_ENV_FILE
+    kept = {}
+    if path.exists():
+        lines = [line.removeprefix("export ").split("=", 1) for line in path.read_text().splitlines() if "=" in line]
+        kept = dict(lines)
+    auth = os.environ.get("PREFECT_API_AUTH_STRING") or kept.get("PREFECT_API_AUTH_STRING") or new_auth_string()
+    env = {"PREFECT_API_URL": f"{prefect_url}/api", "PREFECT_API_AUTH_STRING": auth}
+    write_private(path, "".join(f"export {k}={v}\n" for k, v in env.items()))
+    return env, path
+
+
 def start_servers_and_serve(host: str, prefect_port: int, mlflow_port: int) -> int:
     """A Prefect server and an MLflow server (the project's tracking store, its artifacts served), both on
     `host`; then the deployments, in a child process pointed at them. Returns when any of them exits or on
@@ -143,12 +167,8 @@ def start_servers_and_serve(host: str, prefect_port: int, mlflow_port: int) -> i
 
     uri = tracking.tracking_uri(load_config())
     prefect_url, mlflow_url = f"http://{host}:{prefect_port}", f"http://{host}:{mlflow_port}"
-    env = {
-        **os.environ,
-        "PREFECT_API_URL": f"{prefect_url}/api",
-        "PREFECT_UI_URL": prefect_url,
-        "RLHF_MLFLOW_UI_URL": mlflow_url,
-    }
+    client_env, env_file = ui_client_env(prefect_url)
+    env = {**os.environ, **client_env, "PREFECT_UI_URL": prefect_url, "RLHF_MLFLOW_UI_URL": mlflow_url}
     bin_dir = Path(sys.executable).parent
     mlflow_cmd = [
         str(bin_dir / "mlflow"),
@@ -171,14 +191,18 @@ def start_servers_and_serve(host: str, prefect_port: int, mlflow_port: int) -> i
         signal.signal(sig, signal.default_int_handler)
     procs: list[subprocess.Popen] = []
     try:
+        server_env = {**env, **prefect_server_security(client_env["PREFECT_API_AUTH_STRING"], prefect_url)}
         procs.append(
-            launch([str(bin_dir / "prefect"), "server", "start", "--host", host, "--port", str(prefect_port)], env)
+            launch(
+                [str(bin_dir / "prefect"), "server", "start", "--host", host, "--port", str(prefect_port)], server_env
+            )
         )
         procs.append(launch(mlflow_cmd, env))
         wait_for(f"{prefect_url}/api/health", procs[0], "the Prefect server")
         wait_for(f"{mlflow_url}/health", procs[1], "the MLflow server")
         procs.append(launch([sys.executable, "-m", "flows.serve"], env))
-        print(f"\nPrefect UI: {prefect_url}   MLflow UI: {mlflow_url}   (Ctrl-C stops both)\n", flush=True)
+        print(f"\nPrefect UI: {prefect_url}   MLflow UI: {mlflow_url}   (Ctrl-C stops both)", flush=True)
+        print(f"The Prefect UI asks for the auth string in {env_file} (other clients: source it)\n", flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(1)
         return next(p.returncode for p in procs if p.returncode is not None)

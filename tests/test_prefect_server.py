@@ -1,8 +1,10 @@
 """The deployments on a real Prefect server, as `make ui` serves them: a real `prefect server start` (its own
 PREFECT_HOME and database in a temp dir), `python -m flows.serve` in a subprocess, two pipeline runs
 triggered at once through the API on tiny models. They complete, leave their report and MLflow link as
-artifacts, and never hold the accelerator at the same time (the global concurrency limit). And `make ui` itself
-(`flows.serve --start-servers`): a Ctrl-C stops it without a traceback."""
+artifacts, and never hold the accelerator at the same time (the global concurrency limit). The server wants an
+auth string and CSRF tokens, as `make ui`'s does, so the deployments and flow runs show Prefect's clients send
+both. And `make ui` itself (`flows.serve --start-servers`): its server refuses a request without the auth string
+it keeps in $PREFECT_HOME/ui.env (mode 0600), and a Ctrl-C stops it without a traceback."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -23,12 +27,14 @@ from flows.pipeline import TRAINING_LIMIT
 from flows.report import LINK_KEY, MLFLOW_UI_URL_ENV, REPORT_KEY
 from flows.serve import stop, wait_for
 from rlhflow.config import load_config
+from rlhfops.stack_access import new_auth_string, prefect_server_security
 from rlhfops.stages import STAGES
 
 pytestmark = pytest.mark.system  # a real Prefect server and served deployments
 
 MLFLOW_UI = "http://127.0.0.1:5999"
 ACCELERATOR = {s.name for s in STAGES if s.accelerator}
+AUTH_STRING = new_auth_string()  # the served server's, as `make ui` makes one
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +47,7 @@ def served(tmp_path_factory):
         **os.environ,
         "PREFECT_HOME": str(home),
         "PREFECT_API_URL": api,
+        "PREFECT_API_AUTH_STRING": AUTH_STRING,
         "PREFECT_SERVER_UI_ENABLED": "false",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",
@@ -52,7 +59,7 @@ def served(tmp_path_factory):
     procs = [
         subprocess.Popen(
             [str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            env=env,
+            env={**env, **prefect_server_security(AUTH_STRING, api.removesuffix("/api"))},
             cwd=home,
             stdout=logs["server"],
             stderr=subprocess.STDOUT,
@@ -72,12 +79,18 @@ def served(tmp_path_factory):
             f.close()
 
 
+def _settings(api: str) -> dict:
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL
+
+    return {PREFECT_API_URL: api, PREFECT_API_AUTH_STRING: AUTH_STRING}
+
+
 @contextlib.contextmanager
 def _client(api: str):
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+    with temporary_settings(_settings(api)), get_client(sync_client=True) as client:
         yield client
 
 
@@ -110,7 +123,7 @@ def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_
     )
     from prefect.client.schemas.sorting import ArtifactSort, TaskRunSort
     from prefect.deployments import run_deployment
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import temporary_settings
 
     api, home = served
     with _client(api) as client:
@@ -131,7 +144,7 @@ def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_
     # two runs at once, in separate output roots (the second would otherwise find everything up to date)
     roots = [tmp_path / "a", tmp_path / "b"]
     stages = [None, ["demo_data", "validate", "sft"]]
-    with temporary_settings({PREFECT_API_URL: api}):
+    with temporary_settings(_settings(api)):
         runs = [
             run_deployment(
                 "rlhf-pipeline/pipeline",
@@ -194,7 +207,7 @@ def test_a_slot_left_taken_by_a_killed_run_is_announced_and_can_be_freed(served)
     A waiting stage says so, naming the reset command; the command frees the slot and the stage goes on. The
     stage waits in its own process: Prefect's slot service is a per-process singleton bound to one server."""
     from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import temporary_settings
 
     import flows.pipeline as pipeline
 
@@ -207,7 +220,7 @@ def test_a_slot_left_taken_by_a_killed_run_is_announced_and_can_be_freed(served)
     )
     proc = subprocess.Popen(
         [sys.executable, "-u", "-c", code],
-        env={**os.environ, "PREFECT_API_URL": api},
+        env={**os.environ, "PREFECT_API_URL": api, "PREFECT_API_AUTH_STRING": AUTH_STRING},
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -217,7 +230,7 @@ def test_a_slot_left_taken_by_a_killed_run_is_announced_and_can_be_freed(served)
     while proc.poll() is None and not any("waited" in line for line in lines):
         lines.append(proc.stdout.readline())  # the waiting stage prints a notice every second
     assert proc.poll() is None, "".join(lines)  # still waiting
-    with temporary_settings({PREFECT_API_URL: api}):  # what the command does, against this server
+    with temporary_settings(_settings(api)):  # what the command does, against this server
         assert pipeline.reset_training_limit() == (1, 0)
     out = "".join(lines) + proc.communicate(timeout=120)[0]
     assert proc.returncode == 0 and "stage entered" in out, out
@@ -226,11 +239,36 @@ def test_a_slot_left_taken_by_a_killed_run_is_announced_and_can_be_freed(served)
         assert client.read_global_concurrency_limit_by_name(TRAINING_LIMIT).active_slots == 0
 
 
+def _status(url: str, headers: dict[str, str] | None = None) -> int:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def _make_ui_wants_its_auth_string(home: Path, prefect_port: int) -> None:
+    """`make ui`'s Prefect server refuses a request without the auth string ui.env holds, and with it hands out
+    CSRF tokens (protection on: 422 when off)."""
+    import base64
+
+    ui_env = home / "ui.env"
+    assert ui_env.stat().st_mode & 0o777 == 0o600
+    values = dict(line.removeprefix("export ").split("=", 1) for line in ui_env.read_text().splitlines())
+    api = f"http://127.0.0.1:{prefect_port}/api"
+    assert values["PREFECT_API_URL"] == api and values["PREFECT_API_AUTH_STRING"].startswith("rlhf:")
+    basic = {"Authorization": "Basic " + base64.b64encode(values["PREFECT_API_AUTH_STRING"].encode()).decode()}
+    assert _status(f"{api}/admin/version") == 401
+    assert _status(f"{api}/csrf-token?client=guest") == 401
+    assert _status(f"{api}/csrf-token?client=guest", basic) == 200
+
+
 @pytest.mark.slow
-def test_ctrl_c_on_make_ui_stops_the_deployments_then_the_servers_without_a_traceback(tmp_path):
+def test_make_ui_wants_its_auth_string_and_stops_on_ctrl_c_without_a_traceback(tmp_path):
     """`flows.serve --start-servers` (what `make ui` runs) in its own process group with SIGINT as a terminal
-    leaves it; once it serves, a Ctrl-C (SIGINT to the whole group) ends it with code 0, prints no traceback
-    (the serve loop stops before the Prefect server), and leaves neither port open."""
+    leaves it; once it serves (so the deployments got in with the auth string), its Prefect server refuses a
+    request without it; a Ctrl-C (SIGINT to the whole group) ends it with code 0, prints no traceback (the serve
+    loop stops before the Prefect server), and leaves neither port open."""
     ports = {"prefect": free_port(), "mlflow": free_port()}
     env = {
         **os.environ,
@@ -241,6 +279,7 @@ def test_ctrl_c_on_make_ui_stops_the_deployments_then_the_servers_without_a_trac
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db",
     }
     env.pop("PREFECT_API_URL", None)
+    env.pop("PREFECT_API_AUTH_STRING", None)
     cmd = [sys.executable, "-m", "flows.serve", "--start-servers"]
     cmd += ["--prefect-port", str(ports["prefect"]), "--mlflow-port", str(ports["mlflow"])]
     log = tmp_path / "ui.log"
@@ -259,6 +298,7 @@ def test_ctrl_c_on_make_ui_stops_the_deployments_then_the_servers_without_a_trac
             while "deployments are being served" not in log.read_text():
                 assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-5000:]
                 time.sleep(1)
+            _make_ui_wants_its_auth_string(tmp_path / "prefect-home", ports["prefect"])
             served = len(log.read_text())
             os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
             assert proc.wait(timeout=120) == 0, log.read_text()[-5000:]

@@ -3,15 +3,22 @@ Prefect server, SeaweedFS's S3 holding MLflow's artifacts and the DVC remote, tw
 Tiny pipelines started through the Prefect API run their stages across both workers (flows/team.py), two at once;
 a third clone restores one by its MLflow id; a stage process killed mid-stage fails its run naming the stage and
 the worker, and leaves nothing in the remote or the registry; an unreachable store or wrong credentials fail in
-preflight, in seconds. `make test-stack` (.ci/run calls it)."""
+preflight, in seconds. Only the owner gets in: Prefect wants the auth string and a CSRF token, and no flow run
+chooses a worker's command or environment; PostgreSQL wants the password, S3 the stack's key; SeaweedFS's
+internal ports listen on 127.0.0.1; the secret files are the owner's alone. `make test-stack` (.ci/run calls it)."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import datetime
+import json
 import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -44,6 +51,17 @@ def stack(tmp_path_factory, tiny_model_dir):
 def _env(stack, clone: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
     return {**env, **stack.client_env(), "PYTHONPATH": str(clone), "PREFECT_HOME": str(stack.root / "client-home")}
+
+
+@contextlib.contextmanager
+def _prefect(stack):
+    """A Prefect client of the stack, as its workers and clients have one (the auth string included)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    settings = {PREFECT_API_URL: stack.prefect_url, PREFECT_API_AUTH_STRING: stack.auth_string}
+    with temporary_settings(settings), get_client(sync_client=True) as client:
+        yield client
 
 
 def _team_run(stack, *overrides: str) -> subprocess.Popen:
@@ -159,13 +177,11 @@ def _check_failed_and_nothing_left(stack, client, run, parent, ppo, objects, *wo
 def test_a_stage_killed_on_its_worker_fails_the_run_naming_both_and_leaves_nothing(stack):
     import mlflow
     import psutil
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     client = mlflow.MlflowClient(stack.mlflow_url)
     run, parent, ppo, objects = _hanging_ppo_run(stack, client)
     try:
-        with temporary_settings({PREFECT_API_URL: stack.prefect_url}), get_client(sync_client=True) as prefect:
+        with _prefect(stack) as prefect:
             victims = []
             for proc in psutil.process_iter():
                 try:
@@ -183,7 +199,7 @@ def test_a_stage_killed_on_its_worker_fails_the_run_naming_both_and_leaves_nothi
         from flows.team import SLOT_LEASE_S
 
         limit = f"{TRAINING_LIMIT}-{client.get_run(parent.info.run_id).data.tags['worker.ppo']}"
-        with temporary_settings({PREFECT_API_URL: stack.prefect_url}), get_client(sync_client=True) as prefect:
+        with _prefect(stack) as prefect:
             deadline = time.monotonic() + SLOT_LEASE_S + 60  # + the server's lease revocation loop (15 s)
             while prefect.read_global_concurrency_limit_by_name(limit).active_slots and time.monotonic() < deadline:
                 time.sleep(2)
@@ -192,6 +208,161 @@ def test_a_stage_killed_on_its_worker_fails_the_run_naming_both_and_leaves_nothi
         stack.hang_marker.unlink()
         if run.poll() is None:
             run.kill()
+
+
+# ---- only the owner gets in --------------------------------------------------------------------------------------
+
+
+def _http_status(url: str, headers: dict[str, str] | None = None, body: dict | None = None) -> int:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def _basic(auth_string: str) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(auth_string.encode()).decode()}
+
+
+def test_the_prefect_api_wants_the_auth_string_and_a_csrf_token(stack):
+    api, auth = stack.prefect_url, _basic(stack.auth_string)
+    assert stack.auth_string.startswith("rlhf:") and len(stack.auth_string) > 40
+    assert _http_status(f"{api}/work_pools/rlhf") == 401
+    assert _http_status(f"{api}/work_pools/rlhf", _basic("rlhf:guess")) == 401
+    assert _http_status(f"{api}/work_pools/rlhf", auth) == 200
+    # a state-changing request needs a CSRF token too, and only the auth string gets one
+    assert _http_status(f"{api}/flow_runs/filter", body={}) == 403
+    assert _http_status(f"{api}/flow_runs/filter", auth, body={}) == 403
+    assert _http_status(f"{api}/csrf-token?client=guest") == 401
+    assert isinstance(stack.prefect_post("/flow_runs/filter", {"limit": 1}), list)  # both, as Prefect's clients
+    with _prefect(stack) as client:  # Prefect's own client fetches its CSRF token
+        assert client.read_work_pool("rlhf").name == "rlhf"
+    # a browser: only the UI's own origin may call the API
+    for origin, allowed in ((stack.prefect_ui_origin, True), ("http://evil.example", False)):
+        preflight = urllib.request.Request(
+            f"{api}/flow_runs/filter",
+            method="OPTIONS",
+            headers={"Origin": origin, "Access-Control-Request-Method": "POST"},
+        )
+        try:
+            with urllib.request.urlopen(preflight, timeout=10) as response:
+                granted = response.headers.get("access-control-allow-origin")
+        except urllib.error.HTTPError as err:
+            granted = err.headers.get("access-control-allow-origin")
+        assert (granted == origin) is allowed, (origin, granted)
+
+
+def test_no_flow_run_chooses_what_a_worker_runs(stack, tmp_path):
+    """The work pool's job template has no command, env or working_dir: the API refuses a flow run that sets them,
+    and a flow run created where Prefect does not check its job variables (POST /flow_runs/) runs the worker's own
+    command in the worker's environment: neither the command nor the sitecustomize.py on the PYTHONPATH it asks for
+    leaves its marker."""
+    pool = stack.prefect_get("/work_pools/rlhf")["base_job_template"]
+    assert not {"command", "env", "working_dir"} & set(pool["variables"]["properties"])
+    assert not {"command", "env", "working_dir"} & set(pool["job_configuration"])
+    deployment = stack.prefect_get("/deployments/name/rlhf-stage-on-worker/light")
+    marker, hook = tmp_path / "ran-the-command", tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(f"open({str(tmp_path / 'ran-with-the-env')!r}, 'w').close()\n")
+    chosen = {"command": f"touch {marker}", "env": {"PYTHONPATH": str(hook)}, "working_dir": str(tmp_path)}
+    chosen["env.PYTHONPATH"] = str(hook)  # one variable, in Prefect's dotted form
+    for name, value in chosen.items():
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            stack.prefect_post(f"/deployments/{deployment['id']}/create_flow_run", {"job_variables": {name: value}})
+        assert refused.value.code == 422 and "Additional properties" in refused.value.read().decode(), name
+    run = stack.prefect_post(
+        "/flow_runs/",
+        {
+            "flow_id": deployment["flow_id"],
+            "deployment_id": deployment["id"],
+            "work_pool_name": "rlhf",
+            "work_queue_name": "light",
+            "state": {"type": "SCHEDULED"},
+            "job_variables": chosen,
+        },
+    )
+    deadline, state = time.monotonic() + 240, None
+    while time.monotonic() < deadline:
+        state = stack.prefect_get(f"/flow_runs/{run['id']}")["state"]["type"]
+        if state in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            break
+        time.sleep(2)
+    assert state in ("FAILED", "CRASHED", "COMPLETED"), f"no worker ran the flow run: {state}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hook"]  # no marker
+
+
+def _psql(stack, env: dict[str, str], *prefix: str, host: str = "127.0.0.1") -> subprocess.CompletedProcess:
+    cmd = [*prefix, "psql", "-w", "-h", host, "-p", str(stack.ports["postgres"]), "-U", "rlhf", "-d", "postgres"]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    return subprocess.run([*cmd, "-tAc", "select 1"], env={**base, **env}, capture_output=True, text=True)
+
+
+def test_postgresql_wants_the_password_over_tcp_and_its_socket(stack):
+    hba = stack.pg_data / "data" / "pg_hba.conf"
+    rules = [line.split() for line in hba.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    assert rules and {rule[-1] for rule in rules} == {"scram-sha-256"}, rules
+    none = {"PGPASSFILE": "/dev/null"}
+    assert "no password supplied" in _psql(stack, none).stderr
+    assert "password authentication failed" in _psql(stack, {**none, "PGPASSWORD": "guess"}).stderr
+    # the local socket, as the cluster's owner: a trust cluster let any local user in here
+    owner = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    assert _psql(stack, none, *owner, host=str(stack.pg_data)).returncode != 0
+    done = _psql(stack, {**none, "PGPASSWORD": stack.pg_password})
+    assert done.stdout.strip() == "1", done.stderr
+
+
+def test_s3_refuses_the_old_key_and_anonymous_requests(stack):
+    import boto3
+    from botocore import UNSIGNED
+    from botocore.config import Config as BotoConfig
+    from botocore.exceptions import ClientError
+
+    once = {"retries": {"total_max_attempts": 1}}
+    old = boto3.session.Session().client(  # the key pair the repository used to ship
+        "s3", endpoint_url=stack.s3_url, region_name="us-east-1", config=BotoConfig(**once),
+        aws_access_key_id="rlhf", aws_secret_access_key="rlhf-stack-" + "secret",
+    )  # fmt: skip
+    anonymous = boto3.session.Session().client(
+        "s3", endpoint_url=stack.s3_url, region_name="us-east-1", config=BotoConfig(signature_version=UNSIGNED, **once)
+    )
+    for s3 in (old, anonymous):
+        for method, kwargs in (("list_objects_v2", {}), ("put_object", {"Key": "x", "Body": b"x"})):
+            with pytest.raises(ClientError) as refused:
+                getattr(s3, method)(Bucket="dvc", **kwargs)
+            assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] in (401, 403), refused.value
+    assert _http_status(f"{stack.s3_url}/dvc") == 403
+    assert "Contents" not in stack.s3_client().list_objects_v2(Bucket="dvc", Prefix="x")
+
+
+def test_seaweedfs_internal_ports_listen_on_loopback_only(stack):
+    import psutil
+
+    weed = psutil.Process(stack.procs["s3"].pid)
+    listening = {
+        (c.laddr.ip, c.laddr.port)
+        for p in (weed, *weed.children(recursive=True))
+        for c in p.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    }
+    assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening
+    for name in ("weed_master", "weed_volume", "weed_filer", "s3"):
+        assert ("127.0.0.1", stack.ports[name]) in listening, name
+
+
+def test_the_secret_files_are_the_owners_and_no_command_line_holds_a_secret(stack):
+    import psutil
+
+    for name in ("stack.env", "s3.json", "secrets.json"):
+        assert (stack.root / name).stat().st_mode & 0o777 == 0o600, name
+    assert not (stack.pg_data / "pwfile").exists()  # initdb's password file lives only while initdb runs
+    values = (stack.secret_key, stack.pg_password, stack.auth_string.split(":", 1)[1])
+    for proc in stack.procs.values():
+        for p in (psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)):
+            with contextlib.suppress(psutil.Error):
+                assert not any(v in " ".join(p.cmdline()) for v in values), p.cmdline()
 
 
 def test_unreachable_store_and_wrong_credentials_fail_in_preflight(stack, monkeypatch):
@@ -209,18 +380,6 @@ def test_unreachable_store_and_wrong_credentials_fail_in_preflight(stack, monkey
     with pytest.raises(RemoteUnavailableError, match="unreachable"):
         reach_remote("team", {**conf, "endpointurl": f"http://127.0.0.1:{free_port()}"})
     assert time.monotonic() - start < 30
-
-
-def test_the_compose_file_runs_the_services_the_stack_starts():
-    from rlhfops.stack import BUCKETS, DATABASES, QUEUES
-
-    compose = yaml.safe_load((Path(__file__).parent.parent / "docker-compose.yml").read_text())
-    services = compose["services"]
-    expected = {"postgres", "s3", "buckets", "mlflow", "prefect", "pool"}
-    assert set(services) == expected | {f"worker-{i}{s}" for i in (1, 2) for s in ("", "-light")}
-    flat = yaml.safe_dump(compose)
-    for word in [*BUCKETS, *DATABASES, *QUEUES, "--serve-artifacts", "--artifacts-destination", "-s3.config"]:
-        assert word in flat, word
 
 
 def test_a_worker_killed_mid_stage_fails_the_run_naming_stage_and_worker(stack):
