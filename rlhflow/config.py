@@ -259,8 +259,9 @@ class JudgeConfig(RewardModelConfig):
     )
     template: str | None = Field(
         None,
-        description="kind=llm: the pairwise prompt template file ({instruction}, {output_1}, {output_2}); "
-        "default: the one shipped in rlhflow/evaluation/judge_template.txt. Its md5 is logged with the run",
+        description="kind=llm: the pairwise prompt template file, holding exactly {instruction}, {output_1} and "
+        "{output_2} in str.format syntax (a literal brace doubled), filled with JSON; default: the one shipped in "
+        "rlhflow/evaluation/judge_template.txt. Its md5 is logged with the run",
     )
     request_timeout: float = Field(60.0, gt=0, description="kind=llm: seconds per request")
     max_retries: int = Field(2, ge=0, description="kind=llm: retries of a failed request or a malformed verdict")
