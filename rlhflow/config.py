@@ -9,10 +9,12 @@ work starts, with the offending key named.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import re
 from pathlib import Path
 from typing import Any, ClassVar, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, model_validator
@@ -22,6 +24,7 @@ from rlhflow.config_help import params_epilog
 from rlhflow.config_section import Section, inherit, inherited_keys, without_inherited
 from rlhflow.evaluate_config import EvaluateConfig
 from rlhflow.lora_config import LoraConfig, LoraSettings
+from rlhflow.output_paths import check_output_paths
 from rlhflow.ppo_config import PPOConfig
 from rlhflow.redaction import redact_urls
 
@@ -306,8 +309,6 @@ class JudgeConfig(RewardModelConfig):
     @staticmethod
     def _scheme_and_host(url: str) -> tuple[str, str]:
         """The scheme and host of a URL, lower case (host without user info or port; "" when it has none)."""
-        from urllib.parse import urlsplit
-
         try:
             parts = urlsplit(url)
             return parts.scheme.lower(), (parts.hostname or "")
@@ -317,8 +318,6 @@ class JudgeConfig(RewardModelConfig):
     @staticmethod
     def _is_loopback(host: str) -> bool:
         """127.0.0.0/8, ::1 (an IPv4-mapped loopback address too) or localhost."""
-        import ipaddress
-
         if host == "localhost":
             return True
         try:
@@ -416,8 +415,6 @@ class Config(Section):
     def _outputs_destroy_nothing_else(self) -> Config:
         """No output or checkpoint setting points at the repository, a directory above it or the home directory,
         the shipped data, or another such setting's path (rlhflow/output_paths.py)."""
-        from rlhflow.output_paths import check_output_paths
-
         check_output_paths(self.model_dump(by_alias=True), self.path, [REPO_ROOT, project_root(REPO_ROOT)])
         return self
 
