@@ -29,6 +29,10 @@ OUTPUT_SETTINGS = (
     "evaluate.report_dir",
     "metrics_dir",
 )
+# Settings whose directory is written file by file (metrics/<stage>.json), never replaced or deleted whole: a project
+# commits those files to git (as DVC's get-started does), so the directory may hold tracked files, but it may not be
+# a tracked file itself or lie over the shipped data.
+FILEWISE_SETTINGS = frozenset({"metrics_dir"})
 # The data the repository ships (data/README.md), protected where git cannot list the tracked files (an image
 # without .git); tests/test_safe_paths.py checks it covers every file git tracks under data/.
 SHIPPED_DATA = ("data/README.md", "data/hh-rlhf-harmless", "data/llamafactory-dpo-en")
@@ -60,15 +64,23 @@ def _overlaps(a: Path, b: Path) -> bool:
     return _is_at_or_above(a, b) or _is_at_or_above(b, a)
 
 
-def output_path_problem(path: Path, repo_roots: list[Path], home: Path) -> str | None:
-    """Why an output or checkpoint directory may not be at `path` (absolute, resolved), or None."""
+def output_path_problem(path: Path, repo_roots: list[Path], home: Path, *, filewise: bool = False) -> str | None:
+    """Why an output or checkpoint directory may not be at `path` (absolute, resolved), or None. `filewise`: the
+    directory is written file by file (FILEWISE_SETTINGS), so only a tracked file or the shipped data is refused."""
     for root in repo_roots:
         if _is_at_or_above(path, root):
             return f"the repository root {root}" if path == root else f"a directory above the repository {root}"
     if _is_at_or_above(path, home):
         return f"the home directory {home}" if path == home else f"a directory above the home directory {home}"
     for root in repo_roots:
-        if path.is_relative_to(root) and path.relative_to(root).as_posix() in shipped_paths(root):
+        rel = path.relative_to(root).as_posix() if path.is_relative_to(root) else None
+        if rel is None:
+            continue
+        if filewise and (root / rel).is_file() and rel in shipped_paths(root):
+            return f"a file the repository {root} ships"
+        if filewise and any(_overlaps(PurePosixPath(rel), PurePosixPath(data)) for data in SHIPPED_DATA):
+            return f"the data the repository {root} ships"
+        if not filewise and rel in shipped_paths(root):
             return f"a path the repository {root} ships or that holds files it ships (its data, its code)"
     return None
 
@@ -87,7 +99,7 @@ def check_output_paths(values: dict[str, Any], resolve: Callable[[str], Path], r
         for part in key.split("."):
             value = value[part]
         path = resolve(value).resolve()
-        problem = output_path_problem(path, repo_roots, home)
+        problem = output_path_problem(path, repo_roots, home, filewise=key in FILEWISE_SETTINGS)
         if problem:
             raise ValueError(
                 f"{key}={value}: resolves to {path}, {problem}; the stage replaces or deletes this directory, so "

@@ -16,7 +16,7 @@ from test_ppo_trainer import make_trainer
 
 from rlhflow.config import Config, ConfigError, load_config
 from rlhflow.fsutil import MADE_MARKER
-from rlhflow.output_paths import OUTPUT_SETTINGS, SHIPPED_DATA, check_output_paths
+from rlhflow.output_paths import OUTPUT_SETTINGS, SHIPPED_DATA, check_output_paths, output_path_problem
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -187,3 +187,16 @@ def test_a_stage_keeps_its_checkpoints_until_its_model_is_logged(tmp_path, tiny_
     assert ckpt.is_dir() and any(p.name.startswith("checkpoint-") for p in ckpt.iterdir())  # to resume from
     assert (ckpt / MADE_MARKER).is_file()
     assert (tmp_path / "rm" / MADE_MARKER).is_file()  # the output was written before the logging failed
+
+
+def test_a_metrics_directory_of_committed_files_is_accepted(tmp_path):
+    """A project commits metrics/<stage>.json to git (DVC's get-started does): metrics_dir, written file by file, may
+    hold tracked files; a directory a stage replaces whole may not, and metrics_dir may not be a tracked file."""
+    repo, home = tmp_path / "project", tmp_path / "home"
+    (repo / "metrics").mkdir(parents=True)
+    (repo / "metrics" / "ppo.json").write_text("{}\n")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(["git", "-C", str(repo), "add", "metrics/ppo.json"], check=True)
+    assert output_path_problem(repo / "metrics", [repo], home, filewise=True) is None
+    assert "ships" in output_path_problem(repo / "metrics", [repo], home)
+    assert "ships" in output_path_problem(repo / "metrics" / "ppo.json", [repo], home, filewise=True)
