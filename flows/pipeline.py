@@ -14,9 +14,9 @@ FAILED and stops everything downstream.
   outputs; `python -m flows.restore RUN_ID` puts its outputs back (flows/restore.py). A run with overrides
   (`--set`, the Prefect form) is also saved as a DVC experiment, listed by `dvc exp show`. See docs/lineage.md.
 - One run at a time per workspace (rlhfops/workspace.py): a second flow run started meanwhile waits for the whole
-  first run and says so in its log. Accelerator stages also hold a slot of the Prefect global concurrency limit
-  TRAINING_LIMIT (1 slot unless changed with `prefect gcl update`), so runs of several workspaces that share a
-  Prefect server never train on the same GPU at once.
+  first run and says so in its log. Accelerator stages also hold a training slot (rlhfops/training_slot.py: 1
+  unless the Prefect global concurrency limit TRAINING_LIMIT is changed with `prefect gcl update`), so runs of
+  several workspaces on one machine, or on machines that share a Prefect server, never train on one GPU at once.
 - Retries with exponential backoff for the steps that can fail transiently (hashing and recording, Prefect
   API calls); none for the stages themselves, which train and write MLflow runs.
 - Each flow run leaves a markdown report and a link to its MLflow run as Prefect artifacts (flows/report.py).
@@ -24,13 +24,11 @@ FAILED and stops everything downstream.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import importlib
 import json
 import sys
 import time
-from collections.abc import Iterator
 from typing import Literal
 
 from prefect import flow, task
@@ -42,6 +40,7 @@ from rlhflow.config import Config, apply_overrides, config_from_dict, load_confi
 from rlhflow.evaluation import judges
 from rlhfops import launch, restore, run_record, stage_lock, tracking, workspace
 from rlhfops.stages import STAGE_NAMES, STAGES, get_stage
+from rlhfops.training_slot import reset_server_limit, training_slot
 
 StageName = Literal[tuple(STAGE_NAMES)]  # an enum in the parameter form
 
@@ -145,50 +144,6 @@ def ensure_training_limit(limit: str = TRAINING_LIMIT) -> int:
         except ObjectAlreadyExists:  # another run created it in between
             pass
         return client.read_global_concurrency_limit_by_name(limit).limit
-
-
-# While a stage waits for a TRAINING_LIMIT slot, it says so this often. A run killed with SIGKILL while holding a
-# slot never gives it back: Prefect's temporary server keeps its leases in memory and does not run the service
-# that revokes expired ones, so the slot stays taken until reset (`python -m flows.pipeline --reset-training-limit`).
-SLOT_NOTICE_S = 600.0
-
-
-@contextlib.contextmanager
-def training_slot(stage: str, limit: str = TRAINING_LIMIT, lease_s: float = 300.0) -> Iterator[None]:
-    """Hold one slot of the concurrency limit `limit` while `stage` runs; every SLOT_NOTICE_S of waiting, say what
-    is waited for and how to free a slot that a killed run left taken. `lease_s`: how long the slot's lease lasts
-    unrenewed; a server that revokes expired leases (`prefect server start`) frees a killed run's slot after it."""
-    from prefect.concurrency.sync import concurrency
-
-    waited = 0.0
-    slot = contextlib.ExitStack()  # entered apart from the stage, so a TimeoutError from the stage is not caught
-    while True:
-        try:
-            slot.enter_context(
-                concurrency(limit, occupy=1, strict=True, timeout_seconds=SLOT_NOTICE_S, lease_duration=lease_s)
-            )
-            break
-        except TimeoutError:
-            waited += SLOT_NOTICE_S
-            print(
-                f"{stage}: waited {waited / 60:.0f} min for a slot of the Prefect concurrency limit "
-                f"{limit!r}, held by another pipeline run. If no other run is active, a killed run left it "
-                "taken: free it with `python -m flows.pipeline --reset-training-limit`."
-            )
-    with slot:
-        yield
-
-
-def reset_training_limit() -> tuple[int, int]:
-    """Mark every slot of TRAINING_LIMIT free (after a killed run left one taken); returns (slots taken before,
-    after)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
-
-    with get_client(sync_client=True) as client:
-        before = client.read_global_concurrency_limit_by_name(TRAINING_LIMIT).active_slots
-        client.update_global_concurrency_limit(TRAINING_LIMIT, GlobalConcurrencyLimitUpdate(active_slots=0))
-        return before, client.read_global_concurrency_limit_by_name(TRAINING_LIMIT).active_slots
 
 
 @task(name="check-up-to-date", **TRANSIENT_RETRIES)
@@ -317,7 +272,7 @@ def _run_stages(
             )
             for name in names:
                 if get_stage(name).accelerator:  # a second pipeline run waits here for the first one's stage
-                    with training_slot(name):
+                    with training_slot(name, TRAINING_LIMIT):
                         outcome, metrics = run_or_skip(name, cfg, parent.info.run_id, force)
                 else:
                     outcome, metrics = run_or_skip(name, cfg, parent.info.run_id, force)
@@ -384,12 +339,12 @@ def main(argv: list[str] | None = None) -> None:
     pre.add_argument(
         "--reset-training-limit",
         action="store_true",
-        help=f"only mark every slot of the Prefect concurrency limit {TRAINING_LIMIT!r} free (a killed "
-        "run left one taken) and exit",
+        help=f"only mark every slot of the Prefect server's concurrency limit {TRAINING_LIMIT!r} free (a run "
+        "killed before its lease expired left one taken) and exit",
     )
     known, _ = pre.parse_known_args(argv)
     if known.reset_training_limit:  # before the config is read: it needs none
-        before, after = reset_training_limit()
+        before, after = reset_server_limit(TRAINING_LIMIT)
         print(f"{TRAINING_LIMIT}: {before} slot(s) taken before, {after} now")
         return
     cfg, args = parse_config_args(

@@ -45,7 +45,6 @@ from flows.pipeline import (
     launched_stage,
     record_stage,
     selected_stages,
-    training_slot,
     with_overrides,
 )
 from rlhflow.config import REPO_ROOT, Config, parse_config_args
@@ -55,6 +54,7 @@ from rlhfops import launch, restore, tracking, workspace
 from rlhfops.run_record import artifact_dir
 from rlhfops.stage_lock import LOCK_FILE, PARAMS_FILE, lock_entry, uncached_outputs
 from rlhfops.stages import get_stage
+from rlhfops.training_slot import training_slot
 
 POOL = "rlhf"
 HEAVY_QUEUE = "heavy"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +23,13 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+# The suite's own Prefect home (its database, concurrency limits and slot locks), removed at exit: what runs
+# outside the suite left in ~/.prefect (a slot a killed run held) must not change a test, nor a test touch it.
+# A test that needs a server starts its own; one the user's shell points to is not used.
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="rlhflow-tests-prefect-")
+atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)
+for _name in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "PREFECT_API_KEY"):
+    os.environ.pop(_name, None)
 
 REPO = Path(__file__).resolve().parents[1]
 

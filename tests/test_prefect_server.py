@@ -202,21 +202,21 @@ def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_
     assert parent.data.tags["pipeline"] == "rlhf" and "eval/win_rate_vs_sft" in parent.data.metrics
 
 
-def test_a_slot_left_taken_by_a_killed_run_is_announced_and_can_be_freed(served):
-    """A run killed while holding the training slot never returns it (the temporary server forgets its leases).
-    A waiting stage says so, naming the reset command; the command frees the slot and the stage goes on. The
-    stage waits in its own process: Prefect's slot service is a per-process singleton bound to one server."""
+def test_a_server_slot_left_taken_is_announced_and_can_be_freed(served):
+    """A server slot a run holds past its death stays taken until its lease expires. A waiting stage says so,
+    naming the reset command; the command frees the slot and the stage goes on. The stage waits in its own
+    process: Prefect's slot service is a per-process singleton bound to one server."""
     from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
     from prefect.settings import temporary_settings
 
-    import flows.pipeline as pipeline
+    from rlhfops.training_slot import reset_server_limit
 
     api, _ = served
     with _client(api) as client:  # the leak: a slot taken, no run holding it
         client.update_global_concurrency_limit(TRAINING_LIMIT, GlobalConcurrencyLimitUpdate(active_slots=1))
     code = (
-        "import flows.pipeline as p; p.SLOT_NOTICE_S = 1.0\n"
-        "with p.training_slot('ppo'):\n    print('stage entered', flush=True)"
+        "import rlhfops.training_slot as s; s.NOTICE_S = 1.0\n"
+        f"with s.training_slot('ppo', {TRAINING_LIMIT!r}):\n    print('stage entered', flush=True)"
     )
     proc = subprocess.Popen(
         [sys.executable, "-u", "-c", code],
@@ -231,7 +231,7 @@ def test_a_slot_left_taken_by_a_killed_run_is_announced_and_can_be_freed(served)
         lines.append(proc.stdout.readline())  # the waiting stage prints a notice every second
     assert proc.poll() is None, "".join(lines)  # still waiting
     with temporary_settings(_settings(api)):  # what the command does, against this server
-        assert pipeline.reset_training_limit() == (1, 0)
+        assert reset_server_limit(TRAINING_LIMIT) == (1, 0)
     out = "".join(lines) + proc.communicate(timeout=120)[0]
     assert proc.returncode == 0 and "stage entered" in out, out
     assert "ppo: waited" in out and f"{TRAINING_LIMIT!r}" in out and "--reset-training-limit" in out

@@ -1,0 +1,145 @@
+"""The training slot: at most N stages on the accelerator at once, across the workspaces of one machine and the
+machines that share a Prefect server.
+
+- Every run holds one of N lock files, `$PREFECT_HOME/locks/<limit>.<i>.lock`, with an exclusive `flock`, N being
+  the slots of the Prefect global concurrency limit `<limit>` (`prefect gcl update` changes it). The kernel
+  releases a flock when its process ends in any way, SIGKILL and the OOM killer included, so a killed run never
+  leaves a slot taken on the machine it ran on.
+- A run against a Prefect server (PREFECT_API_URL set: `make ui`, `make stack`) also holds a slot of that global
+  concurrency limit, so runs on several machines that share the server wait for each other. The server gives
+  back a killed run's slot when its lease (`lease_s`, unrenewed) expires.
+- A run on Prefect's temporary server (no PREFECT_API_URL: `make run`, `dvc repro`) holds only the lock file:
+  that server keeps leases in memory and never revokes them, so a slot of its limit that a killed run held would
+  stay taken for good.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+NOTICE_S = 600.0  # while waiting, say so this often
+POLL_S = 1.0
+
+
+def on_a_server() -> bool:
+    """Whether this process talks to a running Prefect server rather than starting a temporary one."""
+    from prefect.settings import get_current_settings
+
+    return bool(get_current_settings().api.url)
+
+
+def lock_dir() -> Path:
+    from prefect.settings import get_current_settings
+
+    return Path(get_current_settings().home).expanduser() / "locks"
+
+
+def limit_slots(limit: str) -> int:
+    """The slots of the global concurrency limit `limit` (ensure_training_limit made it)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_global_concurrency_limit_by_name(limit).limit
+
+
+def _try_one_of(paths: list[Path], holder: dict) -> int | None:
+    """The descriptor of the first of `paths` this process could flock (with `holder` written in it), else None."""
+    for path in paths:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        return fd
+    return None
+
+
+def _holders(paths: list[Path]) -> str:
+    """Who holds the lock files, as they say: 'ppo (pid 123, since 12:00:01)', ..."""
+    said = []
+    for path in paths:
+        with contextlib.suppress(OSError, ValueError):
+            h = json.loads(path.read_text() or "{}")
+            said.append(f"{h['stage']} (pid {h['pid']}, since {h['since']})")
+    return ", ".join(said) or "another pipeline run"
+
+
+@contextlib.contextmanager
+def local_slot(stage: str, limit: str, slots: int, log=print) -> Iterator[None]:
+    """Hold one of the `slots` lock files of `limit` on this machine while the block runs; say every NOTICE_S of
+    waiting who holds them."""
+    directory = lock_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = [directory / f"{limit}.{i}.lock" for i in range(slots)]
+    holder = {"stage": stage, "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    started, noticed = time.monotonic(), 0.0
+    while (fd := _try_one_of(paths, holder)) is None:
+        waited = time.monotonic() - started
+        if waited - noticed >= NOTICE_S:
+            held_by = _holders(paths)
+            log(f"{stage}: waited {waited / 60:.0f} min for a slot of {limit!r} on this machine, held by {held_by}")
+            noticed = waited
+        time.sleep(POLL_S)
+    try:
+        yield
+    finally:
+        os.ftruncate(fd, 0)
+        os.close(fd)  # releases the flock
+
+
+@contextlib.contextmanager
+def server_slot(stage: str, limit: str, lease_s: float, log=print) -> Iterator[None]:
+    """Hold one slot of the Prefect server's global concurrency limit `limit`; say every NOTICE_S of waiting how to
+    free a slot that a killed run left taken before its lease expires."""
+    from prefect.concurrency.sync import concurrency
+
+    waited = 0.0
+    slot = contextlib.ExitStack()  # entered apart from the stage, so a TimeoutError from the stage is not caught
+    while True:
+        try:
+            slot.enter_context(
+                concurrency(limit, occupy=1, strict=True, timeout_seconds=NOTICE_S, lease_duration=lease_s)
+            )
+            break
+        except TimeoutError:
+            waited += NOTICE_S
+            log(
+                f"{stage}: waited {waited / 60:.0f} min for a slot of the Prefect concurrency limit {limit!r}, held "
+                "by another pipeline run. If no other run is active, a killed run left it taken: free it with "
+                "`python -m flows.pipeline --reset-training-limit`."
+            )
+    with slot:
+        yield
+
+
+@contextlib.contextmanager
+def training_slot(stage: str, limit: str, lease_s: float = 300.0, log=print) -> Iterator[None]:
+    """Hold a slot of `limit` while `stage` runs: the lock file on this machine, then, against a Prefect server,
+    the server's slot too (the order keeps a run from holding a server slot while it waits for this machine)."""
+    with local_slot(stage, limit, limit_slots(limit), log):
+        if on_a_server():
+            with server_slot(stage, limit, lease_s, log):
+                yield
+        else:
+            yield
+
+
+def reset_server_limit(limit: str) -> tuple[int, int]:
+    """Mark every slot of the server's limit `limit` free (a killed run left one taken); returns (slots taken
+    before, after)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
+
+    with get_client(sync_client=True) as client:
+        before = client.read_global_concurrency_limit_by_name(limit).active_slots
+        client.update_global_concurrency_limit(limit, GlobalConcurrencyLimitUpdate(active_slots=0))
+        return before, client.read_global_concurrency_limit_by_name(limit).active_slots
