@@ -325,17 +325,6 @@ def start_run(overrides: list[str] | None = None, stages: list[str] | None = Non
     return run_deployment(TEAM_DEPLOYMENT, parameters={"overrides": overrides or [], "stages": stages}, timeout=timeout)
 
 
-def parent_run_of(flow_run_id: Any, tracking_uri: str) -> str | None:
-    """The MLflow parent run a team pipeline flow run logged to (None before it started one)."""
-    import mlflow
-
-    client = mlflow.MlflowClient(tracking_uri)
-    found = client.search_runs(
-        [e.experiment_id for e in client.search_experiments()], f"tags.{FLOW_RUN_TAG} = '{flow_run_id}'"
-    )
-    return found[0].info.run_id if found else None
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("deploy", "run"):
