@@ -65,13 +65,18 @@ def mlflow_ui_base(tracking_uri: str) -> str:
     return redact_url(base).rstrip("/")
 
 
+# MLflow's UI opens in its GenAI mode (trace overview, evaluation runs) unless a link asks for model training
+MODEL_TRAINING_VIEW = "?workflowType=machine_learning"
+
+
 def mlflow_experiment_url(tracking_uri: str, experiment_id: str) -> str:
-    """The experiment's Training runs view (a bare #/experiments/<id> opens MLflow 3's GenAI overview instead)."""
-    return f"{mlflow_ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs"
+    """The experiment's runs, in the UI's model-training view."""
+    return f"{mlflow_ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs{MODEL_TRAINING_VIEW}"
 
 
 def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    return f"{mlflow_ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}"
+    """The run's page, in the UI's model-training view."""
+    return f"{mlflow_ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}{MODEL_TRAINING_VIEW}"
 
 
 def summary_table(results: dict[str, float]) -> str:

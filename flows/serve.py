@@ -28,6 +28,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from flows.report import MODEL_TRAINING_VIEW
 from rlhflow.config import REPO_ROOT
 from rlhfops.stack_access import new_auth_string, prefect_server_security, write_private
 
@@ -158,6 +159,16 @@ def ui_client_env(prefect_url: str) -> tuple[dict[str, str], Path]:
     return env, path
 
 
+def mlflow_ui_link(mlflow_url: str, tracking_uri: str, experiment: str) -> str:
+    """The experiment's runs in the UI's model-training view once the store has the experiment; before, the
+    experiment list in that view."""
+    import mlflow
+
+    found = mlflow.MlflowClient(tracking_uri).get_experiment_by_name(experiment)
+    where = f"/{found.experiment_id}/runs" if found else ""
+    return f"{mlflow_url}/#/experiments{where}{MODEL_TRAINING_VIEW}"
+
+
 def start_servers_and_serve(host: str, prefect_port: int, mlflow_port: int) -> int:
     """A Prefect server and an MLflow server (the project's tracking store, its artifacts served), both on
     `host`; then the deployments, in a child process pointed at them. Returns when any of them exits or on
@@ -165,7 +176,8 @@ def start_servers_and_serve(host: str, prefect_port: int, mlflow_port: int) -> i
     from rlhflow.config import load_config
     from rlhfops import tracking
 
-    uri = tracking.tracking_uri(load_config())
+    cfg = load_config()
+    uri = tracking.tracking_uri(cfg)
     prefect_url, mlflow_url = f"http://{host}:{prefect_port}", f"http://{host}:{mlflow_port}"
     client_env, env_file = ui_client_env(prefect_url)
     env = {**os.environ, **client_env, "PREFECT_UI_URL": prefect_url, "RLHF_MLFLOW_UI_URL": mlflow_url}
@@ -201,7 +213,8 @@ def start_servers_and_serve(host: str, prefect_port: int, mlflow_port: int) -> i
         wait_for(f"{prefect_url}/api/health", procs[0], "the Prefect server")
         wait_for(f"{mlflow_url}/health", procs[1], "the MLflow server")
         procs.append(launch([sys.executable, "-m", "flows.serve"], env))
-        print(f"\nPrefect UI: {prefect_url}   MLflow UI: {mlflow_url}   (Ctrl-C stops both)", flush=True)
+        mlflow_link = mlflow_ui_link(mlflow_url, uri, cfg.tracking.experiment)
+        print(f"\nPrefect UI: {prefect_url}   MLflow UI: {mlflow_link}   (Ctrl-C stops both)", flush=True)
         print(f"The Prefect UI asks for the auth string in {env_file} (other clients: source it)\n", flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(1)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, mlflow_server, tiny_pipeline_overrides
 
+from flows.report import mlflow_experiment_url, mlflow_run_url
 from rlhfops.stages import STAGE_NAMES
 
 # a whole tiny pipeline run, then an MLflow server and Chromium: about 2 min on 2 cores
@@ -114,6 +115,16 @@ def screenshots(page, capsys):
             print(f"\nMLflow UI screenshots: {', '.join(str(p) for p in shots)}")
 
 
+def _in_the_model_training_view(pg) -> None:
+    """The UI in its model-training view (experiment sidebar: Runs, Models, Traces), not its GenAI one (Overview,
+    Training runs, Evaluation runs, Judges...), which MLflow opens unless the link asks."""
+    from playwright.sync_api import expect
+
+    expect(pg.get_by_role("link", name="Models", exact=True)).to_be_visible()
+    for genai in ("Evaluation runs", "Training runs", "Judges"):
+        expect(pg.get_by_text(genai, exact=True)).to_have_count(0)
+
+
 def test_mlflow_ui_shows_the_parent_run_its_stage_runs_and_the_eval_metrics(
     chromium, finished_run, mlflow_ui, page, capsys
 ):
@@ -127,16 +138,14 @@ def test_mlflow_ui_shows_the_parent_run_its_stage_runs_and_the_eval_metrics(
     children = {r.data.tags["stage"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
     assert sorted(children) == sorted(STAGE_NAMES)  # the store itself is right; the rest checks what the UI shows
 
-    exp_url = f"{mlflow_ui}/#/experiments/{exp.experiment_id}"
     with screenshots(page, capsys) as screenshot:
-        # the experiment's runs page: the parent run, its stage runs nested under it (shown once expanded)
-        page.goto(f"{exp_url}/runs")
+        # the experiment's runs page, by the link a run prints: the parent run, its stage runs nested under it
+        page.goto(mlflow_experiment_url(mlflow_ui, exp.experiment_id))
         parent_link = page.get_by_role("link", name="pipeline", exact=True)
         expect(parent_link).to_be_visible()
         expect(parent_link).to_have_attribute("href", f"#/experiments/{exp.experiment_id}/runs/{parent.info.run_id}")
         expect(page.get_by_text(f"{len(runs)} matching runs", exact=True)).to_be_visible()
-        # filed as model training (the experiment's mlflow.experimentKind), not as GenAI evaluation runs
-        expect(page.get_by_role("heading", name="Training runs")).to_be_visible()
+        _in_the_model_training_view(page)
         _close_assistant(page)
         for stage in STAGE_NAMES:  # collapsed: the stage runs are hidden under the parent
             expect(page.get_by_role("link", name=stage, exact=True)).to_have_count(0)
@@ -151,8 +160,9 @@ def test_mlflow_ui_shows_the_parent_run_its_stage_runs_and_the_eval_metrics(
         screenshot("runs")
 
         # the parent run's page: finished, its child runs, the evaluation metrics and their values
-        page.goto(f"{exp_url}/runs/{parent.info.run_id}")
+        page.goto(mlflow_run_url(mlflow_ui, exp.experiment_id, parent.info.run_id))
         expect(page.get_by_role("heading", name="pipeline", exact=True)).to_be_visible()
+        _in_the_model_training_view(page)
         expect(page.get_by_text(f"Metrics ({len(parent.data.metrics)})", exact=True)).to_be_visible()
         expect(page.get_by_text("Finished", exact=True)).to_be_visible()
         _close_assistant(page)

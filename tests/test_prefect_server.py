@@ -196,7 +196,7 @@ def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_
     assert link, by_key[LINK_KEY].data
     url = link.group(1)
     assert url.startswith(f"{MLFLOW_UI}/#/experiments/")
-    run_id = url.rsplit("/", 1)[-1]
+    run_id = url.removesuffix("?workflowType=machine_learning").rsplit("/", 1)[-1]
     parent = mlflow.MlflowClient(f"sqlite:///{roots[0]}/mlflow.db").get_run(run_id)
     assert parent.info.status == "FINISHED" and "mlflow.parentRunId" not in parent.data.tags
     assert parent.data.tags["pipeline"] == "rlhf" and "eval/win_rate_vs_sft" in parent.data.metrics

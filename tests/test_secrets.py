@@ -64,10 +64,11 @@ def test_run_links_carry_no_credentials(monkeypatch):
 
     monkeypatch.delenv("RLHF_MLFLOW_UI_URL", raising=False)
     uri = "https://team:s3cr3t-pw@mlflow.example.com:8443"
-    assert mlflow_run_url(uri, "1", "abc") == "https://mlflow.example.com:8443/#/experiments/1/runs/abc"
-    assert mlflow_experiment_url(uri, "1") == "https://mlflow.example.com:8443/#/experiments/1/runs"
+    view = "?workflowType=machine_learning"  # the UI's model-training view, not its GenAI one
+    assert mlflow_run_url(uri, "1", "abc") == f"https://mlflow.example.com:8443/#/experiments/1/runs/abc{view}"
+    assert mlflow_experiment_url(uri, "1") == f"https://mlflow.example.com:8443/#/experiments/1/runs{view}"
     monkeypatch.setenv("RLHF_MLFLOW_UI_URL", "http://viewer:pw@127.0.0.1:5000/")
-    assert mlflow_run_url(uri, "1", "abc") == "http://127.0.0.1:5000/#/experiments/1/runs/abc"
+    assert mlflow_run_url(uri, "1", "abc") == f"http://127.0.0.1:5000/#/experiments/1/runs/abc{view}"
 
 
 def test_a_store_named_without_credentials_takes_this_machines_own(monkeypatch):

@@ -33,7 +33,8 @@ def _holder(code: str, *args: str, env: dict | None = None) -> Iterator[subproce
     proc = subprocess.Popen(
         [sys.executable, "-u", "-c", code, *args],
         cwd=REPO,
-        env=env or os.environ,
+        # this process's Prefect home, whatever earlier tests left in the environment: the same lock files
+        env=env or {**os.environ, "PREFECT_HOME": str(slot_module.lock_dir().parent)},
         start_new_session=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
