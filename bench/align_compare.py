@@ -11,7 +11,7 @@
 Equal budgets (`EQUAL_BUDGET`): PPO, GRPO and RLOO each generate 160 responses to 40 distinct prompts (4 per
 prompt) and take 40 optimiser steps of 4 responses: PPO 20 rollouts of 8 (`ppo.samples_per_prompt=4`, two
 minibatches each); GRPO and RLOO 20 generations of 8 split into 2 steps each (`align.steps_per_generation=2`). The
-budgets are computed from each point's settings (`rlhflow.align_config.training_budget`) and must be equal before
+budgets are computed from each point's settings (`rlhflow.config.align.training_budget`) and must be equal before
 anything runs. DPO generates nothing; it reads preference pairs, and `--dpo-equal-time` gives it PPO's wall time:
 the steps that PPO's mean stage time buys at DPO's seconds per step over all its finished runs
 (`dpo_equal_time_steps`; each DPO run at another step count sharpens the estimate).
@@ -42,8 +42,8 @@ import math
 import sys
 from dataclasses import dataclass
 
-from rlhflow.align_config import training_budget
-from rlhflow.config import Config, add_overrides_argument, load_config
+from rlhflow.config.align import training_budget
+from rlhflow.config.params import Config, add_overrides_argument, load_config
 
 ALGORITHMS = ["ppo", "grpo", "rloo", "dpo"]
 ONLINE = ("ppo", "grpo", "rloo")

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from rlhflow.config import load_config
+from rlhflow.config.params import load_config
 from rlhflow.evaluation.answers import Answers, ended_within
-from rlhflow.evaluation.compare import evaluation_prompts
-from rlhflow.models import load_causal_lm, load_tokenizer
-from rlhflow.sampling import evaluation_sampling
+from rlhflow.evaluation.held_out import evaluation_prompts
+from rlhflow.models.loading import load_causal_lm, load_tokenizer
+from rlhflow.models.sampling import evaluation_sampling
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,7 +21,7 @@ import math
 import statistics
 import time
 
-from rlhflow.config import add_overrides_argument, load_config
+from rlhflow.config.params import add_overrides_argument, load_config
 
 
 def padded_apart(queries, answers, pad_token_id: int, batch_size: int, by_length: bool, device):
@@ -29,7 +29,7 @@ def padded_apart(queries, answers, pad_token_id: int, batch_size: int, by_length
     the longest response, so a batch is as wide as the two maxima together."""
     import torch
 
-    from rlhflow.policy import pad_sequences
+    from rlhflow.models.policy import pad_sequences
 
     order = list(range(len(answers)))
     if by_length:
@@ -65,9 +65,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from rlhflow.data.readers import read_jsonl
-    from rlhflow.evaluation.compare import as_precision, sample
+    from rlhflow.evaluation.held_out import as_precision, sample
     from rlhflow.evaluation.metrics import response_nll, sampled_kl
-    from rlhflow.models import load_causal_lm, load_tokenizer, resolve_precision
+    from rlhflow.models.loading import load_causal_lm, load_tokenizer, resolve_precision
 
     cfg = load_config(overrides=args.overrides)
     e = cfg.evaluate

@@ -9,7 +9,7 @@ weights) with the tiny test tokenizer: prompts cut to `--prompt-tokens`, and res
 (a random model almost never samples EOS), so every row has the same length. The PPO settings are params.yaml's
 defaults otherwise: 8 responses per update, minibatches of 4, one epoch, AdamW.
 
-First the CUDA path as the pipeline's stages set it up (rlhflow.models): the card and its capability, whether
+First the CUDA path as the pipeline's stages set it up (rlhflow.models.loading): the card and its capability, whether
 bf16 is native there, what `precision: auto` resolves to, whether TF32 is on after `enable_tf32`, and the
 attention kernel `attn_implementation_for` picks. Then each run (shape:setting) in a fresh process: two updates,
 the peak of PyTorch's allocator (`torch.cuda.max_memory_allocated`, and what it reserved), the memory the models
@@ -85,10 +85,10 @@ RUNS = [
 
 
 def cuda_path(device: str) -> dict:
-    """What the stages' set-up (rlhflow.models) picks on this device."""
+    """What the stages' set-up (rlhflow.models.loading) picks on this device."""
     import torch
 
-    from rlhflow.models import attn_implementation_for, bf16_is_native, enable_tf32, resolve_precision
+    from rlhflow.models.loading import attn_implementation_for, bf16_is_native, enable_tf32, resolve_precision
 
     facts: dict = {"torch": torch.__version__, "device": device}
     if torch.device(device).type == "cuda":
@@ -148,8 +148,8 @@ def worker(shape_name: str, setting_name: str, args: argparse.Namespace) -> dict
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from bench.flops import LinearFlops
-    from rlhflow.config import PPOConfig
-    from rlhflow.models import attn_implementation_for, enable_tf32, resolve_precision
+    from rlhflow.config.params import PPOConfig
+    from rlhflow.models.loading import attn_implementation_for, enable_tf32, resolve_precision
     from rlhflow.ppo.trainer import PPOTrainer
     from tests.fixtures import tiny_tokenizer
 

@@ -30,9 +30,10 @@ def differences(
     policy, tokenizer, prompts, *, fp32_head: bool, max_prompt_length: int, args
 ) -> dict[str, torch.Tensor]:
     """Per response token (flattened): the sampled log-probs as decoded, from a bf16 full pass and from fp32."""
-    from rlhflow.logits import logprobs_from_logits
-    from rlhflow.models import linear_weights_to, output_layer_in_fp32
-    from rlhflow.policy import encode_prompts, generate, sequence_logprobs
+    from rlhflow.models.generation import generate
+    from rlhflow.models.loading import linear_weights_to, output_layer_in_fp32
+    from rlhflow.models.logits import logprobs_from_logits
+    from rlhflow.models.policy import encode_prompts, sequence_logprobs
 
     bf16 = torch.bfloat16
     trained = output_layer_in_fp32(copy.deepcopy(policy)) if fp32_head else policy  # what training computes with
@@ -84,7 +85,7 @@ def table(results: dict[str, dict[str, torch.Tensor]]) -> str:
 
 
 def main() -> None:
-    from rlhflow.config import load_config
+    from rlhflow.config.params import load_config
 
     ppo = load_config().ppo  # PPO's sampling settings as params.yaml sets them
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -101,7 +102,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from bench.ppo_precision import load_prompts
-    from rlhflow.models import load_causal_lm, load_tokenizer
+    from rlhflow.models.loading import load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
     policy = load_causal_lm(args.model, pad_token_id=tokenizer.pad_token_id).eval()

@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlhflow.config import add_overrides_argument, set_args
+from rlhflow.config.params import add_overrides_argument, set_args
 
 REPO = Path(__file__).resolve().parents[1]
 # the default params.yaml, shortened so that one path takes a few minutes on 2 CPU cores
@@ -95,7 +95,7 @@ def run_direct(overrides: list[str], out: Path) -> None:
     import importlib
 
     from flows.pipeline import selected_stages
-    from rlhflow.config import load_config
+    from rlhflow.config.params import load_config
     from rlhfops import tracking
     from rlhfops.stage_runner import StageContext
 

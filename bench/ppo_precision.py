@@ -97,7 +97,7 @@ def load_policy(model: str | None):
     """(policy, tokenizer): the model dir, or a random Llama of SmolLM2-135M's shape with the tiny test tokenizer."""
     import torch
 
-    from rlhflow.models import load_causal_lm, load_tokenizer
+    from rlhflow.models.loading import load_causal_lm, load_tokenizer
 
     if model:
         tok = load_tokenizer(model)
@@ -121,7 +121,7 @@ def load_policy(model: str | None):
 def make_trainer(policy, tok, prompts, **settings):
     import torch
 
-    from rlhflow.config import PPOConfig
+    from rlhflow.config.params import PPOConfig
     from rlhflow.ppo.trainer import PPOTrainer
 
     cfg = PPOConfig(**settings, steps=100, checkpoint_every=0, checkpoint_dir="/tmp/ppo_precision_bench")
@@ -171,7 +171,7 @@ def time_precisions(args: argparse.Namespace) -> dict:
     import torch
 
     from bench.flops import LinearFlops, matmul_gflops
-    from rlhflow.models import PRECISIONS, resolve_precision
+    from rlhflow.models.loading import PRECISIONS, resolve_precision
     from rlhflow.ppo.trainer import PPOTrainer
 
     threads = [int(t) for t in args.threads.split(",")]
@@ -213,7 +213,7 @@ def first_ratio_probe(trainer) -> dict:
     rows at once, (b) the sampling pass's logits, on a fresh rollout of the trainer's policy."""
     import torch
 
-    from rlhflow.policy import logprobs_and_entropy, sequence_logprobs
+    from rlhflow.models.policy import logprobs_and_entropy, sequence_logprobs
 
     cfg = trainer.cfg
     messages = [trainer.prompts[i] for i in range(min(cfg.batch_size, len(trainer.prompts)))]

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from rlhflow.config import add_overrides_argument, set_args
+from rlhflow.config.params import add_overrides_argument, set_args
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -21,10 +21,10 @@ def main() -> None:
     args, spec, torch, root, device, dtype = open_workload(__doc__.splitlines()[0])
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from rlhflow.config import PPOConfig
-    from rlhflow.models import load_causal_lm
+    from rlhflow.config.params import PPOConfig
+    from rlhflow.models.loading import load_causal_lm
     from rlhflow.ppo.trainer import PPOTrainer
-    from rlhflow.reward_model import RewardModel
+    from rlhflow.training.reward_model import RewardModel
 
     tokenizer = AutoTokenizer.from_pretrained(root / "policy")
     policy = load_causal_lm(str(root / "policy"), dtype=dtype, pad_token_id=tokenizer.pad_token_id)

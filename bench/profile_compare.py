@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rlhflow.config import add_overrides_argument
+from rlhflow.config.params import add_overrides_argument
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "bench" / ".work" / "profile_compare.json"

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from bench.orchestration import TINY, root_overrides
-from rlhflow.config import add_overrides_argument, load_config, set_args
+from rlhflow.config.params import add_overrides_argument, load_config, set_args
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "bench" / ".work" / "profile_run.json"
@@ -58,16 +58,16 @@ ENV_DEFAULTS = {
 # function defined in that module or package) and `module.Class.*` (every public method of the class).
 TIMED: dict[str, list[str]] = {
     "loading": [
-        "rlhflow.models.load_causal_lm",  # from_pretrained: safetensors, or GGUF dequantisation
-        "rlhflow.models.load_tokenizer",
-        "rlhflow.reward_model.load_backbone",
-        "rlhflow.reward_model.RewardModel.load",
+        "rlhflow.models.loading.load_causal_lm",  # from_pretrained: safetensors, or GGUF dequantisation
+        "rlhflow.models.loading.load_tokenizer",
+        "rlhflow.training.reward_model.load_backbone",
+        "rlhflow.training.reward_model.RewardModel.load",
     ],
     "tokenization": [
-        "rlhflow.policy.encode_prompts",
-        "rlhflow.reward_model.encode_pair",
-        "rlhflow.reward_model.pair_dataset",  # the reward models' tokenized training pairs
-        "rlhflow.validation._token_counts",
+        "rlhflow.models.policy.encode_prompts",
+        "rlhflow.training.reward_model.encode_pair",
+        "rlhflow.training.reward_model.pair_dataset",  # the reward models' tokenized training pairs
+        "rlhflow.data.validation._token_counts",
         # the tokenizer's own calls, wherever they are made: decoding in generate, padding in scoring, inside trl
         "transformers.PreTrainedTokenizerBase.__call__",
         "transformers.PreTrainedTokenizerBase.encode",
@@ -76,18 +76,18 @@ TIMED: dict[str, list[str]] = {
         "transformers.PreTrainedTokenizerBase.batch_decode",
         "transformers.PreTrainedTokenizerBase.apply_chat_template",
     ],
-    "generation": ["rlhflow.policy.generate"],
+    "generation": ["rlhflow.models.generation.generate"],
     "training": [
-        "rlhflow.hf_trainer.train_resuming",  # Trainer.train: the reward model, the judge, SFT
+        "rlhflow.training.hf_trainer.train_resuming",  # Trainer.train: the reward model, the judge, SFT
         "rlhflow.ppo.trainer.PPOTrainer._optimize",  # the PPO epochs: forward, backward, AdamW
     ],
     "scoring": [
-        "rlhflow.reward_model.RewardModel.raw_scores",  # every reward-model forward pass outside training
-        "rlhflow.policy.sequence_logprobs",  # reference log-probs, KL, perplexity
+        "rlhflow.training.reward_model.RewardModel.raw_scores",  # every reward-model forward pass outside training
+        "rlhflow.models.policy.sequence_logprobs",  # reference log-probs, KL, perplexity
         "rlhflow.evaluation.metrics.response_nll",
         "rlhflow.evaluation.metrics.response_kl",
         "rlhflow.ppo.trainer.PPOTrainer._in_chunks",  # the rollout's log-prob and value passes
-        "rlhflow.policy.PolicyAndValue.from_generation",
+        "rlhflow.models.policy.PolicyAndValue.from_generation",
     ],
     # hashes, DVC checks, records and cache
     "recording": ["rlhflow.fsutil.file_md5", "rlhfops.hashing.*", "rlhfops.stage_lock.*", "rlhfops.run_record.*"],
@@ -103,7 +103,8 @@ TIMED: dict[str, list[str]] = {
 }
 CATEGORIES = [*TIMED, "other"]
 OUTSIDE = "outside stages"
-# the packages whose modules may hold a timed function under their own name (`from rlhflow.policy import generate`)
+# the packages whose modules may hold a timed function under their own name (`from rlhflow.models.policy import
+# generate`)
 PROJECT_PACKAGES = ("rlhflow", "rlhfops", "tasks", "flows", "bench")
 
 

@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.reward_model_recipes '{"learning_rate": 1e-4, "epochs": 1}' \
         '{"learning_rate": 5e-5, "epochs": 2, "pooling": "mean"}' '{"data": "all", "prompt": "last_turn"}'
 
-Each argument is one recipe: `reward_model` params (see rlhflow/config.py) plus
+Each argument is one recipe: `reward_model` params (see rlhflow/config/params.py) plus
 - `data`: "proxy" (the train split, as the pipeline's proxy reward model gets it) or "all" (train and judge splits);
 - `prompt`: what of the dialogue the model reads before the response: "dialogue" (all of it, as the pipeline
   does), "last_turn" (the last user message only) or "none" (the response alone);
@@ -22,9 +22,10 @@ import json
 import tempfile
 import time
 
-from rlhflow.config import DEFAULT_ENCODER, RewardModelConfig, load_config
+from rlhflow.config.params import DEFAULT_ENCODER, RewardModelConfig, load_config
 from rlhflow.data.readers import read_jsonl
-from rlhflow.reward_model import evaluate_pairs, train_reward_model
+from rlhflow.evaluation.pairs import evaluate_pairs
+from rlhflow.training.reward_model import train_reward_model
 
 PROMPT_VIEWS = {
     "dialogue": lambda messages: messages,

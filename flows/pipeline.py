@@ -36,7 +36,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from flows import report
-from rlhflow.config import Config, apply_overrides, config_from_dict, load_config, parse_config_args
+from rlhflow.config.params import Config, apply_overrides, config_from_dict, load_config, parse_config_args
 from rlhflow.evaluation import judges
 from rlhfops import launch, restore, run_record, stage_lock, tracking, workspace
 from rlhfops.stages import STAGE_NAMES, STAGES, get_stage

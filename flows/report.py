@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from rlhflow.config import Config
+from rlhflow.config.params import Config
 from rlhflow.redaction import redact_url
 
 SUMMARY_METRICS = [

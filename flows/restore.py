@@ -18,7 +18,7 @@ import sys
 
 from prefect import flow
 
-from rlhflow.config import Config, load_config, parse_config_args
+from rlhflow.config.params import Config, load_config, parse_config_args
 from rlhfops import restore
 
 

@@ -5,7 +5,7 @@
 
 Deployments: `rlhf-pipeline/pipeline` (every stage), `rlhf-sweep/sweep` (a grid of pipeline runs),
 `restore-run/restore` and one per stage (`rlhf-ppo/ppo`, ...). Their parameter
-form is built from the typed config (rlhflow/config.py) with the values of params.yaml as defaults. Flow runs
+form is built from the typed config (rlhflow/config/params.py) with the values of params.yaml as defaults. Flow runs
 execute in subprocesses of this process, in the repository (so relative paths of params.yaml mean what they
 mean for `make run`). Ctrl-C stops the deployments and, with --start-servers, both servers.
 
@@ -29,7 +29,7 @@ import urllib.request
 from pathlib import Path
 
 from flows.report import MODEL_TRAINING_VIEW
-from rlhflow.config import REPO_ROOT
+from rlhflow.config.params import REPO_ROOT
 from rlhfops.stack_access import new_auth_string, prefect_server_security, write_private
 
 DEFAULT_HOST = "127.0.0.1"
@@ -43,7 +43,7 @@ def with_form_defaults(flow, params):
     defaults `config` to None: a run started without one reads params.yaml as it starts."""
     import inspect
 
-    from rlhflow.config import Config
+    from rlhflow.config.params import Config
 
     signature = inspect.signature(flow.fn, eval_str=True)
     form = flow.with_options()
@@ -63,7 +63,7 @@ def deployments() -> list:
     from flows.restore import restore_run
     from flows.stage_flows import STAGE_FLOWS
     from flows.sweep import rlhf_sweep
-    from rlhflow.config import load_config
+    from rlhflow.config.params import load_config
 
     params = load_config()  # params.yaml now: the defaults of every deployment's parameter form
     # flow runs import the flows by module (flows.pipeline.rlhf_pipeline), whatever the current directory
@@ -173,7 +173,7 @@ def start_servers_and_serve(host: str, prefect_port: int, mlflow_port: int) -> i
     """A Prefect server and an MLflow server (the project's tracking store, its artifacts served), both on
     `host`; then the deployments, in a child process pointed at them. Returns when any of them exits or on
     Ctrl-C, having stopped the others."""
-    from rlhflow.config import load_config
+    from rlhflow.config.params import load_config
     from rlhfops import tracking
 
     cfg = load_config()

@@ -8,7 +8,7 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.pipeline import run_pipeline, with_overrides
-from rlhflow.config import Config
+from rlhflow.config.params import Config
 from rlhfops.stages import STAGES, Stage
 from rlhfops.tracking import flatten
 

@@ -34,7 +34,7 @@ from prefect import flow
 
 from flows import report
 from flows.pipeline import rlhf_pipeline, with_overrides
-from rlhflow.config import Config, parse_config_args
+from rlhflow.config.params import Config, parse_config_args
 from rlhfops import tracking, workspace
 
 DEFAULT_BEST_OF_N = [1, 2, 4, 8, 16]
@@ -267,10 +267,11 @@ def best_of_n_baseline(cfg: Config, ns: list[int], missing_eos_penalty: float | 
 
 def _sample_best_of_n(cfg: Config, samples: int) -> dict[str, list]:
     from rlhflow.data.splits import conversation_key
-    from rlhflow.evaluation.compare import evaluation_prompts
     from rlhflow.evaluation.frontier import sample_best_of_n_scores
-    from rlhflow.models import load_causal_lm, load_tokenizer, pick_device
-    from rlhflow.reward_model import RewardModel
+    from rlhflow.evaluation.held_out import evaluation_prompts
+    from rlhflow.models.loading import load_causal_lm, load_tokenizer, pick_device
+    from rlhflow.models.sampling import evaluation_sampling
+    from rlhflow.training.reward_model import RewardModel
 
     start = time.perf_counter()
     device = pick_device(cfg.device)
@@ -285,7 +286,9 @@ def _sample_best_of_n(cfg: Config, samples: int) -> dict[str, list]:
     prompts = list(
         evaluation_prompts(cfg.path(cfg.validate_.out_dir) / "test.jsonl", cfg.evaluate.n_prompts)["prompt_messages"]
     )
-    proxy_scores, judge_scores, ended = sample_best_of_n_scores(sft, tokenizer, prompts, proxy, judge, cfg, samples)
+    proxy_scores, judge_scores, ended = sample_best_of_n_scores(
+        sft, tokenizer, prompts, proxy, judge, evaluation_sampling(cfg), samples
+    )
     print(f"sweep: {samples} SFT samples for each of {len(prompts)} prompts in {time.perf_counter() - start:.0f} s")
     return {
         "proxy": proxy_scores.tolist(),
@@ -363,13 +366,12 @@ def write_frontier(cfg: Config, outcomes: list[PointOutcome], baseline: list) ->
     import pandas as pd
 
     from rlhflow.evaluation import plots
-    from rlhflow.evaluation.frontier import frontier_plot, frontier_table, objective_name
+    from rlhflow.evaluation.frontier import frontier_plot, objective_name
     from rlhflow.fsutil import write_text_atomic
 
     penalty = cfg.ppo.missing_eos_penalty
     objective = objective_name(penalty)
     groups = seed_groups(outcomes)
-    several_seeds = any(len(g.outcomes) > 1 for g in groups)
     points = baseline + [p for p in (group_point(g, penalty) for g in groups) if p is not None]
     report_dir = cfg.path(REPORT_DIR)
     report_dir.mkdir(parents=True, exist_ok=True)
@@ -378,6 +380,17 @@ def write_frontier(cfg: Config, outcomes: list[PointOutcome], baseline: list) ->
     fig = frontier_plot(points, objective)
     fig.savefig(report_dir / "frontier.png", dpi=110)
     plots.close(fig)
+    markdown = frontier_markdown(points, objective, groups, outcomes)
+    write_text_atomic(report_dir / "frontier.md", markdown)
+    return markdown, [csv, report_dir / "frontier.png", report_dir / "frontier.md"]
+
+
+def frontier_markdown(points: list, objective: str, groups: list, outcomes: list[PointOutcome]) -> str:
+    """frontier.md: the frontier's table, each point over its seeds, the best point chosen on the dev split, and
+    every run's status."""
+    from rlhflow.evaluation.frontier import frontier_table
+
+    several_seeds = any(len(g.outcomes) > 1 for g in groups)
     failed = [o for o in outcomes if o.status.startswith("failed")]
     best = best_point(groups)
     choice = (
@@ -416,9 +429,33 @@ def write_frontier(cfg: Config, outcomes: list[PointOutcome], baseline: list) ->
         *([f"{len(failed)} point(s) failed; the others are in the table.", ""] if failed else []),
         "![frontier](frontier.png)",
     ]
-    markdown = "\n".join(lines)
-    write_text_atomic(report_dir / "frontier.md", markdown)
-    return markdown, [csv, report_dir / "frontier.png", report_dir / "frontier.md"]
+    return "\n".join(lines)
+
+
+def log_sweep_results(base: Config, sweep, outcomes: list[PointOutcome], baseline: list) -> str:
+    """The frontier's files, the points' run ids, the report as the run's note, the counts and the best point, on
+    the sweep's MLflow run; returns the report."""
+    import mlflow
+
+    markdown, files = write_frontier(base, outcomes, baseline)
+    for path in files:
+        mlflow.log_artifact(str(path), artifact_path="frontier")
+    mlflow.set_tag("sweep.points", ",".join(o.run_id for o in outcomes if o.run_id))
+    uri = tracking.tracking_uri(base)
+    print(
+        f"sweep run: {report.mlflow_run_url(uri, sweep.info.experiment_id, sweep.info.run_id)}; its points, "
+        f"grouped by tag {POINT_TAG}: {report.mlflow_experiment_url(uri, sweep.info.experiment_id)}"
+    )
+    mlflow.set_tag("mlflow.note.content", markdown.split("![frontier]")[0])
+    finished = [o for o in outcomes if not o.status.startswith("failed")]
+    mlflow.log_metrics(
+        {"sweep/points_finished": len(finished), "sweep/points_failed": len(outcomes) - len(finished)}
+        | seed_metrics(seed_groups(outcomes))
+    )
+    best = best_point(seed_groups(outcomes))
+    if best is not None:
+        mlflow.set_tag("sweep.best_point", best.label)
+    return markdown
 
 
 @flow(name="rlhf-sweep", log_prints=True)
@@ -438,7 +475,6 @@ def rlhf_sweep(
         config: every hyperparameter (params.yaml; its values are the defaults)
         seeds: training seeds per point (seed, seed + 1, ...); the splits and the judge stay fixed
     """
-    import mlflow
 
     base = with_overrides(config, overrides)
     if seeds < 1:
@@ -457,23 +493,7 @@ def rlhf_sweep(
             finished = [o for o in outcomes if not o.status.startswith("failed")]
             penalty = base.ppo.missing_eos_penalty  # the frontier's one objective, as write_frontier's
             baseline = best_of_n_baseline(configs[0], ns, penalty, sweep.info.run_id) if ns and finished else []
-            markdown, files = write_frontier(base, outcomes, baseline)
-            for path in files:
-                mlflow.log_artifact(str(path), artifact_path="frontier")
-            mlflow.set_tag("sweep.points", ",".join(o.run_id for o in outcomes if o.run_id))
-            uri = tracking.tracking_uri(base)
-            print(
-                f"sweep run: {report.mlflow_run_url(uri, sweep.info.experiment_id, sweep.info.run_id)}; its points, "
-                f"grouped by tag {POINT_TAG}: {report.mlflow_experiment_url(uri, sweep.info.experiment_id)}"
-            )
-            mlflow.set_tag("mlflow.note.content", markdown.split("![frontier]")[0])
-            mlflow.log_metrics(
-                {"sweep/points_finished": len(finished), "sweep/points_failed": len(outcomes) - len(finished)}
-                | seed_metrics(seed_groups(outcomes))
-            )
-            best = best_point(seed_groups(outcomes))
-            if best is not None:
-                mlflow.set_tag("sweep.best_point", best.label)
+            markdown = log_sweep_results(base, sweep, outcomes, baseline)
     try:
         from prefect.artifacts import create_markdown_artifact
 

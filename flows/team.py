@@ -47,7 +47,7 @@ from flows.pipeline import (
     selected_stages,
     with_overrides,
 )
-from rlhflow.config import REPO_ROOT, Config, parse_config_args
+from rlhflow.config.params import REPO_ROOT, Config, parse_config_args
 from rlhflow.evaluation import judges
 from rlhflow.redaction import user_info_removed
 from rlhfops import launch, restore, tracking, workspace
@@ -175,7 +175,6 @@ def team_pipeline(
         remote: the DVC remote the workers share; empty: DVC's default remote
     """
     import mlflow
-    from prefect.deployments import run_deployment
     from prefect.runtime import flow_run
 
     os.chdir(REPO_ROOT)
@@ -196,26 +195,7 @@ def team_pipeline(
         client = mlflow.MlflowClient(uri)
         for name in names:
             start = time.perf_counter()
-            run = run_deployment(
-                f"{STAGE_FLOW}/{queue_of(name)}",
-                parameters=dict(
-                    stage=name,
-                    config=stage_cfg,
-                    lock=dict(lock["stages"]),
-                    parent_run_id=parent_id,
-                    remote=remote,
-                    force=force,
-                ),
-                timeout=0,
-                as_subflow=True,
-            )
-            run = wait_for_stage(run, name, parent_id, client)
-            worker = client.get_run(parent_id).data.tags.get(WORKER_TAG + name, "(none took it)")
-            if not run.state.is_completed():
-                raise StageFailed(
-                    f"stage {name} on worker {worker}: flow run {run.name!r} {run.state.name}: "
-                    f"{(run.state.message or '').strip()[:1000]}"
-                )
+            dispatch_stage(name, stage_cfg, lock, parent_id, client, remote=remote, force=force)
             record = _stage_record(client, parent_id, name)
             lock["stages"][name] = record["entry"]
             metrics = _stage_metrics(client, parent_id, cfg, name)
@@ -228,6 +208,33 @@ def team_pipeline(
         mlflow.log_text(tracking.redact(yaml.safe_dump(lock, sort_keys=False)), LOCK_FILE)
         mlflow.log_text(tracking.redact(yaml.safe_dump(cfg.to_params(), sort_keys=False)), PARAMS_FILE)
     return results
+
+
+def dispatch_stage(name: str, stage_cfg: Config, lock: dict, parent_id: str, client, *, remote, force: bool) -> None:
+    """Run stage `name` on a worker of its queue (given the lock entries of the stages before it) and wait for it;
+    a stage that did not complete raises StageFailed naming the worker and the flow run's state."""
+    from prefect.deployments import run_deployment
+
+    run = run_deployment(
+        f"{STAGE_FLOW}/{queue_of(name)}",
+        parameters=dict(
+            stage=name,
+            config=stage_cfg,
+            lock=dict(lock["stages"]),
+            parent_run_id=parent_id,
+            remote=remote,
+            force=force,
+        ),
+        timeout=0,
+        as_subflow=True,
+    )
+    run = wait_for_stage(run, name, parent_id, client)
+    worker = client.get_run(parent_id).data.tags.get(WORKER_TAG + name, "(none took it)")
+    if not run.state.is_completed():
+        raise StageFailed(
+            f"stage {name} on worker {worker}: flow run {run.name!r} {run.state.name}: "
+            f"{(run.state.message or '').strip()[:1000]}"
+        )
 
 
 def with_tracking_uri(cfg: Config, uri: str) -> Config:

@@ -1,4 +1,6 @@
-"""The ML library of the RLHF pipeline: preference data (data/), its validation, models and tokenizers, the policy
-and sampling, reward models, SFT, PPO (ppo/) and the trl algorithms (align), metrics, statistics, evaluation and
-the champion rule. It knows nothing of Prefect, DVC or the MLflow registry: that machinery is rlhfops.
+"""The ML library of the RLHF pipeline, in rooms by job, each importing only the rooms listed before it:
+config/ (params.yaml), data/ (readers, formats, splits, validation), models/ (loading, policy, decoding,
+sampling), training/ (reward model, SFT, trl's algorithms, data parallelism), ppo/ and evaluation/. Below them
+all: fsutil (atomic writes) and redaction (credentials out of URLs). It knows nothing of Prefect, DVC or MLflow:
+that machinery is rlhfops.
 """

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from rlhflow.config import REPO_ROOT
+from rlhflow.config.params import REPO_ROOT
 from rlhflow.fsutil import dir_md5, file_md5  # noqa: F401 (re-exported: rlhflow needs them too)
 
 

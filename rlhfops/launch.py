@@ -14,7 +14,6 @@ run's id and `FLOW_ENV`, which tells their CLI that the flow holds the workspace
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
@@ -25,17 +24,8 @@ import tempfile
 from collections import deque
 from pathlib import Path
 
-from rlhflow.config import REPO_ROOT, Config, parse_config_args, write_params
-from rlhfops.stages import get_stage
-
-FLOW_ENV = "RLHFOPS_FLOW_RUN"  # set by the flow for the processes of a stage it launches
-
-
-def parent_run_option() -> argparse.ArgumentParser:
-    """The stage CLI's own option (an argparse parent): the MLflow run a flow nests the stage's run under."""
-    own = argparse.ArgumentParser(add_help=False)
-    own.add_argument("--parent-run-id", default=None, help="the MLflow run to nest this stage's run under")
-    return own
+from rlhflow.config.params import REPO_ROOT, Config, parse_config_args, write_params
+from rlhfops.stages import FLOW_ENV, get_stage, parent_run_option
 
 
 def processes(stage: str, cfg: Config) -> int:

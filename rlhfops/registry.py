@@ -12,7 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from rlhflow.config import REPO_ROOT, Config
+from rlhflow.config.params import REPO_ROOT, Config
 from rlhfops.hashing import dir_md5
 
 # one place for the names: stages and evaluation share them without importing each other

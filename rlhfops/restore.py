@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhflow.config import REPO_ROOT, Config
+from rlhflow.config.params import REPO_ROOT, Config
 from rlhfops import tracking, workspace
 from rlhfops.dvc_yaml import stage_deps
 from rlhfops.hashing import dvc_md5s, file_md5

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from rlhflow.config import REPO_ROOT, Config, load_config, write_params
+from rlhflow.config.params import REPO_ROOT, Config, load_config, write_params
 from rlhfops import tracking
 from rlhfops.stage_lock import (
     LOCK_FILE,

@@ -41,7 +41,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlhflow.config import REPO_ROOT
+from rlhflow.config.params import REPO_ROOT
 from rlhfops.stack_access import (
     new_auth_string,
     prefect_server_security,

@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from rlhflow.config import REPO_ROOT, Config
+from rlhflow.config.params import REPO_ROOT, Config
 from rlhflow.fsutil import atomic_file
 from rlhfops.dvc_yaml import stage_deps
 from rlhfops.hashing import dvc_md5s

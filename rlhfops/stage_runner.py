@@ -25,11 +25,10 @@ os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 from prefect import task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
-from rlhflow import distributed  # noqa: E402
-from rlhflow.config import Config, parse_config_args  # noqa: E402
+from rlhflow.config.params import Config, parse_config_args  # noqa: E402
+from rlhflow.training import distributed  # noqa: E402
 from rlhfops import tracking, workspace  # noqa: E402
-from rlhfops.launch import FLOW_ENV, parent_run_option  # noqa: E402
-from rlhfops.stages import get_stage  # noqa: E402
+from rlhfops.stages import FLOW_ENV, get_stage, parent_run_option  # noqa: E402
 
 
 def _print_to_stdout(*values, sep: str | None = " ", end: str | None = "\n", file=None, flush: bool = False) -> None:
@@ -147,7 +146,7 @@ def record_by_hand(name: str, cfg: Config) -> None:
     to date; or a line saying why it is not recorded."""
     if not distributed.is_main_process() or "DVC_STAGE" in os.environ or FLOW_ENV in os.environ:
         return
-    from rlhflow.config import REPO_ROOT
+    from rlhflow.config.params import REPO_ROOT
     from rlhfops import stage_lock
 
     stage = get_stage(name)

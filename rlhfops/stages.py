@@ -8,14 +8,24 @@ Paths are written as DVC templates (`${sft.out_dir}`) that DVC fills from params
 
 from __future__ import annotations
 
+import argparse
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhflow.config import Config
-from rlhflow.config_section import inherited_keys
+from rlhflow.config.params import Config
+from rlhflow.config.section import inherited_keys
 
 VALIDATED = "${validate.out_dir}"
+
+FLOW_ENV = "RLHFOPS_FLOW_RUN"  # set by the flow for the processes of a stage it launches
+
+
+def parent_run_option() -> argparse.ArgumentParser:
+    """The stage CLI's own option (an argparse parent): the MLflow run a flow nests the stage's run under."""
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--parent-run-id", default=None, help="the MLflow run to nest this stage's run under")
+    return own
 
 
 @dataclass(frozen=True)
@@ -89,7 +99,7 @@ STAGES: list[Stage] = [
             "${data.preferences}",
             "rlhflow/data/formats.py",
             "rlhflow/data/splits.py",
-            "rlhflow/validation.py",
+            "rlhflow/data/validation.py",
             "tasks/validate.py",
         ],
         outs=[VALIDATED, "${validate.report_dir}"],
@@ -114,9 +124,9 @@ STAGES: list[Stage] = [
         deps=[
             VALIDATED,
             "${sft.train_data}",
-            "rlhflow/models.py",
-            "rlhflow/policy.py",
-            "rlhflow/sft.py",
+            "rlhflow/models/loading.py",
+            "rlhflow/models/policy.py",
+            "rlhflow/training/sft.py",
             "tasks/sft.py",
         ],
         outs=["${sft.out_dir}"],
@@ -127,7 +137,7 @@ STAGES: list[Stage] = [
         name="reward_model",
         description="train the Bradley-Terry reward model with trl's RewardTrainer",
         params=["seed", "reward_model", *launch_params("reward_model")],
-        deps=[VALIDATED, "${sft.out_dir}", "rlhflow/reward_model.py", "tasks/reward_model.py"],
+        deps=[VALIDATED, "${sft.out_dir}", "rlhflow/training/reward_model.py", "tasks/reward_model.py"],
         outs=["${reward_model.out_dir}"],
         metrics=[_metrics("reward_model")],
         accelerator=True,
@@ -142,7 +152,7 @@ STAGES: list[Stage] = [
         deps=[
             VALIDATED,
             "${sft.out_dir}",
-            "rlhflow/reward_model.py",
+            "rlhflow/training/reward_model.py",
             "rlhflow/evaluation/judge_template.txt",
             "tasks/judge.py",
         ],
@@ -181,7 +191,7 @@ STAGES: list[Stage] = [
             "${sft.out_dir}",
             "${reward_model.out_dir}",
             "${judge.out_dir}",
-            "rlhflow/evaluation/compare.py",
+            "rlhflow/evaluation/held_out.py",
             "rlhflow/evaluation/judge_template.txt",
             "tasks/sft_answers.py",
         ],
@@ -190,8 +200,9 @@ STAGES: list[Stage] = [
         accelerator=True,
     ),
     # The policy-optimisation stage: align.algorithm picks PPO (the project's engine, rlhflow/ppo/) or trl's GRPO,
-    # RLOO or DPO (rlhflow/align.py). One stage whatever the algorithm: the policy always lands in ppo.out_dir, where
-    # evaluate reads it, and switching the algorithm (a param of this stage only) reruns this stage and evaluate.
+    # RLOO or DPO (rlhflow/training/align.py). One stage whatever the algorithm: the policy always lands in
+    # ppo.out_dir, where evaluate reads it, and switching the algorithm (a param of this stage only) reruns this stage
+    # and evaluate.
     Stage(
         name="ppo",
         description="policy optimisation of the SFT policy (align.algorithm: PPO against the reward model by default, "
@@ -202,8 +213,8 @@ STAGES: list[Stage] = [
             "${sft.out_dir}",
             "${reward_model.out_dir}",
             "rlhflow/ppo",
-            "rlhflow/align.py",
-            "rlhflow/policy.py",
+            "rlhflow/training/align.py",
+            "rlhflow/models/policy.py",
             "tasks/ppo.py",
         ],
         outs=["${ppo.out_dir}"],
@@ -238,7 +249,7 @@ STAGES: list[Stage] = [
             "${metrics_dir}/ppo_history.csv",
             "${metrics_dir}/judge.json",
             "rlhflow/evaluation",
-            "rlhflow/reward_model.py",
+            "rlhflow/training/reward_model.py",
             "tasks/evaluate.py",
         ],
         outs=["${evaluate.report_dir}"],

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rlhflow.config import REPO_ROOT, Config, project_root
+from rlhflow.config.params import REPO_ROOT, Config, project_root
 from rlhflow.fsutil import write_json_atomic
 from rlhflow.redaction import REDACTED, redact_url, redact_urls, user_info_removed
 from rlhfops.hashing import file_md5

@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from rlhflow.config import REPO_ROOT
+from rlhflow.config.params import REPO_ROOT
 
 LOCK_PATH = Path(".dvc") / "tmp" / "rlhflow-run.lock"
 # set in the environment of a process (and its children) while it holds the workspace

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 # Heavy imports (torch, transformers, mlflow, the library's model code) are deferred into the stage body, so
 # that importing the module (the flow does, to get its task; so does `--help`) stays fast.
-from rlhflow.config import Config
+from rlhflow.config.params import Config
 from rlhfops.stage_runner import StageContext, cli, stage_task
 
 NAME = "demo_data"

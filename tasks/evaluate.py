@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import tempfile
 
-from rlhflow.config import Config
+from rlhflow.config.params import Config
 from rlhfops import registry
 from rlhfops.stage_runner import StageContext, cli, stage_task
 

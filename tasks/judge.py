@@ -12,7 +12,7 @@ parent run under the same names (judge/accuracy, judge/length_baseline_accuracy,
 
 from __future__ import annotations
 
-from rlhflow.config import Config
+from rlhflow.config.params import Config
 from rlhfops import registry
 from rlhfops.stage_runner import StageContext, cli, stage_task
 
@@ -22,7 +22,7 @@ REGISTERED_NAME = registry.JUDGE
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.evaluation import judges
-    from rlhflow.reward_model import LENGTH_AWARE_METRICS
+    from rlhflow.evaluation.pairs import LENGTH_AWARE_METRICS
     from tasks.pairwise_training import train_pairwise_model
 
     if cfg.judge.kind != "trained" and not ctx.main_process:
@@ -55,7 +55,7 @@ def measure_given_judge(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.data.readers import read_jsonl
     from rlhflow.evaluation import judges
     from rlhflow.fsutil import atomic_dir, write_json_atomic
-    from rlhflow.models import pick_device
+    from rlhflow.models.loading import pick_device
     from rlhfops import tracking
     from tasks.pairwise_training import held_out_metrics
 

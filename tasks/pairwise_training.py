@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from rlhflow.config import Config, JudgeConfig, RewardModelConfig
+from rlhflow.config.params import Config, JudgeConfig, RewardModelConfig
 
 
 class StageLog(Protocol):
@@ -24,10 +24,10 @@ def backbone_spec(cfg: Config, rm_cfg: RewardModelConfig) -> str:
 
 
 def held_out_metrics(prefix: str, held_out: dict[str, float]) -> dict[str, float]:
-    """A model's figures on the held-out test pairs (`rlhflow.reward_model.evaluate_pairs` metrics, or a judge's
+    """A model's figures on the held-out test pairs (`rlhflow.evaluation.pairs.evaluate_pairs` metrics, or a judge's
     `rlhflow.evaluation.judges.pair_metrics`), under the stage's names: `<prefix>/accuracy`, `<prefix>/accuracy_se`,
     the length rule and its intervals, `<prefix>/eval_pairs`, and `<prefix>/margin` where scores give one."""
-    from rlhflow.reward_model import LENGTH_AWARE_METRICS
+    from rlhflow.evaluation.pairs import LENGTH_AWARE_METRICS
 
     metrics = {
         f"{prefix}/accuracy": held_out["accuracy"],
@@ -43,7 +43,7 @@ def held_out_metrics(prefix: str, held_out: dict[str, float]) -> dict[str, float
 def checkpoint_fingerprint(cfg: Config, rm_cfg: RewardModelConfig, train_file: Path, seed: int) -> str:
     """What a Trainer checkpoint must have been made from to be resumed: the same reward-model settings (where
     checkpoints go and how often aside), seed, backbone, training data and number of processes."""
-    from rlhflow import distributed
+    from rlhflow.training import distributed
     from rlhfops.hashing import inputs_fingerprint
 
     backbone = backbone_spec(cfg, rm_cfg)
@@ -54,6 +54,29 @@ def checkpoint_fingerprint(cfg: Config, rm_cfg: RewardModelConfig, train_file: P
     return inputs_fingerprint(
         files, reward_model=settings, backbone=backbone, seed=seed, processes=distributed.world_size()
     )
+
+
+def split_files(cfg: Config, split: str):
+    """The validated split a pairwise model trains on, and the test split it is measured on."""
+    validated = cfg.path(cfg.validate_.out_dir)
+    train_file = validated / f"{split}.jsonl"
+    if not train_file.exists():
+        raise FileNotFoundError(f"{train_file}: no {split} split; run the validate stage first")
+    return train_file, validated / "test.jsonl"
+
+
+def resumable_checkpoint_dir(cfg: Config, ctx: StageLog, rm_cfg: RewardModelConfig, section: str, train_file, seed):
+    """Trainer checkpoints of an interrupted run with the same inputs are resumed from; others are dropped (by the
+    main process, before any process reads them)."""
+    from rlhflow.fsutil import prepare_checkpoint_dir
+    from rlhflow.training import distributed
+
+    checkpoint_dir = cfg.path(rm_cfg.checkpoint_dir)
+    if ctx.main_process:
+        fingerprint = checkpoint_fingerprint(cfg, rm_cfg, train_file, seed)
+        prepare_checkpoint_dir(checkpoint_dir, fingerprint, setting=f"{section}.checkpoint_dir")
+    distributed.barrier()
+    return checkpoint_dir
 
 
 def train_pairwise_model(
@@ -74,33 +97,22 @@ def train_pairwise_model(
 
     import mlflow
 
-    from rlhflow import distributed
     from rlhflow.data.readers import read_jsonl
-    from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir, remove_made
-    from rlhflow.reward_model import evaluate_pairs, save_pair_scores, train_reward_model
+    from rlhflow.evaluation.pairs import evaluate_pairs, save_pair_scores
+    from rlhflow.fsutil import atomic_dir, remove_made
+    from rlhflow.training.reward_model import train_reward_model
     from rlhfops import registry, tracking
     from rlhfops.serving.reward import RewardPyfunc
 
-    validated = cfg.path(cfg.validate_.out_dir)
-    train_file = validated / f"{split}.jsonl"
-    if not train_file.exists():
-        raise FileNotFoundError(f"{train_file}: no {split} split; run the validate stage first")
-    train_rows = read_jsonl(train_file).to_dict("records")
-    test_file = validated / "test.jsonl"
-    test_rows = read_jsonl(test_file).to_dict("records")
-
+    train_file, test_file = split_files(cfg, split)
+    train_rows, test_rows = (read_jsonl(f).to_dict("records") for f in (train_file, test_file))
     if ctx.main_process:
         tracking.log_dataset(train_file, name=f"preferences-{split}", context="training")
     out_dir = cfg.path(rm_cfg.out_dir)
     # the other processes of a multi-process run write only into a scratch dir, which is thrown away
     section = "judge" if isinstance(rm_cfg, JudgeConfig) else "reward_model"  # the params keys named in errors
     output = atomic_dir(out_dir, setting=f"{section}.out_dir") if ctx.main_process else tempfile.TemporaryDirectory()
-    # Trainer checkpoints of an interrupted run with the same inputs are resumed from; others are dropped
-    checkpoint_dir = cfg.path(rm_cfg.checkpoint_dir)
-    if ctx.main_process:
-        fingerprint = checkpoint_fingerprint(cfg, rm_cfg, train_file, seed)
-        prepare_checkpoint_dir(checkpoint_dir, fingerprint, setting=f"{section}.checkpoint_dir")
-    distributed.barrier()
+    checkpoint_dir = resumable_checkpoint_dir(cfg, ctx, rm_cfg, section, train_file, seed)
     with output as tmp:
         rm = train_reward_model(
             rm_cfg,

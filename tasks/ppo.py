@@ -3,15 +3,20 @@
 - `ppo` (the default): the project's PPO engine against the reward model (or a programmatic reward named by
   `ppo.reward_fn`), with the frozen SFT model as the KL reference. Every update's statistics go to MLflow under
   `ppo/` (and the shared ones under `align/` too) and to metrics/ppo_history.csv (the DVC plot).
-- `grpo`, `rloo`, `dpo`: trl's trainers (rlhflow/align.py); every step's statistics go to MLflow under `align/` and
-  to metrics/ppo_history.csv, what GRPO and RLOO sampled to an MLflow table (align_completions.json).
+- `grpo`, `rloo`, `dpo`: trl's trainers (rlhflow/training/align.py); every step's statistics go to MLflow under
+  `align/` and to metrics/ppo_history.csv, what GRPO and RLOO sampled to an MLflow table (align_completions.json).
 
 Either way the policy is written to `ppo.out_dir` as a plain model dir and registered as `rlhf-policy`, the run and
 the version tagged `algorithm=<name>`."""
 
 from __future__ import annotations
 
-from rlhflow.config import Config
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhflow.config.params import Config
 
 # Heavy imports (torch, transformers, mlflow, the library's model code) are deferred into the stage body, so
 # that importing the module (the flow does, to get its task; so does `--help`) stays fast.
@@ -46,7 +51,7 @@ def prepare_checkpoint_dir(cfg: Config):
     )
 
 
-# PPO's statistics that every algorithm logs, under their shared names (rlhflow/align.py): the reward source's
+# PPO's statistics that every algorithm logs, under their shared names (rlhflow/training/align.py): the reward source's
 # score before the missing-EOS penalty, response length in tokens, the share of responses that ended
 PPO_ALIASES = {
     "ppo/score_mean": "align/score_mean",
@@ -76,7 +81,7 @@ def align_fingerprint(cfg: Config) -> str:
     settings (its own sub-section, the shared ones, PPO's sampling and reward settings), seed, SFT model, reward
     model (GRPO, RLOO), training pairs or prompts and number of processes. The run length counts only with a
     linear learning-rate schedule, which spans it."""
-    from rlhflow import distributed
+    from rlhflow.training import distributed
     from rlhfops.hashing import inputs_fingerprint
 
     a = cfg.align
@@ -117,10 +122,36 @@ def write_history(path, history: list[dict]) -> None:
     write_text_atomic(path, pd.DataFrame(history).to_csv(index=False))
 
 
+@dataclass
+class TrainedPolicy:
+    """What an algorithm's training hands the stage's shared ending (`finish`)."""
+
+    history: list[dict[str, float]]  # one row per step, as metrics/ppo_history.csv holds them
+    save: Callable[[Path], None]  # writes the policy into a directory as a plain model dir
+    metrics: dict[str, float]  # the stage's summary figures (metrics/ppo.json)
+    checkpoint_dir: Path
+
+
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
-    if cfg.align.algorithm != "ppo":
-        return run_trl(cfg, ctx)
-    return run_ppo(cfg, ctx)
+    """Train with `align.algorithm`, then end as every algorithm does. Training returns None on the other processes
+    of a multi-process run: rank 0 holds the same model and writes it."""
+    trained = train_ppo(cfg, ctx) if cfg.align.algorithm == "ppo" else train_trl(cfg, ctx)
+    return finish(cfg, ctx, trained) if trained is not None else {}
+
+
+def finish(cfg: Config, ctx: StageContext, trained: TrainedPolicy) -> dict[str, float]:
+    """The history written, the policy written whole, the summary logged, the policy registered once all of that
+    succeeded, the checkpoints removed."""
+    from rlhflow.fsutil import atomic_dir, remove_made
+
+    write_history(cfg.path(cfg.metrics_dir) / "ppo_history.csv", trained.history)
+    out_dir = cfg.path(cfg.ppo.out_dir)
+    with atomic_dir(out_dir, setting="ppo.out_dir") as tmp:
+        trained.save(tmp)
+    ctx.log_metrics(trained.metrics)
+    register_policy(cfg, out_dir, cfg.align.algorithm)
+    remove_made(trained.checkpoint_dir)  # logged and registered: nothing left to resume
+    return trained.metrics
 
 
 def register_policy(cfg: Config, out_dir, algorithm: str) -> None:
@@ -136,20 +167,17 @@ def register_policy(cfg: Config, out_dir, algorithm: str) -> None:
         mlflow.MlflowClient().set_model_version_tag(REGISTERED_NAME, version, "algorithm", algorithm)
 
 
-def run_trl(cfg: Config, ctx: StageContext) -> dict[str, float]:
-    """GRPO, RLOO or DPO with trl (rlhflow/align.py), under the same contract as PPO: settings checked before any
-    model loads, Trainer checkpoints resumed after a kill, the policy in ppo.out_dir, metrics/ppo_history.csv."""
-    import math
-
+def train_trl(cfg: Config, ctx: StageContext) -> TrainedPolicy | None:
+    """GRPO, RLOO or DPO with trl (rlhflow/training/align.py), under the same contract as PPO: settings checked before
+    any model loads, Trainer checkpoints resumed after a kill, the policy in ppo.out_dir, metrics/ppo_history.csv."""
     import mlflow
     import torch
 
-    from rlhflow import align, distributed
     from rlhflow.data.readers import read_jsonl
-    from rlhflow.fsutil import atomic_dir, remove_made
     from rlhflow.fsutil import prepare_checkpoint_dir as keep_or_clear
-    from rlhflow.models import enable_tf32, load_causal_lm, load_tokenizer, pick_device, save_plain
+    from rlhflow.models.loading import enable_tf32, load_causal_lm, load_tokenizer, pick_device, save_plain
     from rlhflow.ppo.reward_and_critic import load_reward_source
+    from rlhflow.training import align, distributed
 
     algorithm = cfg.align.algorithm
     device = distributed.local_device(pick_device(cfg.device))
@@ -184,17 +212,16 @@ def run_trl(cfg: Config, ctx: StageContext) -> dict[str, float]:
         ref_model=ref_model,
         log_fn=lambda stats, step: ctx.log_metrics(stats, step=step),
     )
-    if not ctx.main_process:  # another process of a multi-process run: rank 0 holds the same model and writes it
-        return {}
-    write_history(cfg.path(cfg.metrics_dir) / "ppo_history.csv", history)
-
-    out_dir = cfg.path(cfg.ppo.out_dir)
-    with atomic_dir(out_dir, setting="ppo.out_dir") as tmp:
-        save_plain(policy, tokenizer, tmp)
+    if not ctx.main_process:
+        return None
     table = align.completions_table(checkpoint_dir, algorithm)
     if table is not None:
         mlflow.log_table(table, artifact_file="align_completions.json")
+    return TrainedPolicy(history, lambda tmp: save_plain(policy, tokenizer, tmp), trl_summary(history), checkpoint_dir)
 
+
+def trl_summary(history: list[dict[str, float]]) -> dict[str, float]:
+    """ALIGN_SUMMARY's figures over the final quarter of the steps (where logged), the first score, the steps."""
     last = history[-max(1, len(history) // 4) :]  # the final quarter of the steps, smoothed
     metrics = {}
     for key in ALIGN_SUMMARY:
@@ -204,41 +231,18 @@ def run_trl(cfg: Config, ctx: StageContext) -> dict[str, float]:
     if history and "align/score_mean" in history[0]:
         metrics["align/score_mean_first"] = history[0]["align/score_mean"]
     metrics["align/steps"] = float(len(history))
-    ctx.log_metrics(metrics)
-    register_policy(cfg, out_dir, algorithm)
-    remove_made(checkpoint_dir)  # logged and registered: nothing left to resume
     return metrics
 
 
-def run_ppo(cfg: Config, ctx: StageContext) -> dict[str, float]:
+def train_ppo(cfg: Config, ctx: StageContext) -> TrainedPolicy | None:
+    """The project's PPO engine (rlhflow.ppo.trainer), resuming from a checkpoint of the same inputs."""
     import torch
 
-    from rlhflow import distributed
-    from rlhflow.data.readers import read_jsonl
-    from rlhflow.fsutil import atomic_dir, remove_made
-    from rlhflow.models import (
-        attn_implementation_for,
-        enable_tf32,
-        load_causal_lm,
-        load_tokenizer,
-        pick_device,
-        resolve_precision,
-    )
     from rlhflow.ppo.reward_and_critic import in_precision, load_reward_source, make_critic
     from rlhflow.ppo.trainer import PPOTrainer
+    from rlhflow.training import distributed
 
-    device = distributed.local_device(pick_device(cfg.device))
-    dtype = resolve_precision(cfg.ppo.precision, device)  # the trainer resolves the same from cfg.ppo
-    enable_tf32(device)  # fp32 matmuls on Ampere and later GPUs: TF32 tensor cores
-    print(f"ppo: precision {cfg.ppo.precision} -> {dtype} on {device}", flush=True)
-    sft_dir = str(cfg.path(cfg.sft.out_dir))
-    tokenizer = load_tokenizer(sft_dir)
-    policy = load_causal_lm(
-        sft_dir, pad_token_id=tokenizer.pad_token_id, attn_implementation=attn_implementation_for(device, dtype)
-    )
-    train = read_jsonl(cfg.path(cfg.validate_.out_dir) / "train.jsonl")
-    prompts = list(train.drop_duplicates("prompt")["prompt_messages"])
-
+    device, dtype, tokenizer, policy, prompts = load_ppo_inputs(cfg)
     torch.manual_seed(cfg.seed)
     checkpoint_dir = prepare_checkpoint_dir(cfg) if ctx.main_process else cfg.path(cfg.ppo.checkpoint_dir)
     distributed.barrier()  # with several processes: rank 0 has kept or cleared the checkpoints before any reads them
@@ -263,16 +267,40 @@ def run_ppo(cfg: Config, ctx: StageContext) -> dict[str, float]:
         for step, stats in enumerate(trainer.history, start=1):  # this run's curves start at update 1 too
             ctx.log_metrics(with_aliases(stats), step=step)
     history = trainer.train()
-    if not ctx.main_process:  # another process of a multi-process run: rank 0 holds the same model and writes it
-        return {}
-    write_history(
-        cfg.path(cfg.metrics_dir) / "ppo_history.csv",
-        [{"step": i + 1, **with_aliases(h)} for i, h in enumerate(history)],
-    )
+    if not ctx.main_process:
+        return None
+    rows = [{"step": i + 1, **with_aliases(h)} for i, h in enumerate(history)]
+    return TrainedPolicy(rows, trainer.save, ppo_summary(history), checkpoint_dir)
 
-    out_dir = cfg.path(cfg.ppo.out_dir)
-    with atomic_dir(out_dir, setting="ppo.out_dir") as tmp:
-        trainer.save(tmp)
+
+def load_ppo_inputs(cfg: Config):
+    """The device and precision, the SFT tokenizer and policy, and the distinct training prompts."""
+    from rlhflow.data.readers import read_jsonl
+    from rlhflow.models.loading import (
+        attn_implementation_for,
+        enable_tf32,
+        load_causal_lm,
+        load_tokenizer,
+        pick_device,
+        resolve_precision,
+    )
+    from rlhflow.training import distributed
+
+    device = distributed.local_device(pick_device(cfg.device))
+    dtype = resolve_precision(cfg.ppo.precision, device)  # the trainer resolves the same from cfg.ppo
+    enable_tf32(device)  # fp32 matmuls on Ampere and later GPUs: TF32 tensor cores
+    print(f"ppo: precision {cfg.ppo.precision} -> {dtype} on {device}", flush=True)
+    sft_dir = str(cfg.path(cfg.sft.out_dir))
+    tokenizer = load_tokenizer(sft_dir)
+    policy = load_causal_lm(
+        sft_dir, pad_token_id=tokenizer.pad_token_id, attn_implementation=attn_implementation_for(device, dtype)
+    )
+    train = read_jsonl(cfg.path(cfg.validate_.out_dir) / "train.jsonl")
+    return device, dtype, tokenizer, policy, list(train.drop_duplicates("prompt")["prompt_messages"])
+
+
+def ppo_summary(history: list[dict[str, float]]) -> dict[str, float]:
+    """Score, KL, entropy, length and explained variance over the final quarter of updates; the first score."""
     last = history[-max(1, len(history) // 4) :]  # the final quarter of updates, smoothed
     metrics = {
         f"{k}_final": sum(h[k] for h in last) / len(last)
@@ -281,9 +309,6 @@ def run_ppo(cfg: Config, ctx: StageContext) -> dict[str, float]:
     }
     metrics["ppo/score_mean_first"] = history[0].get("ppo/score_mean", float("nan"))
     metrics["ppo/updates"] = float(len(history))
-    ctx.log_metrics(metrics)
-    register_policy(cfg, out_dir, "ppo")
-    remove_made(checkpoint_dir)  # logged and registered: nothing left to resume
     return metrics
 
 

@@ -5,7 +5,7 @@ another one."""
 
 from __future__ import annotations
 
-from rlhflow.config import Config
+from rlhflow.config.params import Config
 
 # Heavy imports (torch, transformers, mlflow, the library's model code) are deferred into the stage body, so
 # that importing the module (the flow does, to get its task; so does `--help`) stays fast.

@@ -14,7 +14,7 @@ from __future__ import annotations
 # that importing the module (the flow does, to get its task; so does `--help`) stays fast.
 from pathlib import Path
 
-from rlhflow.config import Config
+from rlhflow.config.params import Config
 from rlhfops.stage_runner import StageContext, cli, prints_to_stdout, stage_task
 
 NAME = "sft"
@@ -29,7 +29,7 @@ def checked_demonstrations(cfg: Config, tokenizer, report_dir: Path):
     from rlhflow.data.formats import load_demonstrations
     from rlhflow.data.readers import read_jsonl
     from rlhflow.data.splits import rows_sharing_conversations
-    from rlhflow.validation import DEMONSTRATION_TEXT_COLUMNS, validate_preferences
+    from rlhflow.data.validation import DEMONSTRATION_TEXT_COLUMNS, validate_preferences
 
     source = cfg.path(cfg.sft.train_data)
     validated = cfg.path(cfg.validate_.out_dir)
@@ -59,14 +59,14 @@ def checkpoint_fingerprint(cfg: Config) -> str:
     `sft.model` is a local path, which can change under the same name), training settings, prompt cut, validation
     settings (which demonstrations are kept), seed and demonstrations."""
 
-    from rlhflow.sources import resolve_source
+    from rlhflow.data.sources import resolve_source
     from rlhfops.hashing import dir_md5, file_md5, inputs_fingerprint
 
     s = cfg.sft
     settings = s.model_dump(
         exclude={"out_dir", "checkpoint_dir", "checkpoint_every", "n_samples", "max_new_tokens", "perplexity_rows"}
     )
-    model = resolve_source(s.model)  # as rlhflow.models.resolve_model reads the spec
+    model = resolve_source(s.model)  # as rlhflow.models.loading.resolve_model reads the spec
     model_md5 = None
     if model.kind in ("dir", "file"):
         model_md5 = dir_md5(model.path) if model.kind == "dir" else file_md5(model.path)
@@ -81,18 +81,14 @@ def checkpoint_fingerprint(cfg: Config) -> str:
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
-    import tempfile
-
-    import mlflow
     import torch
 
-    from rlhflow import distributed, sampling
     from rlhflow.data.readers import read_jsonl
     from rlhflow.evaluation.metrics import perplexity, save_held_out_perplexity
-    from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir, remove_made
-    from rlhflow.models import load_causal_lm, load_tokenizer, pick_device, save_plain
-    from rlhflow.sft import demonstration_dataset, sft_trainer, train_sft
-    from rlhfops import registry, tracking
+    from rlhflow.fsutil import atomic_dir, remove_made
+    from rlhflow.models.loading import load_causal_lm, load_tokenizer, pick_device, save_plain
+    from rlhflow.training import distributed
+    from rlhfops import registry
     from rlhfops.serving.policy import PolicyPyfunc
 
     s = cfg.sft
@@ -111,24 +107,9 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
         )
 
     metrics: dict[str, float] = {}
+    dataset = None
     if s.train:  # the demonstrations are checked before anything is loaded or trained
-        with tempfile.TemporaryDirectory() as report_dir:
-            try:
-                demos, checked = checked_demonstrations(cfg, tokenizer, Path(report_dir))
-            finally:
-                mlflow.log_artifacts(report_dir, artifact_path="demonstrations_validation")
-        metrics |= {"sft/demonstrations": float(len(demos)), "sft/demonstrations_dropped": float(checked.dropped_rows)}
-        dataset, overlong = demonstration_dataset(
-            demos, tokenizer, max_prompt_length=cfg.ppo.max_prompt_length, max_length=s.max_length
-        )
-        print(
-            f"sft: {overlong} of {len(demos)} demonstrations left out: longer than sft.max_length={s.max_length} "
-            f"tokens with the prompt cut to ppo.max_prompt_length={cfg.ppo.max_prompt_length}"
-        )
-        metrics["sft/dropped_overlong"] = float(overlong)
-        if cfg.path(s.train_data).suffix in (".jsonl", ".parquet"):
-            tracking.log_dataset(cfg.path(s.train_data), name="sft-demonstrations", context="training")
-
+        dataset, metrics = demonstrations(cfg, tokenizer)
     model = load_causal_lm(s.model, trust_remote_code=s.trust_remote_code, pad_token_id=tokenizer.pad_token_id)
     out_dir = cfg.path(s.out_dir)
     with atomic_dir(out_dir, setting="sft.out_dir") as tmp:
@@ -138,18 +119,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
             if getattr(model, "hf_quantizer", None) is not None:
                 model = load_causal_lm(str(tmp), pad_token_id=tokenizer.pad_token_id)
             metrics["sft/perplexity_before"] = held_out_perplexity(model)
-            checkpoint_dir = prepare_checkpoint_dir(
-                cfg.path(s.checkpoint_dir), checkpoint_fingerprint(cfg), setting="sft.checkpoint_dir"
-            )
-
-            def log_fn(m: dict, step: int) -> None:
-                ctx.log_metrics({f"sft/{k}": v for k, v in m.items()}, step=step)
-
-            with prints_to_stdout():  # trl prepares the demonstrations here (labels, packing)
-                trainer = sft_trainer(
-                    s, model, tokenizer, dataset, work_dir=checkpoint_dir, seed=cfg.seed, log_fn=log_fn
-                )
-            model = train_sft(trainer, log_fn=log_fn)
+            model = fine_tune(cfg, ctx, model, tokenizer, dataset)
             save_plain(model, tokenizer, tmp)
         # the baseline figure, saved with the model: evaluate reads it for the same rows instead of measuring again
         metrics["sft/perplexity"] = held_out_perplexity(model)
@@ -157,17 +127,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
 
     metrics["sft/parameters"] = float(sum(p.numel() for p in model.parameters()))
     if s.n_samples:
-        rows = held_out.head(s.n_samples)
-        outs = sampling.sample(
-            model,
-            tokenizer,
-            list(rows["prompt_messages"]),
-            cfg,
-            batch_size=s.batch_size,
-            max_new_tokens=s.max_new_tokens,
-        )
-        responses = [t for o in outs for t in o.texts]
-        mlflow.log_table({"prompt": list(rows["prompt"]), "response": responses}, artifact_file="sft_samples.json")
+        log_samples(cfg, model, tokenizer, held_out.head(s.n_samples))
     ctx.log_metrics(metrics)
     registry.log_model_dir(
         cfg, out_dir, name="sft_model", wrapper=PolicyPyfunc, registered_name=REGISTERED_NAME if s.train else None
@@ -175,6 +135,70 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     if s.train:
         remove_made(cfg.path(s.checkpoint_dir))  # logged and registered: nothing left to resume
     return metrics
+
+
+def demonstrations(cfg: Config, tokenizer):
+    """The checked demonstrations as trl's dataset, with what was kept and left out: (dataset, metrics)."""
+    import tempfile
+
+    import mlflow
+
+    from rlhflow.training.sft import demonstration_dataset
+    from rlhfops import tracking
+
+    s = cfg.sft
+    with tempfile.TemporaryDirectory() as report_dir:
+        try:
+            demos, checked = checked_demonstrations(cfg, tokenizer, Path(report_dir))
+        finally:
+            mlflow.log_artifacts(report_dir, artifact_path="demonstrations_validation")
+    metrics = {"sft/demonstrations": float(len(demos)), "sft/demonstrations_dropped": float(checked.dropped_rows)}
+    dataset, overlong = demonstration_dataset(
+        demos, tokenizer, max_prompt_length=cfg.ppo.max_prompt_length, max_length=s.max_length
+    )
+    print(
+        f"sft: {overlong} of {len(demos)} demonstrations left out: longer than sft.max_length={s.max_length} "
+        f"tokens with the prompt cut to ppo.max_prompt_length={cfg.ppo.max_prompt_length}"
+    )
+    metrics["sft/dropped_overlong"] = float(overlong)
+    if cfg.path(s.train_data).suffix in (".jsonl", ".parquet"):
+        tracking.log_dataset(cfg.path(s.train_data), name="sft-demonstrations", context="training")
+    return dataset, metrics
+
+
+def fine_tune(cfg: Config, ctx: StageContext, model, tokenizer, dataset):
+    """trl's SFTTrainer on the demonstrations, resuming a checkpoint of the same inputs; the trained model."""
+    from rlhflow.fsutil import prepare_checkpoint_dir
+    from rlhflow.training.sft import sft_trainer, train_sft
+
+    checkpoint_dir = prepare_checkpoint_dir(
+        cfg.path(cfg.sft.checkpoint_dir), checkpoint_fingerprint(cfg), setting="sft.checkpoint_dir"
+    )
+
+    def log_fn(m: dict, step: int) -> None:
+        ctx.log_metrics({f"sft/{k}": v for k, v in m.items()}, step=step)
+
+    with prints_to_stdout():  # trl prepares the demonstrations here (labels, packing)
+        trainer = sft_trainer(cfg.sft, model, tokenizer, dataset, work_dir=checkpoint_dir, seed=cfg.seed, log_fn=log_fn)
+    return train_sft(trainer, log_fn=log_fn)
+
+
+def log_samples(cfg: Config, model, tokenizer, rows) -> None:
+    """A few answers of the model to held-out prompts, as an MLflow table."""
+    import mlflow
+
+    from rlhflow.models import sampling
+
+    outs = sampling.sample(
+        model,
+        tokenizer,
+        list(rows["prompt_messages"]),
+        cfg,
+        batch_size=cfg.sft.batch_size,
+        max_new_tokens=cfg.sft.max_new_tokens,
+    )
+    responses = [t for o in outs for t in o.texts]
+    mlflow.log_table({"prompt": list(rows["prompt"]), "response": responses}, artifact_file="sft_samples.json")
 
 
 task = stage_task(NAME, run)

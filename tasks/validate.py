@@ -16,7 +16,7 @@ from __future__ import annotations
 # that importing the module (the flow does, to get its task; so does `--help`) stays fast.
 import shutil
 
-from rlhflow.config import Config
+from rlhflow.config.params import Config
 from rlhfops.stage_runner import StageContext, cli, stage_task
 
 NAME = "validate"
@@ -31,13 +31,45 @@ def _source(cfg: Config, value: str) -> str:
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     import mlflow
 
-    from rlhflow.data.formats import load_preferences
-    from rlhflow.data.readers import write_jsonl
-    from rlhflow.data.splits import assign_splits, cross_split_prefix_pairs
-    from rlhflow.fsutil import atomic_dir, remove_made
-    from rlhflow.models import load_tokenizer
-    from rlhflow.validation import DataValidationError, validate_preferences
+    from rlhflow.data.splits import cross_split_prefix_pairs
+    from rlhflow.data.validation import DataValidationError
+    from rlhflow.fsutil import remove_made
+    from rlhflow.models.loading import load_tokenizer
     from rlhfops import tracking
+
+    splits, shared_with_test = read_splits(cfg)
+    tokenizer = load_tokenizer(cfg.sft.model, trust_remote_code=cfg.sft.trust_remote_code)
+    out_dir, report_dir = cfg.path(cfg.validate_.out_dir), cfg.path(cfg.validate_.report_dir)
+    failed_dir = report_dir.with_name(report_dir.name + ".failed")
+    try:
+        result, written = validate_and_write(cfg, splits, tokenizer, failed_dir)
+    except DataValidationError:
+        if failed_dir.exists():
+            mlflow.log_artifacts(str(failed_dir), artifact_path="validation_failed")
+        raise
+    remove_made(failed_dir)
+
+    mlflow.log_artifacts(str(report_dir), artifact_path="validation")
+    tracking.log_dataset(out_dir / "train.jsonl", name="preferences-train", context="training")
+    tracking.log_dataset(out_dir / "test.jsonl", name="preferences-test", context="evaluation")
+    for split, context in (("judge", "judge"), ("dev", "selection")):
+        if (out_dir / f"{split}.jsonl").exists():
+            tracking.log_dataset(out_dir / f"{split}.jsonl", name=f"preferences-{split}", context=context)
+    for reason, count in sorted(result.dropped_per_reason.items()):
+        print(f"validate: dropped {count} row(s): {reason}", flush=True)
+    summary = result.summary() | {
+        "validate/cross_split_prefix_pairs": float(cross_split_prefix_pairs(written)),
+        "validate/rows_shared_with_test_file": float(shared_with_test),
+    }
+    ctx.log_metrics(summary)
+    return summary
+
+
+def read_splits(cfg: Config):
+    """The preference data split by conversation (with `data.test_preferences`, that file is the test split), and
+    how many training rows were left out for sharing a conversation with it."""
+    from rlhflow.data.formats import load_preferences
+    from rlhflow.data.splits import assign_splits
 
     v = cfg.validate_
     data = load_preferences(_source(cfg, cfg.data.preferences), hf_split=cfg.data.hf_split, max_rows=v.max_rows)
@@ -63,42 +95,29 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
             f"validate: left out {shared_with_test} training row(s) whose conversation is in data.test_preferences",
             flush=True,
         )
-    tokenizer = load_tokenizer(cfg.sft.model, trust_remote_code=cfg.sft.trust_remote_code)
+    return splits, shared_with_test
+
+
+def validate_and_write(cfg: Config, splits: dict, tokenizer, failed_dir):
+    """The suite on every split; the kept rows written as the splits and the report beside them, each replaced
+    whole. On a failed expectation nothing is replaced and the report goes to `failed_dir`."""
+    from rlhflow.data.readers import write_jsonl
+    from rlhflow.data.validation import DataValidationError, validate_preferences
+    from rlhflow.fsutil import atomic_dir, remove_made
 
     out_dir, report_dir = cfg.path(cfg.validate_.out_dir), cfg.path(cfg.validate_.report_dir)
-    failed_dir = report_dir.with_name(report_dir.name + ".failed")
-    try:
-        with atomic_dir(report_dir, setting="validate.report_dir") as tmp_report:
-            try:
-                result = validate_preferences(splits, cfg=v, tokenizer=tokenizer, report_dir=tmp_report)
-            except DataValidationError:
-                if remove_made(failed_dir) or not failed_dir.exists():  # one the pipeline did not make stays
-                    shutil.copytree(tmp_report, failed_dir)  # marked, as tmp_report is
-                raise
-            written = {split: result.kept(split, df) for split, df in splits.items()}
-            with atomic_dir(out_dir, setting="validate.out_dir") as tmp_out:
-                for split, df in written.items():  # train.jsonl, judge.jsonl, dev.jsonl, test.jsonl
-                    write_jsonl(df, tmp_out / f"{split}.jsonl")
-    except DataValidationError:
-        if failed_dir.exists():
-            mlflow.log_artifacts(str(failed_dir), artifact_path="validation_failed")
-        raise
-    remove_made(failed_dir)
-
-    mlflow.log_artifacts(str(report_dir), artifact_path="validation")
-    tracking.log_dataset(out_dir / "train.jsonl", name="preferences-train", context="training")
-    tracking.log_dataset(out_dir / "test.jsonl", name="preferences-test", context="evaluation")
-    for split, context in (("judge", "judge"), ("dev", "selection")):
-        if (out_dir / f"{split}.jsonl").exists():
-            tracking.log_dataset(out_dir / f"{split}.jsonl", name=f"preferences-{split}", context=context)
-    for reason, count in sorted(result.dropped_per_reason.items()):
-        print(f"validate: dropped {count} row(s): {reason}", flush=True)
-    summary = result.summary() | {
-        "validate/cross_split_prefix_pairs": float(cross_split_prefix_pairs(written)),
-        "validate/rows_shared_with_test_file": float(shared_with_test),
-    }
-    ctx.log_metrics(summary)
-    return summary
+    with atomic_dir(report_dir, setting="validate.report_dir") as tmp_report:
+        try:
+            result = validate_preferences(splits, cfg=cfg.validate_, tokenizer=tokenizer, report_dir=tmp_report)
+        except DataValidationError:
+            if remove_made(failed_dir) or not failed_dir.exists():  # one the pipeline did not make stays
+                shutil.copytree(tmp_report, failed_dir)  # marked, as tmp_report is
+            raise
+        written = {split: result.kept(split, df) for split, df in splits.items()}
+        with atomic_dir(out_dir, setting="validate.out_dir") as tmp_out:
+            for split, df in written.items():  # train.jsonl, judge.jsonl, dev.jsonl, test.jsonl
+                write_jsonl(df, tmp_out / f"{split}.jsonl")
+    return result, written
 
 
 task = stage_task(NAME, run)

@@ -128,7 +128,7 @@ def make_dvc_repo(repo: Path, model_dir: Path, timeout: float = 900) -> Callable
     """A git repo at `repo` holding the project's tracked files with params.yaml set to the tiny pipeline (paths
     relative to the repo, tracking to its default store `<repo>/mlflow.db`), committed. Returns `run(*cmd)`, which
     runs a command there with the project's venv first on PATH."""
-    from rlhflow.config import load_config, write_params
+    from rlhflow.config.params import load_config, write_params
 
     copy_project(repo)
     write_params(
@@ -186,7 +186,7 @@ def kill_stage_once(cmd: list[str], marker: Path, timeout: float) -> None:
 def kill_training_once(module: str, overrides: list[str], checkpoint_dir: Path, checkpoint_every: int) -> int:
     """Start a training stage's CLI, SIGKILL it once its second Trainer checkpoint is complete, and return the step
     of the last complete checkpoint it left (the one a rerun resumes from)."""
-    from rlhflow.hf_trainer import last_complete_checkpoint
+    from rlhflow.training.hf_trainer import last_complete_checkpoint
 
     marker = checkpoint_dir / f"checkpoint-{2 * checkpoint_every}" / "trainer_state.json"
     kill_stage_once(stage_command(module, overrides), marker, timeout=300)

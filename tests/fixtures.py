@@ -12,7 +12,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from rlhflow.models import prepare_tokenizer, save_plain
+from rlhflow.models.loading import prepare_tokenizer, save_plain
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

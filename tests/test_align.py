@@ -1,9 +1,9 @@
 """align.algorithm: trl's GRPO, RLOO and DPO as drop-in alternatives to the PPO engine in the ppo stage
-(rlhflow/align.py, tasks/ppo.py). On tiny models: each trains a couple of steps through the stage's CLI, writes a
-policy the evaluate stage reads, logs align/ metrics, a completions table and the algorithm tag; the reward GRPO and
-RLOO train on is the proxy's normalised score; DPO raises the chosen response's log-ratio; bad settings fail naming
-the key; switching the algorithm leaves the upstream stages up to date; a killed GRPO stage resumes from its Trainer
-checkpoint."""
+(rlhflow/training/align.py, tasks/ppo.py). On tiny models: each trains a couple of steps through the stage's CLI,
+writes a policy the evaluate stage reads, logs align/ metrics, a completions table and the algorithm tag; the reward
+GRPO and RLOO train on is the proxy's normalised score; DPO raises the chosen response's log-ratio; bad settings fail
+naming the key; switching the algorithm leaves the upstream stages up to date; a killed GRPO stage resumes from its
+Trainer checkpoint."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import pytest
 import torch
 from conftest import kill_training_once, make_dvc_repo, rerun_resumes, tiny_pipeline_overrides
 
-from rlhflow import align
-from rlhflow.config import ConfigError, load_config
+from rlhflow.config.params import ConfigError, load_config
 from rlhflow.data.readers import read_jsonl, write_jsonl
+from rlhflow.training import align
 from rlhfops.dvc_yaml import stage_deps
 from rlhfops.stage_runner import cli
 from rlhfops.stages import get_stage
@@ -68,8 +68,8 @@ def upstream(tmp_path_factory, tiny_model_dir, one_thread):
 
 @pytest.mark.parametrize("algorithm", TRL_ALGORITHMS)
 def test_each_algorithm_trains_and_evaluate_reads_its_policy(upstream, algorithm):
-    from rlhflow.models import load_causal_lm
-    from rlhflow.reward_model import RewardModel
+    from rlhflow.models.loading import load_causal_lm
+    from rlhflow.training.reward_model import RewardModel
     from tasks.ppo import REGISTERED_NAME
 
     root, base = upstream
@@ -140,7 +140,7 @@ class TokenCounter(torch.nn.Module):
 
 
 def test_the_reward_is_the_proxys_normalised_score_minus_the_eos_penalty(tok):
-    from rlhflow.reward_model import RewardModel, encode_pair
+    from rlhflow.training.reward_model import RewardModel, encode_pair
 
     rm = RewardModel(TokenCounter(), tok, max_length=64, mean=3.0, std=2.0)
     eos = tok.eos_token_id
@@ -163,9 +163,9 @@ def test_a_non_finite_reward_stops_training(tok):
 
 
 def test_grpo_and_rloo_see_prompts_as_ppo_does(tok):
-    """Chat template and generation prompt, cut to the last ppo.max_prompt_length tokens: rlhflow.policy.encode_prompts
-    (unpadded)."""
-    from rlhflow.policy import encode_prompts
+    """Chat template and generation prompt, cut to the last ppo.max_prompt_length tokens:
+    rlhflow.models.policy.encode_prompts (unpadded)."""
+    from rlhflow.models.policy import encode_prompts
 
     prompts = [[{"role": "user", "content": "Please explain how photosynthesis works in simple terms."}]] * 2
     prompts[1] = [{"role": "user", "content": "hi"}]
@@ -215,7 +215,7 @@ def completion_logprob(model, batch) -> torch.Tensor:
 
 
 def tiny_policy_and_reference(model_dir):
-    from rlhflow.models import load_causal_lm, load_tokenizer
+    from rlhflow.models.loading import load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(str(model_dir))
     return tokenizer, *(load_causal_lm(str(model_dir), pad_token_id=tokenizer.pad_token_id) for _ in range(2))
@@ -302,7 +302,7 @@ def test_bad_settings_fail_naming_the_key(overrides, named):
 def test_settings_the_data_rules_out_fail_before_any_model_loads(
     tmp_path, tiny_model_dir, monkeypatch, algorithm, extra, named
 ):
-    import rlhflow.models
+    import rlhflow.models.loading
     from rlhfops.stage_runner import run_stage
     from tasks import ppo
 
@@ -314,7 +314,7 @@ def test_settings_the_data_rules_out_fail_before_any_model_loads(
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(rlhflow.models, "load_causal_lm", no_model)
+    monkeypatch.setattr(rlhflow.models.loading, "load_causal_lm", no_model)
     cfg = load_config(
         overrides=[
             f"align.algorithm={algorithm}",
@@ -336,16 +336,16 @@ def test_settings_the_data_rules_out_fail_before_any_model_loads(
 
 def test_switching_the_algorithm_reruns_only_ppo_and_evaluate_by_the_stage_list():
     """By the stage list dvc.yaml is generated from: only ppo reads the align section (evaluate its algorithm, for the
-    tag), and only ppo's code includes rlhflow/align.py."""
+    tag), and only ppo's code includes rlhflow/training/align.py."""
 
     def reads(stage: str, key: str) -> bool:
         return any(key == p or key.startswith(p + ".") for p in get_stage(stage).params)
 
     for stage in UPSTREAM:
         assert not reads(stage, "align.algorithm") and not reads(stage, "align.grpo.beta"), stage
-        assert "rlhflow/align.py" not in stage_deps(get_stage(stage)), stage
+        assert "rlhflow/training/align.py" not in stage_deps(get_stage(stage)), stage
     assert reads("ppo", "align.algorithm") and reads("ppo", "align.dpo.beta")
-    assert "rlhflow/align.py" in stage_deps(get_stage("ppo"))
+    assert "rlhflow/training/align.py" in stage_deps(get_stage("ppo"))
     assert reads("evaluate", "align.algorithm") and "${ppo.out_dir}" in get_stage("evaluate").deps
 
 
@@ -427,7 +427,7 @@ def test_killed_grpo_stage_resumes_from_its_trainer_checkpoint(tmp_path, tiny_mo
         "align.batch_size=4",
         "align.grpo.num_generations=2",
         f"align.checkpoint_every={every}",
-        "ppo.reward_fn=rlhflow.reward_functions:vowel_fraction",
+        "ppo.reward_fn=rlhflow.ppo.reward_functions:vowel_fraction",
         "ppo.max_new_tokens=8",
         f"sft.out_dir={tiny_model_dir}",
         f"validate.out_dir={tmp_path}/validated",

@@ -7,8 +7,8 @@ import mlflow
 import pytest
 
 from bench import align_compare
-from rlhflow.align_config import training_budget
-from rlhflow.config import load_config
+from rlhflow.config.align import training_budget
+from rlhflow.config.params import load_config
 from rlhfops import tracking
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlhflow.evaluation.answers import MIN_TOKENS, Answers, classify, ended_within, repeated_ngram_share
-from rlhflow.policy import GenerationOutput
+from rlhflow.models.generation import GenerationOutput
 
 
 def test_repeated_ngram_share_of_a_loop_a_plain_answer_and_an_emoji_run():

@@ -257,7 +257,7 @@ BAD_PARAMS = [
 @pytest.mark.parametrize("override,pattern", BAD_PARAMS, ids=["unknown_key", "wrong_type", "out_of_range"])
 def test_bad_parameters_fail_the_flow_before_any_work(override, pattern, prefect_server, tmp_path, tiny_model_dir):
     from flows.pipeline import rlhf_pipeline
-    from rlhflow.config import ConfigError
+    from rlhflow.config.params import ConfigError
 
     with pytest.raises(ConfigError, match=pattern):
         rlhf_pipeline(overrides=tiny_pipeline_overrides(tmp_path, tiny_model_dir) + [override])

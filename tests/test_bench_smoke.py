@@ -271,7 +271,7 @@ def test_precision_stages_sets_every_stages_precision_key():
     """bench.precision_stages puts every `precision` key params.yaml has at the side's precision (the judge's
     inherits reward_model's), so a stage that gains one is not left out of the comparison."""
     from bench.precision_stages import PRECISION_KEYS, precision_overrides
-    from rlhflow.config import load_config
+    from rlhflow.config.params import load_config
 
     def keys(section: dict, prefix: str = "") -> set[str]:
         found = set()

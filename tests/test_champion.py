@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from rlhflow.evaluate_config import ChampionConfig
+from rlhflow.config.evaluate import ChampionConfig
 from rlhflow.evaluation.champion import (
     HeadToHead,
     alpha_spent,
@@ -100,7 +100,7 @@ def test_guards_keep_a_challenger_out_whatever_it_wins():
 
 
 def test_the_champion_rule_settings_are_read_from_params():
-    from rlhflow.config import ConfigError, load_config
+    from rlhflow.config.params import ConfigError, load_config
 
     cfg = load_config(overrides=["evaluate.champion.kl_budget=8", "evaluate.champion.alpha=0.01"])
     rule = cfg.evaluate.champion
@@ -121,9 +121,9 @@ def _outputs(texts: list[str], ended: list[bool]):
 
 def test_the_policy_champion_comparison_reads_only_dev_prompts(monkeypatch):
     """Whatever the challenger is compared with, the prompts sampled and judged are the dev split's."""
-    import rlhflow.models
-    import rlhflow.sampling
-    from rlhflow.config import load_config
+    import rlhflow.models.loading
+    import rlhflow.models.sampling
+    from rlhflow.config.params import load_config
     from rlhflow.evaluation import compare
     from rlhflow.evaluation.answers import Answers
 
@@ -149,9 +149,9 @@ def test_the_policy_champion_comparison_reads_only_dev_prompts(monkeypatch):
         def eval(self):
             return self
 
-    monkeypatch.setattr(rlhflow.models, "load_tokenizer", lambda path: SimpleNamespace(pad_token_id=0))
-    monkeypatch.setattr(rlhflow.models, "load_causal_lm", lambda path, **kw: Model())
-    monkeypatch.setattr(rlhflow.sampling, "evaluation_sampling", lambda cfg: Sampling())
+    monkeypatch.setattr(rlhflow.models.loading, "load_tokenizer", lambda path: SimpleNamespace(pad_token_id=0))
+    monkeypatch.setattr(rlhflow.models.loading, "load_causal_lm", lambda path, **kw: Model())
+    monkeypatch.setattr(rlhflow.models.sampling, "evaluation_sampling", lambda cfg: Sampling())
     monkeypatch.setattr(compare, "as_precision", lambda model, dtype: model)
     mine = Answers.from_outputs(_outputs([f"challenger {i}" for i in range(4)], [True] * 4), 0.5)
     dev = compare.DevAnswers(dev_prompts, ["a", "b", "c", "d"], mine, kl=3.0, pair_rows=[], pairs=None)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from rlhflow.evaluation.answers import Answers
-from rlhflow.evaluation.compare import comparison_metrics, evaluation_prompts, verdicts_from_scores
+from rlhflow.evaluation.compare import comparison_metrics, verdicts_from_scores
+from rlhflow.evaluation.held_out import evaluation_prompts
 
 
 def answers(classes: list[str], proxy: list[float], texts: list[str] | None = None) -> Answers:
@@ -97,8 +98,8 @@ def test_one_prompt_per_test_conversation(tmp_path):
 
 
 def test_answers_sampled_another_way_are_refused(tmp_path):
-    from rlhflow.config import load_config
-    from rlhflow.evaluation.compare import REFERENCE_FILE, load_reference
+    from rlhflow.config.params import load_config
+    from rlhflow.evaluation.held_out import REFERENCE_FILE, load_reference
 
     test = tmp_path / "validated/test.jsonl"
     test.parent.mkdir()

@@ -71,7 +71,7 @@ SETUP_WHEN_GO = """
 import sys, time
 from pathlib import Path
 import mlflow
-from rlhflow.config import load_config
+from rlhflow.config.params import load_config
 from rlhfops import tracking
 go = Path(sys.argv[2])
 Path(sys.argv[3]).touch()  # imported, waiting

@@ -4,7 +4,7 @@ import sys
 import pytest
 import yaml
 
-from rlhflow.config import REPO_ROOT, Config, ConfigError, apply_overrides, load_config, write_params
+from rlhflow.config.params import REPO_ROOT, Config, ConfigError, apply_overrides, load_config, write_params
 from rlhfops.stages import STAGES
 
 
@@ -69,7 +69,7 @@ def test_evaluation_temperature_follows_ppo_unless_set():
 
 
 def test_command_line_reads_params_and_overrides(tmp_path):
-    from rlhflow.config import parse_config_args
+    from rlhflow.config.params import parse_config_args
 
     params = tmp_path / "params.yaml"
     params.write_text("seed: 3\n")
@@ -207,8 +207,8 @@ def test_params_yaml_is_what_write_params_writes(tmp_path):
 
 def test_stages_declare_the_keys_they_inherit():
     """A change to an inherited key reruns the stages that inherit it (DVC params); an output path does not."""
-    from rlhflow.config import JudgeConfig, RewardModelConfig
-    from rlhflow.config_section import inherited_keys
+    from rlhflow.config.params import JudgeConfig, RewardModelConfig
+    from rlhflow.config.section import inherited_keys
     from rlhfops.stages import get_stage
 
     judge = get_stage("judge").params

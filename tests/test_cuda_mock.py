@@ -9,8 +9,7 @@ import types
 import pytest
 import torch
 
-from rlhflow import distributed
-from rlhflow.models import (
+from rlhflow.models.loading import (
     TRAINER_BF16_ON_CPU,
     attn_implementation_for,
     bf16_is_native,
@@ -20,6 +19,7 @@ from rlhflow.models import (
     resolve_precision,
     trainer_bf16,
 )
+from rlhflow.training import distributed
 
 CUDA = torch.device("cuda")
 

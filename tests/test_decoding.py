@@ -1,12 +1,12 @@
-"""The evaluation's decoder (rlhflow/decoding.py) samples as transformers' generate does, while ended rows leave the
-batch and the KV cache."""
+"""The evaluation's decoder (rlhflow/models/decoding.py) samples as transformers' generate does, while ended rows leave
+the batch and the KV cache."""
 
 import pytest
 import torch
 
-from rlhflow import decoding
-from rlhflow.decoding import inverse_cdf_draw, logits_processors, multinomial_draw, sample_dropping_finished
-from rlhflow.policy import encode_prompts
+from rlhflow.models import decoding
+from rlhflow.models.decoding import inverse_cdf_draw, logits_processors, multinomial_draw, sample_dropping_finished
+from rlhflow.models.policy import encode_prompts
 from tests.fixtures import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -137,8 +137,8 @@ def test_the_draw_is_part_of_the_sampling_settings_and_reaches_the_decoder(tok, 
     taken for these)."""
     import dataclasses
 
-    from rlhflow.config import load_config
-    from rlhflow.sampling import evaluation_sampling
+    from rlhflow.config.params import load_config
+    from rlhflow.models.sampling import evaluation_sampling
 
     used = []
     for name, draw in list(decoding.DRAWS.items()):

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from rlhflow.config import DEFAULT_SFT_MODEL, PPOConfig
-from rlhflow.models import load_causal_lm, load_tokenizer, save_plain
+from rlhflow.config.params import DEFAULT_SFT_MODEL, PPOConfig
+from rlhflow.models.loading import load_causal_lm, load_tokenizer, save_plain
 
 pytestmark = pytest.mark.e2e
 

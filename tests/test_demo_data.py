@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from rlhflow.config import DemoDataConfig, ValidateConfig
+from rlhflow.config.params import DemoDataConfig, ValidateConfig
 from rlhflow.data.demo import REJECTION_KINDS, generate_demo, main, write_demo
 from rlhflow.data.formats import load_preferences
 from rlhflow.data.splits import split_by_conversation
-from rlhflow.validation import validate_preferences
+from rlhflow.data.validation import validate_preferences
 from tests.fixtures import tiny_tokenizer
 
 

@@ -137,7 +137,7 @@ def launch_two_processes(stages: list[str], args: list[str], log: Path) -> float
 def run_single_process(stage: str, args: list[str]) -> dict[str, float]:
     import importlib
 
-    from rlhflow.config import load_config
+    from rlhflow.config.params import load_config
     from rlhfops.stage_runner import run_stage
 
     return run_stage(stage, importlib.import_module(f"tasks.{stage}").run, load_config(None, args))

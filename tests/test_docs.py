@@ -27,7 +27,7 @@ PPO_PAGE = DOCS / "ppo.md"
 README = REPO / "README.md"
 README_MAX_WORDS = 1200  # the front door: what it is, two commands, what a run shows, layout, running
 
-# `rlhflow/ppo/core.py::gae L106-L126`, `rlhflow/policy.py::PolicyAndValue.forward L341-L353`
+# `rlhflow/ppo/core.py::gae L106-L126`, `rlhflow/models/policy.py::PolicyAndValue.forward L341-L353`
 CODE_REF = re.compile(r"(?P<path>[\w./-]+\.py)::(?P<name>[A-Za-z_][\w.]*) L(?P<start>\d+)-L(?P<end>\d+)")
 # [text](target) and ![alt](target), target up to whitespace or ')'
 MD_LINK = re.compile(r"!?\[[^\]]*\]\((?P<target>[^)\s]+)(?:\s+\"[^\"]*\")?\)")
@@ -198,8 +198,33 @@ def test_pipeline_help_names_every_stage_in_order(capsys):
 def test_demo_data_runs_whatever_the_input():
     """docs/configuration.md and the README: demo_data runs in every pipeline run, as under `dvc repro`."""
     from flows.pipeline import selected_stages
-    from rlhflow.config import load_config
+    from rlhflow.config.params import load_config
 
     for preferences in ("data/hh-rlhf-harmless/harmless-base.jsonl.gz", "data/raw/demo/preferences.jsonl"):
         cfg = load_config(overrides=[f"data.preferences={preferences}"])
         assert selected_stages(cfg, None)[0] == "demo_data"
+
+
+METRIC_KEY = re.compile(r"`((?:eval|dev|rm|judge|ppo|sft|align)/[a-z0-9_]+)`")
+PAIR_STAGES = {"rm", "judge"}  # <stage>/<figure>: the same figures on held-out pairs, each stage under its own prefix
+
+
+def _literal_in(key: str, sources: list[str]) -> bool:
+    return any(f'"{key}"' in source for source in sources)
+
+
+def test_every_documented_metric_is_named_where_it_is_computed():
+    """Each metric key the README and docs/evaluation.md define is a string literal in the code, so a search for it
+    lands where it is computed. An interval (<key>_ci_low, <key>_ci_high) is named by its figure's key; the
+    reward-model and judge stages' pair figures by their name in rlhflow/evaluation/pairs.py or judges.py."""
+    code = [p.read_text() for d in ("rlhflow", "rlhfops", "tasks", "flows") for p in (REPO / d).rglob("*.py")]
+    pair_code = [(REPO / "rlhflow/evaluation" / f).read_text() for f in ("pairs.py", "judges.py")]
+    keys = {k for md in ("README.md", "docs/evaluation.md") for k in METRIC_KEY.findall((REPO / md).read_text())}
+    assert len(keys) > 30, keys  # the pages define the evaluation's figures
+    missing = []
+    for key in sorted(keys):
+        figure = re.sub(r"_ci_(low|high)$", "", key)
+        prefix, name = figure.split("/", 1)
+        if not (_literal_in(figure, code) or prefix in PAIR_STAGES and _literal_in(name, pair_code)):
+            missing.append(key)
+    assert not missing, missing

@@ -117,13 +117,13 @@ def test_a_nan_comparison_never_promotes():
 @pytest.mark.parametrize("evaluate_temperature,expected", [(None, 0.9), (0.5, 0.5)])
 def test_evaluation_samples_as_ppo_samples(monkeypatch, evaluate_temperature, expected):
     """top-k / top-p and stop strings are PPO's; the temperature is evaluate.temperature, by default the PPO
-    temperature; the SFT stage's samples are drawn the same way (rlhflow/sampling.py)."""
-    import rlhflow.sampling
-    from rlhflow.config import load_config
-    from rlhflow.evaluation.compare import sample
+    temperature; the SFT stage's samples are drawn the same way (rlhflow/models/sampling.py)."""
+    import rlhflow.models.sampling
+    from rlhflow.config.params import load_config
+    from rlhflow.evaluation.held_out import sample
 
     calls = []
-    monkeypatch.setattr(rlhflow.sampling, "sample_responses", lambda *args, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(rlhflow.models.sampling, "sample_responses", lambda *args, **kwargs: calls.append(kwargs))
     cfg = load_config(
         overrides=[
             "ppo.temperature=0.9",
@@ -134,7 +134,7 @@ def test_evaluation_samples_as_ppo_samples(monkeypatch, evaluate_temperature, ex
         ]
     )
     sample(None, None, [], cfg)
-    rlhflow.sampling.sample(None, None, [], cfg, batch_size=2, max_new_tokens=5)  # as the SFT stage samples
+    rlhflow.models.sampling.sample(None, None, [], cfg, batch_size=2, max_new_tokens=5)  # as the SFT stage samples
     for call in calls:
         assert call["temperature"] == expected and call["top_k"] == 7 and call["top_p"] == 0.8
         assert call["stop_strings"] == ["###"] and call["max_prompt_length"] == cfg.ppo.max_prompt_length

@@ -75,7 +75,7 @@ def test_unreachable_tracking_server_fails_a_stage_cli_before_it_starts(tmp_path
 
 
 def test_unwritable_sqlite_store_fails_the_preflight(tmp_path):
-    from rlhflow.config import load_config
+    from rlhflow.config.params import load_config
     from rlhfops.tracking import TrackingUnavailableError, preflight
 
     blocker = tmp_path / "a_file"
@@ -104,7 +104,7 @@ def preference_file(path: Path, n: int, variant: str) -> Path:
 
 
 def test_validate_killed_while_writing_leaves_old_or_no_output_and_the_rerun_cleans_up(tmp_path, tiny_model_dir):
-    from rlhflow.config import load_config
+    from rlhflow.config.params import load_config
     from rlhfops.stage_runner import run_stage
     from tasks import validate
 

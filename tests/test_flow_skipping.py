@@ -13,7 +13,7 @@ import pytest
 import yaml
 from conftest import make_dvc_repo, tiny_pipeline_overrides
 
-from rlhflow.config import load_config
+from rlhflow.config.params import load_config
 from rlhfops import stage_lock
 from rlhfops.hashing import dvc_md5s
 from rlhfops.stages import get_stage

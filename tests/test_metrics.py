@@ -164,7 +164,7 @@ def test_the_length_controlled_win_rate_removes_a_pure_length_effect():
 def test_response_nll_appends_eos_only_to_a_response_that_fits(tok):
     """A reference response cut at max_response_length did not end there: it is scored without EOS. One that fits
     is scored with its EOS."""
-    from rlhflow.policy import encode_prompts, sequence_logprobs
+    from rlhflow.models.policy import encode_prompts, sequence_logprobs
     from tests.fixtures import tiny_llama
 
     model = tiny_llama(tok)
@@ -219,7 +219,7 @@ def test_sampled_kl_is_response_kl_of_each_row_whatever_the_batching(tok):
     """The rows of two sampling batches, regrouped by length (or not) into other batches: each response's KL is
     the one response_kl gives on its sampling batch, up to the rounding of the forward pass."""
     from rlhflow.evaluation.metrics import response_kl, sampled_kl
-    from rlhflow.sampling import sample_responses
+    from rlhflow.models.sampling import sample_responses
     from tests.fixtures import tiny_llama
 
     policy, reference = tiny_llama(tok), tiny_llama(tok, seed=1)

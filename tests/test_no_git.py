@@ -16,7 +16,7 @@ from conftest import copy_project, tiny_pipeline_overrides
 def _export(dest: Path, model_dir: Path) -> dict[str, str]:
     """The project's files as `git archive` would hold them (tracked, with their working-tree content), no .git;
     params.yaml set to the tiny pipeline. Returns the environment to run commands there."""
-    from rlhflow.config import load_config, write_params
+    from rlhflow.config.params import load_config, write_params
 
     copy_project(dest, untracked=False)
     write_params(

@@ -6,18 +6,10 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from rlhflow.cpu_packed_linear import packed_linears
-from rlhflow.logits import entropy_from_logits
-from rlhflow.policy import (
-    Critic,
-    PolicyAndValue,
-    _cut_response,
-    encode_prompts,
-    eos_token_ids,
-    generate,
-    pad_sequences,
-    sequence_logprobs,
-)
+from rlhflow.models.generation import _cut_response, eos_token_ids, generate
+from rlhflow.models.logits import entropy_from_logits
+from rlhflow.models.packed_linear import packed_linears
+from rlhflow.models.policy import Critic, PolicyAndValue, encode_prompts, pad_sequences, sequence_logprobs
 from tests.fixtures import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlhflow.logits import entropy_from_logits, logprobs_from_logits
+from rlhflow.models.logits import entropy_from_logits, logprobs_from_logits
 from rlhflow.ppo import core
 
 approx = lambda x, **kw: pytest.approx(x, abs=kw.pop("abs", 1e-5), **kw)  # noqa: E731

@@ -20,7 +20,7 @@ def ppo_overrides(root: Path, model_dir: Path, **extra) -> list[str]:
         "sft.out_dir": model_dir,
         "validate.out_dir": root / "validated",
         "reward_model.out_dir": root / "no_reward_model",
-        "ppo.reward_fn": "rlhflow.reward_functions:vowel_fraction",
+        "ppo.reward_fn": "rlhflow.ppo.reward_functions:vowel_fraction",
         "ppo.steps": STEPS,
         "ppo.batch_size": 8,
         "ppo.mini_batch_size": 4,
@@ -133,7 +133,7 @@ def test_non_finite_reward_fails_the_stage_and_keeps_the_last_good_checkpoint(
     """)
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    from rlhflow.config import load_config
+    from rlhflow.config.params import load_config
     from rlhflow.ppo.trainer import NonFiniteError
     from rlhfops.stage_runner import run_stage
     from tasks import ppo

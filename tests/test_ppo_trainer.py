@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from rlhflow.config import PPOConfig
-from rlhflow.policy import encode_prompts, sequence_logprobs
+from rlhflow.config.params import PPOConfig
+from rlhflow.models.policy import encode_prompts, sequence_logprobs
 from rlhflow.ppo import core
 from rlhflow.ppo.trainer import NonFiniteError, PPOTrainer
 from tests.fixtures import tiny_llama
@@ -313,9 +313,9 @@ def test_lora_reference_is_the_adapter_free_base(tok, tmp_path):
 def test_separate_critic_starts_from_the_reward_model_when_it_reads_the_policys_tokens(tok, tmp_path, tiny_model_dir):
     from transformers import AutoModelForSequenceClassification
 
-    from rlhflow.config import load_config
+    from rlhflow.config.params import load_config
     from rlhflow.ppo.reward_and_critic import make_critic
-    from rlhflow.reward_model import RewardModel
+    from rlhflow.training.reward_model import RewardModel
 
     torch.manual_seed(0)
     rm = RewardModel(
@@ -354,14 +354,14 @@ def test_separate_critic_starts_from_the_reward_model_when_it_reads_the_policys_
 
 
 def test_load_reward_fn_binds_its_kwargs_and_rejects_bad_specs():
-    from rlhflow.reward_functions import load_reward_fn
+    from rlhflow.ppo.reward_functions import load_reward_fn
 
-    fn = load_reward_fn("rlhflow.reward_functions:contains_word", {"word": "hello"})
+    fn = load_reward_fn("rlhflow.ppo.reward_functions:contains_word", {"word": "hello"})
     assert fn([[], []], ["Hello there", "bye"]) == [1.0, 0.0]
     with pytest.raises(ValueError, match="must look like"):
-        load_reward_fn("rlhflow.reward_functions")
+        load_reward_fn("rlhflow.ppo.reward_functions")
     with pytest.raises(ValueError, match="is not a callable"):
-        load_reward_fn("rlhflow.reward_functions:nope")
+        load_reward_fn("rlhflow.ppo.reward_functions:nope")
 
 
 @pytest.mark.parametrize("detach", [False, True])

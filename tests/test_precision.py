@@ -10,8 +10,8 @@ import logging
 import pytest
 import torch
 
-from rlhflow import models
-from rlhflow.models import (
+from rlhflow.models import loading
+from rlhflow.models.loading import (
     autocast,
     bf16_is_native,
     linear_weights_to,
@@ -19,7 +19,7 @@ from rlhflow.models import (
     resolve_precision,
     trainer_bf16,
 )
-from rlhflow.policy import PolicyAndValue
+from rlhflow.models.policy import PolicyAndValue
 from rlhflow.ppo import core
 from tests.fixtures import tiny_llama
 from tests.test_ppo_trainer import make_trainer
@@ -51,7 +51,7 @@ def test_this_cpu_is_read_from_its_flags():
     ],
 )
 def test_auto_is_bf16_only_on_a_cpu_that_runs_it_natively(monkeypatch, flags, auto):
-    monkeypatch.setattr(models, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(loading, "cpu_flags", lambda: frozenset(flags))
     assert resolve_precision("auto", torch.device("cpu")) == auto
     assert resolve_precision("fp32", "cpu") == torch.float32
     # under auto the reward models' Trainer follows the CPU; sft and align keep fp32 on every CPU (TRAINER_BF16_ON_CPU)
@@ -63,14 +63,14 @@ def test_auto_is_bf16_only_on_a_cpu_that_runs_it_natively(monkeypatch, flags, au
 
 
 def test_forced_bf16_without_native_support_runs_with_a_warning(monkeypatch, caplog):
-    monkeypatch.setattr(models, "cpu_flags", lambda: frozenset({"avx2"}))
-    models._warn_emulated_bf16.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="rlhflow.models"):
+    monkeypatch.setattr(loading, "cpu_flags", lambda: frozenset({"avx2"}))
+    loading._warn_emulated_bf16.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="rlhflow.models.loading"):
         assert resolve_precision("bf16", "cpu") == torch.bfloat16
         assert resolve_precision("bf16", "cpu") == torch.bfloat16  # warned once
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "no native bf16" in warnings[0] and "\n" not in warnings[0]
-    models._warn_emulated_bf16.cache_clear()
+    loading._warn_emulated_bf16.cache_clear()
     with pytest.raises(ValueError, match="unknown precision 'fp16'"):
         resolve_precision("fp16", "cpu")
 
@@ -224,15 +224,15 @@ def test_fp32_lm_head_computes_the_logits_of_policy_sampling_copy_and_reference_
     trainer.update()
     for model in (trainer.policy, trainer.sampler, trainer.ref_policy):
         head = model.lm_head
-        assert head.weight.dtype == torch.float32 and getattr(head, models.FP32_OUTPUT)
+        assert head.weight.dtype == torch.float32 and getattr(head, loading.FP32_OUTPUT)
         assert head.weight is model.model.embed_tokens.weight
     trainer._sample([trainer.prompts[0]], stream=3)  # refreshes the copy from the updated master weights
     assert torch.equal(trainer.sampler.lm_head.weight, trainer.policy.lm_head.weight)
     assert trainer.sampler.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
     plain = make_trainer(tok, tmp_path / "plain", precision="bf16", policy=tiny_llama(tok, hidden=64))
-    assert not getattr(plain.policy.lm_head, models.FP32_OUTPUT, False)
+    assert not getattr(plain.policy.lm_head, loading.FP32_OUTPUT, False)
     fp32 = make_trainer(tok, tmp_path / "fp32", precision="fp32", fp32_lm_head=True, policy=tiny_llama(tok, hidden=64))
-    assert not getattr(fp32.policy.lm_head, models.FP32_OUTPUT, False)  # bf16 only
+    assert not getattr(fp32.policy.lm_head, loading.FP32_OUTPUT, False)  # bf16 only
 
 
 def test_bf16_refuses_old_logprobs_from_generation(tok, tmp_path):
@@ -257,7 +257,7 @@ def test_reward_model_scores_in_bf16_close_to_fp32(tok, tiny_model_dir):
     from transformers import AutoModelForSequenceClassification
 
     from rlhflow.ppo.reward_and_critic import in_precision
-    from rlhflow.reward_model import RewardModel
+    from rlhflow.training.reward_model import RewardModel
 
     torch.manual_seed(0)
     rm = RewardModel(

@@ -26,7 +26,7 @@ from conftest import REPO, free_port, tiny_pipeline_overrides
 from flows.pipeline import TRAINING_LIMIT
 from flows.report import LINK_KEY, MLFLOW_UI_URL_ENV, REPORT_KEY
 from flows.serve import stop, wait_for
-from rlhflow.config import load_config
+from rlhflow.config.params import load_config
 from rlhfops.stack_access import new_auth_string, prefect_server_security
 from rlhfops.stages import STAGES
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, stage_command, stage_env, tiny_pipeline_overrides
 
-from rlhflow.config import REPO_ROOT
+from rlhflow.config.params import REPO_ROOT
 from rlhfops import stage_lock
 from rlhfops.codedeps import PROJECT_PACKAGES
 

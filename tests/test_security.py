@@ -68,9 +68,9 @@ def remote_code_model(tmp_path, tiny_model_dir, monkeypatch):
 
 
 def test_model_code_runs_only_when_params_turn_trust_remote_code_on(remote_code_model):
-    from rlhflow.config import load_config
-    from rlhflow.models import load_causal_lm
-    from rlhflow.reward_model import load_backbone
+    from rlhflow.config.params import load_config
+    from rlhflow.models.loading import load_causal_lm
+    from rlhflow.training.reward_model import load_backbone
 
     model, marker = remote_code_model
     cfg = load_config()
@@ -89,8 +89,8 @@ def test_weights_load_only_from_safetensors(tmp_path, tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlhflow.models import load_causal_lm
-    from rlhflow.reward_model import NORM_FILE, RewardModel, load_backbone
+    from rlhflow.models.loading import load_causal_lm
+    from rlhflow.training.reward_model import NORM_FILE, RewardModel, load_backbone
 
     pickled = tmp_path / "pickled_model"
     shutil.copytree(tiny_model_dir, pickled)

@@ -12,10 +12,10 @@ import pytest
 import torch
 from conftest import flow_run_logs, kill_training_once, rerun_resumes, run_stage_cli, tiny_pipeline_overrides
 
-from rlhflow.config import load_config
+from rlhflow.config.params import load_config
 from rlhflow.data.formats import DataFormatError, load_demonstrations
 from rlhflow.data.readers import write_jsonl
-from rlhflow.validation import DataValidationError
+from rlhflow.data.validation import DataValidationError
 
 ANSWER = "Thank you for asking! Here are three clear steps: first, second, and finally third."
 
@@ -62,7 +62,7 @@ def sft_settings(**changes):
 
 def dataset_of(demos: pd.DataFrame, tok, cfg, max_prompt_length: int = 192):
     """The tokenized demonstrations the stage trains on (no demonstration may be left out here)."""
-    from rlhflow.sft import demonstration_dataset
+    from rlhflow.training.sft import demonstration_dataset
 
     dataset, dropped = demonstration_dataset(demos, tok, max_prompt_length=max_prompt_length, max_length=cfg.max_length)
     assert dropped == 0
@@ -74,7 +74,7 @@ def test_the_prefect_form_shows_the_sft_settings():
 
     from flows.pipeline import rlhf_pipeline
     from flows.serve import with_form_defaults
-    from rlhflow.config import load_config
+    from rlhflow.config.params import load_config
 
     schema = parameter_schema(with_form_defaults(rlhf_pipeline, load_config())).model_dump_for_openapi()
     fields = schema["definitions"]["SFTConfig"]["properties"]
@@ -89,8 +89,8 @@ def test_trl_dataset_preparation_prints_to_stdout_not_to_a_run_log(tiny_model_di
     interpreter's print."""
     import builtins
 
-    from rlhflow.models import load_causal_lm
-    from rlhflow.sft import sft_trainer
+    from rlhflow.models.loading import load_causal_lm
+    from rlhflow.training.sft import sft_trainer
     from rlhfops.stage_runner import prints_to_stdout
 
     run_log: list[str] = []
@@ -108,8 +108,8 @@ def test_trl_dataset_preparation_prints_to_stdout_not_to_a_run_log(tiny_model_di
 
 
 def test_loss_is_on_completion_tokens_only(tiny_model_dir, tok, tmp_path):
-    from rlhflow.models import load_causal_lm
-    from rlhflow.sft import sft_trainer
+    from rlhflow.models.loading import load_causal_lm
+    from rlhflow.training.sft import sft_trainer
 
     demos = pd.DataFrame(demo_rows(4))
     model = load_causal_lm(str(tiny_model_dir), pad_token_id=tok.pad_token_id)
@@ -130,8 +130,8 @@ def test_training_lowers_the_loss_and_saves_a_plain_model(tiny_model_dir, tok, t
     from transformers import LlamaForCausalLM
 
     from rlhflow.evaluation.metrics import perplexity
-    from rlhflow.models import load_causal_lm, save_plain
-    from rlhflow.sft import sft_trainer, train_sft
+    from rlhflow.models.loading import load_causal_lm, save_plain
+    from rlhflow.training.sft import sft_trainer, train_sft
 
     demos = pd.DataFrame(demo_rows(32))
     cfg = sft_settings(
@@ -167,8 +167,8 @@ def test_training_lowers_the_loss_and_saves_a_plain_model(tiny_model_dir, tok, t
 
 
 def test_packing_keeps_the_completion_only_loss(tiny_model_dir, tok, tmp_path, one_thread):
-    from rlhflow.models import load_causal_lm
-    from rlhflow.sft import sft_trainer
+    from rlhflow.models.loading import load_causal_lm
+    from rlhflow.training.sft import sft_trainer
 
     demos = pd.DataFrame(demo_rows(8))
     model = load_causal_lm(str(tiny_model_dir), pad_token_id=tok.pad_token_id)
@@ -185,8 +185,8 @@ def test_packing_keeps_the_completion_only_loss(tiny_model_dir, tok, tmp_path, o
 def test_packed_and_unpacked_batches_have_the_same_loss(tiny_model_dir, tok, tmp_path, one_thread):
     """Packing changes how demonstrations share sequences, not the loss: one batch holding all demonstrations, packed
     (each attends only to itself) or padded, has the same completion-only loss."""
-    from rlhflow.models import load_causal_lm
-    from rlhflow.sft import sft_trainer
+    from rlhflow.models.loading import load_causal_lm
+    from rlhflow.training.sft import sft_trainer
 
     demos = pd.DataFrame(demo_rows(6))
     demos["completion"] = [ANSWER[: 20 + 10 * i] for i in range(6)]  # of different lengths
@@ -208,8 +208,8 @@ def test_packed_and_unpacked_batches_have_the_same_loss(tiny_model_dir, tok, tmp
 def test_prompts_are_cut_as_ppo_cuts_them_and_completions_never(tok):
     """The prompt keeps its last ppo.max_prompt_length tokens (`policy.encode_prompts` gives PPO the same ones); a
     demonstration still longer than sft.max_length is left out and counted, not cut."""
-    from rlhflow.policy import encode_prompts
-    from rlhflow.sft import demonstration_dataset
+    from rlhflow.models.policy import encode_prompts
+    from rlhflow.training.sft import demonstration_dataset
 
     demos = pd.DataFrame(demo_rows(3))
     demos.at[0, "prompt_messages"] = [{"role": "user", "content": "a very long question " * 40}]
@@ -260,7 +260,7 @@ def validated(tmp_path) -> Path:
 
 
 def checked(validated: Path, *overrides: str):
-    from rlhflow.models import load_tokenizer
+    from rlhflow.models.loading import load_tokenizer
     from tasks.sft import checked_demonstrations
 
     cfg = load_config(
@@ -387,7 +387,7 @@ def test_bad_demonstrations_fail_the_stage_before_training(validated, tiny_model
 
 
 def test_training_refuses_a_multi_process_launch(monkeypatch):
-    from rlhflow import distributed
+    from rlhflow.training import distributed
     from tasks.sft import run
 
     monkeypatch.setattr(distributed, "world_size", lambda: 2)  # only rank 0 runs the stage: a Trainer would wait

@@ -1,5 +1,5 @@
 """One place decides whether a model or data spec is a local file or directory, a packaged model (`pkg:`) or a
-Hugging Face Hub id (rlhflow/sources.py); a missing local path is an error, never a Hub download."""
+Hugging Face Hub id (rlhflow/data/sources.py); a missing local path is an error, never a Hub download."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from rlhflow.data.formats import DataFormatError, load_preferences
-from rlhflow.models import resolve_model
-from rlhflow.sources import Source, SourceNotFoundError, resolve_source
+from rlhflow.data.sources import Source, SourceNotFoundError, resolve_source
+from rlhflow.models.loading import resolve_model
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ import json
 import pandas as pd
 import pytest
 
-from rlhflow.config import DEFAULT_PREFERENCES, REPO_ROOT
+from rlhflow.config.params import DEFAULT_PREFERENCES, REPO_ROOT
 from rlhflow.data.formats import load_preferences
 from rlhflow.data.splits import (
     assign_splits,

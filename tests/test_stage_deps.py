@@ -11,7 +11,7 @@ import re
 import pytest
 from conftest import make_dvc_repo
 
-from rlhflow.config import REPO_ROOT
+from rlhflow.config.params import REPO_ROOT
 from rlhfops.codedeps import import_closure
 from rlhfops.dvc_yaml import stage_deps
 from rlhfops.stages import STAGE_NAMES, STAGES
@@ -20,14 +20,14 @@ from rlhfops.stages import STAGE_NAMES, STAGES
 
 # files that only some stages run: what every stage imports (rlhfops/stage_runner.py, the tracking it uses) loads none
 STAGE_SPECIFIC = {
-    "rlhflow/models.py",
-    "rlhflow/policy.py",
-    "rlhflow/reward_model.py",
+    "rlhflow/models/loading.py",
+    "rlhflow/models/policy.py",
+    "rlhflow/training/reward_model.py",
     "tasks/pairwise_training.py",
     "rlhflow/evaluation/metrics.py",
-    "rlhflow/cpu_packed_linear.py",
-    "rlhflow/logits.py",
-    "rlhflow/validation.py",
+    "rlhflow/models/packed_linear.py",
+    "rlhflow/models/logits.py",
+    "rlhflow/data/validation.py",
     "rlhflow/data/formats.py",
     "rlhflow/ppo/__init__.py",
     "rlhfops/serving/__init__.py",
@@ -49,7 +49,10 @@ def test_what_every_stage_imports_loads_no_stage_specific_code(module):
     assert not set(import_closure(module)) & STAGE_SPECIFIC, import_closure(module)
 
 
-@pytest.mark.parametrize("package", ["rlhflow.ppo", "rlhflow.evaluation", "rlhfops.serving"])
+@pytest.mark.parametrize(
+    "package",
+    ["rlhflow.config", "rlhflow.models", "rlhflow.training", "rlhflow.ppo", "rlhflow.evaluation", "rlhfops.serving"],
+)
 def test_package_inits_import_none_of_their_modules(package):
     top = package.split(".")[0]
     assert import_closure(package) == (f"{top}/__init__.py", f"{package.replace('.', '/')}/__init__.py")
@@ -62,8 +65,8 @@ def test_the_per_token_kl_and_the_figures_do_not_load_ppo():
         "rlhflow/evaluation/__init__.py",
         "rlhflow/evaluation/plots.py",
     )
-    assert "rlhflow/policy.py" not in import_closure("rlhfops.serving.reward")
-    assert "rlhflow/reward_model.py" not in import_closure("rlhfops.serving.policy")
+    assert "rlhflow/models/policy.py" not in import_closure("rlhfops.serving.reward")
+    assert "rlhflow/training/reward_model.py" not in import_closure("rlhfops.serving.policy")
 
 
 def code_files(stage) -> set[str]:
@@ -111,11 +114,11 @@ EVERY_STAGE = set(STAGE_NAMES)
 STALE_AFTER_EDIT = {
     "rlhflow/ppo/core.py": {"ppo"},
     "rlhflow/ppo/trainer.py": {"ppo"},
-    "rlhflow/reward_model.py": {"reward_model", "judge", "sft_answers", "ppo", "evaluate"},
+    "rlhflow/training/reward_model.py": {"reward_model", "judge", "sft_answers", "ppo", "evaluate"},
     "tasks/pairwise_training.py": {"reward_model", "judge"},
     "tasks/reward_model.py": {"reward_model"},
-    "rlhflow/validation.py": {"validate", "sft"},
-    "rlhflow/policy.py": {"sft", "sft_answers", "ppo", "evaluate"},
+    "rlhflow/data/validation.py": {"validate", "sft"},
+    "rlhflow/models/policy.py": {"sft", "sft_answers", "ppo", "evaluate"},
     "rlhflow/evaluation/metrics.py": {"sft", "sft_answers", "evaluate"},
     "rlhflow/evaluation/judges.py": {"judge", "sft_answers", "evaluate"},
     "rlhflow/evaluation/plots.py": {"evaluate"},

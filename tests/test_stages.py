@@ -2,7 +2,7 @@
 
 import yaml
 
-from rlhflow.config import REPO_ROOT, load_config
+from rlhflow.config.params import REPO_ROOT, load_config
 from rlhfops.dvc_yaml import dvc_yaml, stage_deps
 from rlhfops.stages import STAGES
 
@@ -83,15 +83,15 @@ def test_code_deps_are_the_import_closure_of_the_stage_module():
         missing = [f for f in closure if not _covered(s, f)]
         assert not missing, f"{s.name}: imports {missing}, which are not among its deps"
     sft = next(s for s in STAGES if s.name == "sft")
-    assert {"rlhflow/evaluation/metrics.py", "rlhflow/cpu_packed_linear.py"} <= set(stage_deps(sft))
+    assert {"rlhflow/evaluation/metrics.py", "rlhflow/models/packed_linear.py"} <= set(stage_deps(sft))
     ppo = next(s for s in STAGES if s.name == "ppo")
     assert all(
         _covered(ppo, f)
         for f in (
-            "rlhflow/cpu_packed_linear.py",
-            "rlhflow/models.py",
-            "rlhflow/distributed.py",
-            "rlhflow/reward_model.py",
+            "rlhflow/models/packed_linear.py",
+            "rlhflow/models/loading.py",
+            "rlhflow/training/distributed.py",
+            "rlhflow/training/reward_model.py",
             "rlhflow/ppo/trainer.py",
         )
     )

@@ -404,7 +404,7 @@ def test_a_worker_killed_mid_stage_fails_the_run_naming_stage_and_worker(stack):
 
 def test_the_tracking_servers_database_down_fails_in_preflight(stack):
     """Last in this module: it stops the stack's PostgreSQL."""
-    from rlhflow.config import load_config
+    from rlhflow.config.params import load_config
     from rlhfops.tracking import TrackingUnavailableError, preflight
 
     cfg = load_config(stack.repo / "params.yaml", [f"tracking.tracking_uri={stack.mlflow_url}"])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhflow.config import load_config
+from rlhflow.config.params import load_config
 from rlhfops import registry, tracking
 from rlhfops.hashing import file_md5
 
@@ -32,7 +32,7 @@ def repo_root(tmp_path, monkeypatch):
 
 
 def test_a_dvc_experiment_copy_belongs_to_the_repository_around_it(tmp_path):
-    from rlhflow.config import project_root
+    from rlhflow.config.params import project_root
 
     assert project_root(tmp_path / "proj" / ".dvc" / "tmp" / "exps" / "tmpa1b2c3") == tmp_path / "proj"
     assert project_root(tmp_path / "proj") == tmp_path / "proj"
@@ -144,7 +144,7 @@ def test_log_dataset_emits_no_warnings(cfg, tmp_path):
 
 
 def _tiny_reward_model_dir(model_dir: Path, out: Path) -> Path:
-    from rlhflow.reward_model import load_backbone, write_normalization
+    from rlhflow.training.reward_model import load_backbone, write_normalization
 
     model, tok = load_backbone(str(model_dir))
     model.save_pretrained(out, safe_serialization=True)
@@ -219,7 +219,7 @@ def test_an_option_added_at_its_neutral_value_leaves_the_params_digest_as_it_was
     import hashlib
     import json
 
-    from rlhflow.config import load_config
+    from rlhflow.config.params import load_config
 
     cfg = load_config()
     before = cfg.to_params()

@@ -7,10 +7,10 @@ import json
 import pandas as pd
 import pytest
 
-from rlhflow.config import ValidateConfig
+from rlhflow.config.params import ValidateConfig
 from rlhflow.data.formats import load_preferences
 from rlhflow.data.splits import assign_splits
-from rlhflow.validation import DataValidationError, validate_preferences
+from rlhflow.data.validation import DataValidationError, validate_preferences
 from tests.fixtures import tiny_tokenizer
 
 

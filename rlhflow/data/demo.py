@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from rlhflow.config import DemoDataConfig, load_config
+from rlhflow.config.params import DemoDataConfig, load_config
 from rlhflow.data.readers import write_jsonl
 
 # The text lives in demo_text.json next to this file (package data); the generator's logic stays here.

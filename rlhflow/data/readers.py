@@ -2,7 +2,7 @@
 
 Sources: .jsonl/.jsonl.gz/.json (a list, or one object per line)/.parquet files, a directory written by
 `datasets.save_to_disk`, a directory of data files, or a Hugging Face dataset name (which of these a name is:
-rlhflow/sources.py). A JSON list is streamed, never held whole in memory; `max_rows` stops a read early. Rows come
+rlhflow/data/sources.py). A JSON list is streamed, never held whole in memory; `max_rows` stops a read early. Rows come
 back as they are in the file; rlhflow/data/converters.py turns them into the canonical columns.
 
 Also `read_jsonl`/`write_jsonl`, for the project's own files (the validated splits).
@@ -23,8 +23,8 @@ from typing import Any
 import pandas as pd
 
 from rlhflow.data.errors import DataFormatError, rows_text
+from rlhflow.data.sources import SourceNotFoundError, resolve_source
 from rlhflow.fsutil import atomic_file
-from rlhflow.sources import SourceNotFoundError, resolve_source
 
 FILE_TYPES = ".jsonl, .jsonl.gz, .json (a list of objects), .parquet"
 _CHUNK = 1 << 20  # bytes read at a time from JSON files

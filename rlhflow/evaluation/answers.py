@@ -55,7 +55,7 @@ class Answers:
 
     @classmethod
     def from_outputs(cls, outputs, threshold: float) -> Answers:
-        """From `rlhflow.policy.GenerationOutput`s (their real response tokens: `response_mask`)."""
+        """From `rlhflow.models.generation.GenerationOutput`s (their real response tokens: `response_mask`)."""
         texts, ended, tokens, repetition, classes = [], [], [], [], []
         for out in outputs:
             for row, mask, end, text in zip(out.response.tolist(), out.response_mask.tolist(), out.ended, out.texts):

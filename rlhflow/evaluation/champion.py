@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rlhflow.evaluate_config import ChampionConfig
+from rlhflow.config.evaluate import ChampionConfig
 from rlhflow.evaluation.stats import cluster_codes
 
 BASIS_TAG_PREFIX = "basis."

@@ -1,20 +1,20 @@
 """A policy against the SFT model on held-out prompts, reward models on held-out pairs, challengers against champions.
 
 What the evaluate stage measures, and how (each figure computed here or in the one module named):
-- prompts: one per held-out conversation (`evaluation_prompts`), all of them unless `evaluate.n_prompts` says
-  fewer, of both held-out splits: test for every figure reported (eval/...), dev for the figures choices read
+- prompts: one per held-out conversation (rlhflow.evaluation.held_out), all of them unless `evaluate.n_prompts`
+  says fewer, of both held-out splits: test for every figure reported (eval/...), dev for the figures choices read
   (dev/...: the champion rule, a sweep's best point); the test split never chooses;
-- answers: both models sample with the evaluation's settings (rlhflow.sampling.evaluation_sampling) up to
+- answers: both models sample with the evaluation's settings (rlhflow.models.sampling.evaluation_sampling) up to
   `evaluate.max_new_tokens`; the SFT model's answers and their scores are the sft_answers stage's output
-  (`sample_reference`), sampled once for every evaluate and sweep point; each answer is ended, cut or degenerate
-  (rlhflow.evaluation.answers);
+  (rlhflow.evaluation.held_out), sampled once for every evaluate and sweep point; each answer is ended, cut or
+  degenerate (rlhflow.evaluation.answers);
 - win rates of the policy over the SFT model by the proxy and by the judge (rlhflow.evaluation.judges), overall and
   on the prompts where both answers ended, with 95% intervals from a bootstrap over conversations; the same
   resamples give the interval of the proxy-judge gap (rlhflow.evaluation.stats);
 - length-controlled win rates (AlpacaEval 2.0 LC, rlhflow.evaluation.stats), flagged unsupported when the data do
   not cover equal lengths;
 - reward-model accuracy on held-out pairs beside the length rule ("the shorter answer is chosen"), with intervals
-  (rlhflow.reward_model.evaluate_pairs), calibration and ranking agreement (rlhflow.evaluation.metrics);
+  (rlhflow.evaluation.pairs.evaluate_pairs), calibration and ranking agreement (rlhflow.evaluation.metrics);
 - drift: answer length, EOS share, distinct-n, repetition; KL to the SFT model and perplexity
   (rlhflow.evaluation.metrics);
 - head-to-head comparisons on the dev split for the champion rule (rlhflow.evaluation.champion).
@@ -22,20 +22,25 @@ What the evaluate stage measures, and how (each figure computed here or in the o
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from rlhflow.config import Config
-from rlhflow.evaluate_config import ChampionConfig
+from rlhflow.config.evaluate import ChampionConfig
+from rlhflow.config.params import Config
 from rlhflow.evaluation import stats
 from rlhflow.evaluation.answers import Answers
 from rlhflow.evaluation.champion import HeadToHead, alpha_spent, guard_failures, sign_test
 from rlhflow.evaluation.frontier import objective_scores
+from rlhflow.evaluation.held_out import (
+    HeldOutPrompts,
+    as_precision,
+    held_out_files,
+    load_reference,
+)
 from rlhflow.evaluation.judges import verdicts_from_scores
 from rlhflow.evaluation.metrics import (
     confidence_buckets,
@@ -48,188 +53,31 @@ from rlhflow.evaluation.metrics import (
 
 # the bootstrap's seed: fixed, so every run's intervals are drawn the same way whatever its training seed
 BOOTSTRAP_SEED = 0
-REFERENCE_FILE = "answers.json"
-
-
-# ---- prompts and answers ----------------------------------------------------------------------------------------
-
-
-def evaluation_prompts(test_file: Path, n_prompts: int | None):
-    """One prompt per test conversation (its first row in the file: the conversation's shallowest branch there), in
-    file order; the first `n_prompts` of them when set. Columns: prompt, prompt_messages, conversation."""
-    from rlhflow.data.readers import read_jsonl
-    from rlhflow.data.splits import conversation_keys
-
-    test = read_jsonl(test_file)
-    test = test.assign(conversation=conversation_keys(test).to_numpy())
-    prompts = test.drop_duplicates("conversation")[["prompt", "prompt_messages", "conversation"]]
-    return prompts.head(n_prompts) if n_prompts is not None else prompts
-
-
-# the held-out splits answered: test for the report, dev for choosing (the champion rule, a sweep's best point)
-HELD_OUT = ("test", "dev")
-
-
-def held_out_files(cfg: Config) -> dict[str, Path]:
-    """test.jsonl, and dev.jsonl where validate wrote one (validate.dev_fraction > 0)."""
-    validated = cfg.path(cfg.validate_.out_dir)
-    return {s: validated / f"{s}.jsonl" for s in HELD_OUT if s == "test" or (validated / f"{s}.jsonl").exists()}
-
-
-@dataclass
-class HeldOutPrompts:
-    """The evaluation prompts of each held-out split, one row per answer (k samples per prompt in a row), and the
-    order in which both models answer them all at once: test first, then dev."""
-
-    prompts: dict[str, list]  # per split: prompt messages
-    texts: dict[str, list[str]]  # per split: prompt texts
-    conversations: dict[str, list[str]]  # per split: each row's conversation, the bootstrap's clusters
-    counts: dict[str, int]  # per split: distinct prompts
-
-    @classmethod
-    def load(cls, cfg: Config) -> HeldOutPrompts:
-        k = cfg.evaluate.samples_per_prompt
-        frames = {split: evaluation_prompts(f, cfg.evaluate.n_prompts) for split, f in held_out_files(cfg).items()}
-        return cls(
-            {s: repeated(list(df["prompt_messages"]), k) for s, df in frames.items()},
-            {s: repeated(list(df["prompt"]), k) for s, df in frames.items()},
-            {s: repeated(list(df["conversation"]), k) for s, df in frames.items()},
-            {s: len(df) for s, df in frames.items()},
-        )
-
-    def all(self) -> list:
-        return [p for split in self.prompts for p in self.prompts[split]]
-
-    def sizes(self) -> dict[str, int]:
-        return {split: len(p) for split, p in self.prompts.items()}
-
-
-def sample(model, tokenizer, prompt_messages, cfg: Config, *, max_new_tokens: int | None = None):
-    """Answers to `prompt_messages` with the evaluation's sampling settings (`max_new_tokens`: another limit)."""
-    import dataclasses
-
-    from rlhflow.sampling import evaluation_sampling
-
-    settings = evaluation_sampling(cfg)
-    if max_new_tokens is not None:
-        settings = dataclasses.replace(settings, max_new_tokens=max_new_tokens)
-    return settings.sample(model, tokenizer, prompt_messages)
-
-
-def texts_of(outputs) -> list[str]:
-    return [t for o in outputs for t in o.texts]
-
-
-def repeated(items: list, k: int) -> list:
-    """Each item k times in a row: the rows of k samples per prompt."""
-    return [x for x in items for _ in range(k)]
-
-
-def as_precision(model, dtype):
-    """The model in `dtype` for sampling and scoring (a copy when it differs: the fp32 weights stay for
-    perplexity, which is compared with the sft stage's fp32 figure)."""
-    import copy
-
-    import torch
-
-    return model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
-
-
-def sample_reference(cfg: Config, out_dir: Path) -> dict[str, float]:
-    """The sft_answers stage: the SFT model's answers to the evaluation prompts of both held-out splits, classified,
-    with the proxy's scores (and the judge's, for a judge that scores answers one at a time), written to `out_dir`
-    with what they are keyed by (`reference_key`). Returns the answers' class shares per split."""
-    from rlhflow.evaluation.judges import load_judge
-    from rlhflow.fsutil import write_json_atomic
-    from rlhflow.models import load_causal_lm, load_tokenizer, pick_device, resolve_precision
-    from rlhflow.reward_model import RewardModel
-    from rlhflow.sampling import evaluation_sampling
-
-    e = cfg.evaluate
-    device = pick_device(cfg.device)
-    sft_dir = cfg.path(cfg.sft.out_dir)
-    held_out = HeldOutPrompts.load(cfg)
-    prompts = held_out.all()
-
-    tokenizer = load_tokenizer(str(sft_dir))
-    sft = load_causal_lm(str(sft_dir), pad_token_id=tokenizer.pad_token_id).to(device).eval()
-    sft = as_precision(sft, resolve_precision(e.precision, device))
-    answers = Answers.from_outputs(evaluation_sampling(cfg).sample(sft, tokenizer, prompts), e.degenerate_repetition)
-    del sft
-
-    rm = RewardModel.load(
-        cfg.path(cfg.reward_model.out_dir), batch_size=cfg.reward_model.eval_batch_size, device=device
-    )
-    answers.extra["proxy"] = rm.score(prompts, answers.texts).tolist()
-    judge = load_judge(cfg.judge, cfg.path(cfg.judge.out_dir), batch_size=cfg.judge.eval_batch_size, device=device)
-    if judge.pointwise:
-        answers.extra["judge"] = [float(x) for x in judge.score(prompts, answers.texts)]
-    parts = answers.split(held_out.sizes())
-    record = {
-        "key": reference_key(cfg, prompts=held_out.counts),
-        "answers": {split: part.to_json() for split, part in parts.items()},
-    }
-    write_json_atomic(Path(out_dir) / REFERENCE_FILE, record)
-    metrics = {"sft_answers/answers": float(len(answers))}
-    for split, part in parts.items():
-        prefix = "sft_answers/" if split == "test" else f"sft_answers/{split}_"
-        metrics.update({f"{prefix}{name}": share for name, share in part.shares().items()})
-    return metrics
-
-
-def reference_key(cfg: Config, *, prompts: dict[str, int]) -> dict:
-    """What the SFT answers depend on besides the code: the SFT model, the held-out split files, the number of
-    evaluation prompts of each (`prompts`) and every sampling and classification setting. The sft_answers stage
-    writes it with the answers; evaluate takes them only under the same key."""
-    from rlhflow.fsutil import dir_md5, file_md5
-    from rlhflow.sampling import evaluation_sampling
-
-    e = cfg.evaluate
-    return {
-        "sft_md5": dir_md5(cfg.path(cfg.sft.out_dir)),
-        "held_out_md5": {split: file_md5(path) for split, path in held_out_files(cfg).items()},
-        "prompts": prompts,
-        "samples_per_prompt": e.samples_per_prompt,
-        "sampling": evaluation_sampling(cfg).key(),
-        "degenerate_repetition": e.degenerate_repetition,
-        "precision": e.precision,
-    }
-
-
-def load_reference(cfg: Config, *, prompts: dict[str, int]) -> dict[str, Answers]:
-    """The sft_answers stage's output per held-out split, for `prompts` evaluation prompts of each; an error naming
-    what differs when it was sampled for another SFT model, other prompts or other settings (the flow reruns that
-    stage first; a stage run by hand may not have)."""
-    path = cfg.path(cfg.evaluate.reference_dir) / REFERENCE_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: the SFT model's evaluation answers are missing; run the sft_answers stage")
-    record = json.loads(path.read_text())
-    expected = reference_key(cfg, prompts=prompts)
-    differs = sorted(k for k in expected if record["key"].get(k) != expected[k])
-    if differs:
-        raise ValueError(
-            f"{path} was sampled with other {', '.join(differs)} than this evaluation's; rerun the sft_answers stage "
-            "(the pipeline flow and `dvc repro` do)"
-        )
-    return {split: Answers.from_json(answers) for split, answers in record["answers"].items()}
 
 
 # ---- figures ------------------------------------------------------------------------------------------------------
 
 
-def text_metrics(answers: Answers, suffix: str = "") -> dict[str, float]:
-    """Drift and reward-hacking signals of one model's answers (suffix "_sft" for the SFT model's): the share of
-    each answer class, length, EOS share, distinct-n, repetition."""
-    texts = answers.texts
+def text_metrics(answers: Answers) -> dict[str, float]:
+    """Drift and reward-hacking signals of one model's answers: the share of each answer class (answers.CLASSES),
+    length, EOS share, distinct-n, repetition."""
+    texts, shares = answers.texts, answers.shares()
     return {
-        **{f"eval/answers_{name}{suffix}": share for name, share in answers.shares().items()},
-        f"eval/eos_fraction{suffix}": float(np.mean(answers.ended)) if len(answers) else math.nan,
-        f"eval/answer_tokens{suffix}": float(np.mean(answers.tokens)) if len(answers) else math.nan,
-        f"eval/response_length{suffix}": mean_length(texts),
-        f"eval/distinct_1{suffix}": distinct_n(texts, 1),
-        f"eval/distinct_2{suffix}": distinct_n(texts, 2),
-        f"eval/repetition_rate{suffix}": repetition_rate(texts),
+        "eval/answers_ended": shares["ended"],
+        "eval/answers_cut": shares["cut"],
+        "eval/answers_degenerate": shares["degenerate"],
+        "eval/eos_fraction": float(np.mean(answers.ended)) if len(answers) else math.nan,
+        "eval/answer_tokens": float(np.mean(answers.tokens)) if len(answers) else math.nan,
+        "eval/response_length": mean_length(texts),
+        "eval/distinct_1": distinct_n(texts, 1),
+        "eval/distinct_2": distinct_n(texts, 2),
+        "eval/repetition_rate": repetition_rate(texts),
     }
+
+
+def sft_side(metrics: dict[str, float]) -> dict[str, float]:
+    """The SFT model's figures beside the policy's: the same names with `_sft` appended."""
+    return {f"{key}_sft": value for key, value in metrics.items()}
 
 
 def _with_interval(name: str, value_low_high: tuple[float, float, float], interval: str = "") -> dict[str, float]:
@@ -238,18 +86,44 @@ def _with_interval(name: str, value_low_high: tuple[float, float, float], interv
     return {name: value, f"{interval or name}_ci_low": low, f"{interval or name}_ci_high": high}
 
 
-def win_metrics(name: str, verdicts, both_ended: np.ndarray, char_difference, weights, conversations):
-    """`eval/<name>_vs_sft` and its interval, the same on prompts where both answers ended, and the length-controlled
-    win rate with its support flag. `name`: win_rate (the proxy) or judge_win_rate."""
+class WinKeys(NamedTuple):
+    """The names of one verdict source's win-rate figures (`win_metrics`)."""
+
+    vs_sft: str  # the win rate over the SFT model's answer to the same prompt
+    interval: str  # its interval, as <interval>_ci_low / _ci_high
+    both_ended: str  # the same on the prompts where both answers ended
+    lc: str  # length-controlled
+    lc_supported: str  # 1 when the length-controlled estimate is supported by the data
+
+
+PROXY_WIN_KEYS = WinKeys(
+    "eval/win_rate_vs_sft",
+    "eval/win_rate",
+    "eval/win_rate_both_ended",
+    "eval/win_rate_lc",
+    "eval/win_rate_lc_supported",
+)
+JUDGE_WIN_KEYS = WinKeys(
+    "eval/judge_win_rate_vs_sft",
+    "eval/judge_win_rate",
+    "eval/judge_win_rate_both_ended",
+    "eval/judge_win_rate_lc",
+    "eval/judge_win_rate_lc_supported",
+)
+
+
+def win_metrics(keys: WinKeys, verdicts, both_ended: np.ndarray, char_difference, weights, conversations):
+    """The win rate over the SFT model and its interval, the same on prompts where both answers ended, and the
+    length-controlled win rate with its support flag, named by `keys` (PROXY_WIN_KEYS or JUDGE_WIN_KEYS)."""
     win = np.asarray(verdicts.wins, dtype=float)
-    metrics = _with_interval(f"eval/{name}_vs_sft", stats.mean_interval(win, weights), f"eval/{name}")
+    metrics = _with_interval(keys.vs_sft, stats.mean_interval(win, weights), keys.interval)
     if both_ended.any():
         idx = np.flatnonzero(both_ended)
         sub_weights = stats.resample_weights(len(idx), clusters=[conversations[i] for i in idx], seed=BOOTSTRAP_SEED)
-        metrics.update(_with_interval(f"eval/{name}_both_ended", stats.mean_interval(win[idx], sub_weights)))
+        metrics.update(_with_interval(keys.both_ended, stats.mean_interval(win[idx], sub_weights)))
     lc = stats.length_controlled_win_rate(verdicts.preference, char_difference, weights, prompt_ids=conversations)
-    metrics.update(_with_interval(f"eval/{name}_lc", (lc.value, lc.low, lc.high)))
-    metrics[f"eval/{name}_lc_supported"] = float(lc.supported)
+    metrics.update(_with_interval(keys.lc, (lc.value, lc.low, lc.high)))
+    metrics[keys.lc_supported] = float(lc.supported)
     return metrics
 
 
@@ -279,8 +153,8 @@ def comparison_metrics(
         "eval/both_ended_prompts": float(both_ended.sum()),
         **_with_interval("eval/reward_mean", stats.mean_with_interval(policy_proxy, weights)),
         "eval/reward_mean_sft": float(sft_proxy.mean()),
-        **win_metrics("win_rate", proxy, both_ended, char_difference, weights, conversations),
-        **win_metrics("judge_win_rate", judge, both_ended, char_difference, weights, conversations),
+        **win_metrics(PROXY_WIN_KEYS, proxy, both_ended, char_difference, weights, conversations),
+        **win_metrics(JUDGE_WIN_KEYS, judge, both_ended, char_difference, weights, conversations),
         # reward hacking shows as a proxy win rate above the judge's
         **_with_interval("eval/proxy_judge_gap", stats.difference_interval(proxy.wins, judge.wins, weights)),
     }
@@ -299,11 +173,11 @@ def comparison_metrics(
 
 
 def reward_model_metrics(pairs, rows: list[dict]) -> tuple[dict[str, float], list]:
-    """The proxy on the held-out pairs (`rlhflow.reward_model.evaluate_pairs` of `rows`) as `rm/` metrics:
+    """The proxy on the held-out pairs (`rlhflow.evaluation.pairs.evaluate_pairs` of `rows`) as `rm/` metrics:
     accuracy and the length rule beside it, calibration, and agreement of its scores with the human ranking of
     each prompt's responses; and the confidence buckets (rlhflow.evaluation.metrics.ConfidenceBucket) behind the
     calibration."""
-    from rlhflow.reward_model import LENGTH_AWARE_METRICS
+    from rlhflow.evaluation.pairs import LENGTH_AWARE_METRICS
 
     buckets = confidence_buckets(pairs.chosen - pairs.rejected)  # raw scores: the Bradley-Terry probability
     scores = {}
@@ -324,27 +198,39 @@ def reward_model_metrics(pairs, rows: list[dict]) -> tuple[dict[str, float], lis
 
 # ---- the dev split's figures, for choosing ------------------------------------------------------------------------
 
-# what the dev split reports (as dev/...): what a choice reads, not the whole evaluation
-DEV_KEYS = (
-    "eval/prompts",
-    "eval/expected_half_width",
-    "eval/both_ended_prompts",
-    "eval/win_rate",
-    "eval/judge_win_rate",
-    "eval/objective_mean",
-    "eval/answers_",
-    "eval/answer_tokens",
-    "eval/eos_fraction",
-)
+# what the dev split reports: what a choice reads, not the whole evaluation. dev/<name> is eval/<name> measured on the
+# dev split, with its interval where it has one (<name>_ci_low, <name>_ci_high).
+DEV_FIGURES = {
+    "dev/prompts": "eval/prompts",
+    "dev/expected_half_width": "eval/expected_half_width",
+    "dev/both_ended_prompts": "eval/both_ended_prompts",
+    "dev/win_rate_vs_sft": "eval/win_rate_vs_sft",
+    "dev/win_rate": "eval/win_rate",  # the interval of win_rate_vs_sft
+    "dev/win_rate_both_ended": "eval/win_rate_both_ended",
+    "dev/win_rate_lc": "eval/win_rate_lc",
+    "dev/win_rate_lc_supported": "eval/win_rate_lc_supported",
+    "dev/judge_win_rate_vs_sft": "eval/judge_win_rate_vs_sft",
+    "dev/judge_win_rate": "eval/judge_win_rate",  # the interval of judge_win_rate_vs_sft
+    "dev/judge_win_rate_both_ended": "eval/judge_win_rate_both_ended",
+    "dev/judge_win_rate_lc": "eval/judge_win_rate_lc",
+    "dev/judge_win_rate_lc_supported": "eval/judge_win_rate_lc_supported",
+    "dev/objective_mean": "eval/objective_mean",
+    "dev/answers_ended": "eval/answers_ended",
+    "dev/answers_cut": "eval/answers_cut",
+    "dev/answers_degenerate": "eval/answers_degenerate",
+    "dev/answer_tokens": "eval/answer_tokens",
+    "dev/eos_fraction": "eval/eos_fraction",
+}
 
 
 def dev_metrics(metrics: dict[str, float], kl: float) -> dict[str, float]:
-    """The choosing figures of a comparison on the dev split (`comparison_metrics` and `text_metrics` of its
-    answers), renamed dev/...: the policy's, not the SFT side's (..._sft); NaN ones left out."""
+    """The choosing figures (DEV_FIGURES) of a comparison on the dev split (`comparison_metrics` and `text_metrics`
+    of its answers); NaN ones left out."""
     chosen = {
-        "dev/" + k.removeprefix("eval/"): v
-        for k, v in metrics.items()
-        if k.startswith(DEV_KEYS) and (k.endswith("_vs_sft") or not k.endswith("_sft")) and not math.isnan(v)
+        dev + part: metrics[name + part]
+        for dev, name in DEV_FIGURES.items()
+        for part in ("", "_ci_low", "_ci_high")
+        if name + part in metrics and not math.isnan(metrics[name + part])
     }
     return chosen | ({"dev/kl": kl} if not math.isnan(kl) else {})
 
@@ -407,7 +293,7 @@ class PolicyEvaluation:
     metrics: dict[str, float]
     samples: dict[str, list]  # per answer: the prompt, both answers, their classes, proxy and judge figures, the KL
     buckets: list  # the reward model's confidence buckets (calibration)
-    pairs: Any  # the proxy's verdict on each test pair (rlhflow.reward_model.evaluate_pairs)
+    pairs: Any  # the proxy's verdict on each test pair (rlhflow.evaluation.pairs.evaluate_pairs)
     dev: DevAnswers | None  # the policy on the dev split (None: no dev split)
     judge: Any  # the loaded judge (rlhflow.evaluation.judges.Judge)
     device: Any
@@ -421,94 +307,60 @@ def _verdicts(judge, prompts, policy: Answers, sft: Answers):
     return judge.compare(prompts, policy.texts, sft.texts), None
 
 
+@dataclass
+class EvaluatedModels:
+    """The models the evaluate stage loads once: the policy, the SFT model, the proxy and the judge."""
+
+    device: Any
+    dtype: Any  # the sampling and KL precision (evaluate.precision)
+    tokenizer: Any
+    sft: Any
+    policy: Any
+    rm: Any  # the proxy (rlhflow.training.reward_model.RewardModel)
+    judge: Any  # rlhflow.evaluation.judges.Judge
+
+
+def load_evaluated_models(cfg: Config) -> EvaluatedModels:
+    from rlhflow.evaluation.judges import load_judge
+    from rlhflow.models.loading import load_causal_lm, load_tokenizer, pick_device, resolve_precision
+    from rlhflow.training.reward_model import RewardModel
+
+    device = pick_device(cfg.device)
+    sft_dir, policy_dir = str(cfg.path(cfg.sft.out_dir)), str(cfg.path(cfg.ppo.out_dir))
+    tokenizer = load_tokenizer(sft_dir)
+    return EvaluatedModels(
+        device=device,
+        dtype=resolve_precision(cfg.evaluate.precision, device),
+        tokenizer=tokenizer,
+        sft=load_causal_lm(sft_dir, pad_token_id=tokenizer.pad_token_id).to(device).eval(),
+        policy=load_causal_lm(policy_dir, pad_token_id=tokenizer.pad_token_id).to(device).eval(),
+        rm=RewardModel.load(
+            cfg.path(cfg.reward_model.out_dir), batch_size=cfg.reward_model.eval_batch_size, device=device
+        ),
+        judge=load_judge(cfg.judge, cfg.path(cfg.judge.out_dir), batch_size=cfg.judge.eval_batch_size, device=device),
+    )
+
+
 def evaluate(cfg: Config) -> PolicyEvaluation:
     """The policy (`ppo.out_dir`) against the SFT model's answers (the sft_answers stage) on one prompt per held-out
     conversation, scored by the proxy and the judge: every figure on the test split (eval/...), the choosing figures
     on the dev split (dev/...); the proxy's accuracy on every test pair; perplexities on the chosen responses of the
     first `evaluate.perplexity_rows` test prompts. Figures that are NaN (no value) are left out."""
     from rlhflow.data.readers import read_jsonl
-    from rlhflow.evaluation.judges import load_judge
-    from rlhflow.evaluation.metrics import perplexity, sampled_kl, saved_held_out_perplexity
-    from rlhflow.models import load_causal_lm, load_tokenizer, pick_device, resolve_precision
-    from rlhflow.reward_model import RewardModel, evaluate_pairs, saved_pair_scores
-    from rlhflow.sampling import evaluation_sampling
+    from rlhflow.evaluation.pairs import evaluate_pairs
 
-    e = cfg.evaluate
-    device = pick_device(cfg.device)
-    dtype = resolve_precision(e.precision, device)
-    sft_dir, policy_dir = str(cfg.path(cfg.sft.out_dir)), str(cfg.path(cfg.ppo.out_dir))
-    tokenizer = load_tokenizer(sft_dir)
-    sft = load_causal_lm(sft_dir, pad_token_id=tokenizer.pad_token_id).to(device).eval()
-    policy = load_causal_lm(policy_dir, pad_token_id=tokenizer.pad_token_id).to(device).eval()
-    rm_dir = cfg.path(cfg.reward_model.out_dir)
-    rm = RewardModel.load(rm_dir, batch_size=cfg.reward_model.eval_batch_size, device=device)
-    judge = load_judge(cfg.judge, cfg.path(cfg.judge.out_dir), batch_size=cfg.judge.eval_batch_size, device=device)
-
+    models = load_evaluated_models(cfg)
     files = held_out_files(cfg)
     held_out = HeldOutPrompts.load(cfg)
     references = load_reference(cfg, prompts=held_out.counts)
-    everything = held_out.all()  # both splits at once: full batches, and the SFT model's random streams
-    policy_low = as_precision(policy, dtype)
-    policy_out = evaluation_sampling(cfg).sample(policy_low, tokenizer, everything)
-    answers = Answers.from_outputs(policy_out, e.degenerate_repetition)
-    answers.extra["proxy"] = rm.score(everything, answers.texts).tolist()
-    if judge.pointwise:
-        answers.extra["judge"] = [float(x) for x in judge.score(everything, answers.texts)]
-    # per answer, as sampled, in the sampling precision (both models alike)
-    kl_all = sampled_kl(
-        policy_low,
-        as_precision(sft, dtype),
-        policy_out,
-        cfg.eval_temperature,
-        pad_token_id=tokenizer.pad_token_id,
-        batch_size=e.score_batch_size,
-    )
-    del policy_low
-    parts = answers.split(held_out.sizes())
-    kl = dict(zip(parts, np.split(np.asarray(kl_all), np.cumsum(list(held_out.sizes().values()))[:-1])))
-
-    figures = {}
-    for split, policy_answers in parts.items():
-        sft_answers = references[split]
-        proxy = verdicts_from_scores(policy_answers.extra["proxy"], sft_answers.extra["proxy"])
-        judged, judge_scores = _verdicts(judge, held_out.prompts[split], policy_answers, sft_answers)
-        figures[split] = (
-            comparison_metrics(
-                policy_answers,
-                sft_answers,
-                proxy,
-                judged,
-                held_out.conversations[split],
-                judge_scores,
-                cfg.ppo.missing_eos_penalty,
-            )
-            | text_metrics(policy_answers)
-            | text_metrics(sft_answers, "_sft"),
-            judged,
-            judge_scores,
-        )
-
-    test_file = files["test"]
-    test = read_jsonl(test_file)
-    ref_rows = test.drop_duplicates("prompt").head(e.perplexity_rows)
-    ppl_args = (list(ref_rows["prompt_messages"]), list(ref_rows["chosen"]))
-    # the SFT model's figure as the sft stage measured it on the same rows; measured here when it has none for them
-    sft_perplexity = saved_held_out_perplexity(sft_dir, rows=e.perplexity_rows, data_file=test_file)
-    if sft_perplexity is None:
-        sft_perplexity = perplexity(sft, tokenizer, *ppl_args, batch_size=e.score_batch_size)
-    pair_rows = test.to_dict("records")
-    # the proxy's scores of these pairs as its stage saved them (the same model, loaded the same way)
-    pairs = evaluate_pairs(rm, pair_rows, scores=saved_pair_scores(rm_dir, data_file=test_file))
-    rm_metrics, buckets = reward_model_metrics(pairs, pair_rows)
-    test_figures, judged, judge_scores = figures["test"]
-    kl_weights = stats.resample_weights(len(kl["test"]), clusters=held_out.conversations["test"], seed=BOOTSTRAP_SEED)
-    metrics = {
-        **test_figures,
-        **_with_interval("eval/kl", stats.mean_with_interval(kl["test"], kl_weights)),  # by conversation
-        "eval/perplexity": perplexity(policy, tokenizer, *ppl_args, batch_size=e.score_batch_size),
-        "eval/perplexity_sft": sft_perplexity,
-        **rm_metrics,
+    parts, kl = answer_held_out(cfg, models, held_out)
+    figures = {
+        split: split_figures(cfg, models.judge, held_out, split, policy_answers, references[split])
+        for split, policy_answers in parts.items()
     }
+    test_figures, judged, judge_scores = figures["test"]
+    metrics, pairs, buckets = test_metrics(cfg, models, files["test"], kl["test"], held_out.conversations["test"])
+    metrics = {**test_figures, **metrics}
     dev = None
     if "dev" in parts:
         metrics.update(dev_metrics(figures["dev"][0], float(kl["dev"].mean())))
@@ -519,9 +371,92 @@ def evaluate(cfg: Config) -> PolicyEvaluation:
             parts["dev"],
             float(kl["dev"].mean()),
             dev_rows,
-            evaluate_pairs(rm, dev_rows),
+            evaluate_pairs(models.rm, dev_rows),
         )
-    policy_answers, sft_answers = parts["test"], references["test"]
+    samples = answer_samples(held_out, parts["test"], references["test"], judged, judge_scores, kl["test"])
+    return PolicyEvaluation(
+        metrics={k: v for k, v in metrics.items() if not math.isnan(v)},  # NaN: "no value", in MLflow and DVC alike
+        samples=samples,
+        buckets=buckets,
+        pairs=pairs,
+        dev=dev,
+        judge=models.judge,
+        device=models.device,
+    )
+
+
+def answer_held_out(cfg: Config, models: EvaluatedModels, held_out: HeldOutPrompts):
+    """The policy's answers to both held-out splits' prompts, sampled at once (full batches, and the random streams
+    the SFT model's answers were drawn with), with the proxy's and a pointwise judge's scores and each answer's KL
+    to the SFT model in the sampling precision: (answers per split, KL per split)."""
+    from rlhflow.evaluation.metrics import sampled_kl
+    from rlhflow.models.sampling import evaluation_sampling
+
+    everything = held_out.all()
+    policy_low = as_precision(models.policy, models.dtype)
+    policy_out = evaluation_sampling(cfg).sample(policy_low, models.tokenizer, everything)
+    answers = Answers.from_outputs(policy_out, cfg.evaluate.degenerate_repetition)
+    answers.extra["proxy"] = models.rm.score(everything, answers.texts).tolist()
+    if models.judge.pointwise:
+        answers.extra["judge"] = [float(x) for x in models.judge.score(everything, answers.texts)]
+    kl_all = sampled_kl(
+        policy_low,
+        as_precision(models.sft, models.dtype),
+        policy_out,
+        cfg.eval_temperature,
+        pad_token_id=models.tokenizer.pad_token_id,
+        batch_size=cfg.evaluate.score_batch_size,
+    )
+    parts = answers.split(held_out.sizes())
+    kl = dict(zip(parts, np.split(np.asarray(kl_all), np.cumsum(list(held_out.sizes().values()))[:-1])))
+    return parts, kl
+
+
+def split_figures(cfg: Config, judge, held_out: HeldOutPrompts, split: str, policy_answers: Answers, sft_answers):
+    """One split's comparison of the policy's answers with the SFT model's: (figures, the judge's verdicts, a
+    pointwise judge's scores)."""
+    proxy = verdicts_from_scores(policy_answers.extra["proxy"], sft_answers.extra["proxy"])
+    judged, judge_scores = _verdicts(judge, held_out.prompts[split], policy_answers, sft_answers)
+    conversations = held_out.conversations[split]
+    metrics = comparison_metrics(
+        policy_answers, sft_answers, proxy, judged, conversations, judge_scores, cfg.ppo.missing_eos_penalty
+    )
+    return metrics | text_metrics(policy_answers) | sft_side(text_metrics(sft_answers)), judged, judge_scores
+
+
+def test_metrics(cfg: Config, models: EvaluatedModels, test_file: Path, kl: np.ndarray, conversations: list[str]):
+    """The test split's KL with its interval, both perplexities, and the proxy on every test pair:
+    (figures, the pairs' verdicts, the calibration buckets)."""
+    from rlhflow.data.readers import read_jsonl
+    from rlhflow.evaluation.metrics import perplexity, saved_held_out_perplexity
+    from rlhflow.evaluation.pairs import evaluate_pairs, saved_pair_scores
+
+    e = cfg.evaluate
+    test = read_jsonl(test_file)
+    ref_rows = test.drop_duplicates("prompt").head(e.perplexity_rows)
+    ppl_args = (list(ref_rows["prompt_messages"]), list(ref_rows["chosen"]))
+    # the SFT model's figure as the sft stage measured it on the same rows; measured here when it has none for them
+    sft_dir = str(cfg.path(cfg.sft.out_dir))
+    sft_perplexity = saved_held_out_perplexity(sft_dir, rows=e.perplexity_rows, data_file=test_file)
+    if sft_perplexity is None:
+        sft_perplexity = perplexity(models.sft, models.tokenizer, *ppl_args, batch_size=e.score_batch_size)
+    pair_rows = test.to_dict("records")
+    # the proxy's scores of these pairs as its stage saved them (the same model, loaded the same way)
+    rm_dir = cfg.path(cfg.reward_model.out_dir)
+    pairs = evaluate_pairs(models.rm, pair_rows, scores=saved_pair_scores(rm_dir, data_file=test_file))
+    rm_metrics, buckets = reward_model_metrics(pairs, pair_rows)
+    kl_weights = stats.resample_weights(len(kl), clusters=conversations, seed=BOOTSTRAP_SEED)
+    metrics = {
+        **_with_interval("eval/kl", stats.mean_with_interval(kl, kl_weights)),  # by conversation
+        "eval/perplexity": perplexity(models.policy, models.tokenizer, *ppl_args, batch_size=e.score_batch_size),
+        "eval/perplexity_sft": sft_perplexity,
+        **rm_metrics,
+    }
+    return metrics, pairs, buckets
+
+
+def answer_samples(held_out, policy_answers: Answers, sft_answers: Answers, judged, judge_scores, kl) -> dict:
+    """Per test answer: the prompt, both answers, their classes, proxy and judge figures, the KL."""
     samples = {
         "prompt": held_out.texts["test"],
         "sft_response": sft_answers.texts,
@@ -531,19 +466,11 @@ def evaluate(cfg: Config) -> PolicyEvaluation:
         "sft_reward": [float(x) for x in sft_answers.extra["proxy"]],
         "ppo_reward": [float(x) for x in policy_answers.extra["proxy"]],
         "judge_preference": [float(x) for x in judged.preference],
-        "kl": [float(x) for x in kl["test"]],
+        "kl": [float(x) for x in kl],
     }
     if judge_scores is not None:
         samples["sft_judge"], samples["ppo_judge"] = judge_scores[1], judge_scores[0]
-    return PolicyEvaluation(
-        metrics={k: v for k, v in metrics.items() if not math.isnan(v)},  # NaN: "no value", in MLflow and DVC alike
-        samples=samples,
-        buckets=buckets,
-        pairs=pairs,
-        dev=dev,
-        judge=judge,
-        device=device,
-    )
+    return samples
 
 
 def policy_against(result: PolicyEvaluation, cfg: Config, model_dir: str, challenge: int) -> HeadToHead:
@@ -551,8 +478,8 @@ def policy_against(result: PolicyEvaluation, cfg: Config, model_dir: str, challe
     the same judge on the pairs where both answers ended, after the guards (evaluate.champion); the other policy
     samples with its own tokenizer (its chat template and special tokens), as it would be served, with the
     evaluation's settings."""
-    from rlhflow.models import load_causal_lm, load_tokenizer, resolve_precision
-    from rlhflow.sampling import evaluation_sampling
+    from rlhflow.models.loading import load_causal_lm, load_tokenizer, resolve_precision
+    from rlhflow.models.sampling import evaluation_sampling
 
     dev, e = result.dev, cfg.evaluate
     tokenizer = load_tokenizer(model_dir)
@@ -584,7 +511,8 @@ def reward_model_against(result: PolicyEvaluation, cfg: Config, model_dir, chall
     import pandas as pd
 
     from rlhflow.data.splits import conversation_keys
-    from rlhflow.reward_model import RewardModel, evaluate_pairs
+    from rlhflow.evaluation.pairs import evaluate_pairs
+    from rlhflow.training.reward_model import RewardModel
 
     dev = result.dev
     other = RewardModel.load(model_dir, batch_size=cfg.reward_model.eval_batch_size, device=result.device)

@@ -200,17 +200,15 @@ def frontier_plot(points: list[FrontierPoint], objective: str = "proxy"):
 
 
 def sample_best_of_n_scores(
-    sft, tokenizer, prompts, proxy, judge, cfg, samples: int
+    sft, tokenizer, prompts, proxy, judge, sampling, samples: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`samples` responses of the SFT model per prompt, sampled as the evaluation samples (rlhflow.evaluation.compare),
+    """`samples` responses of the SFT model per prompt, drawn with `sampling` (the evaluation's: `evaluation_sampling`),
     their proxy and judge scores and whether each ended (EOS or a stop string): three [prompts, samples] arrays.
     The raw proxy score is returned, so that the missing-EOS penalty is applied (`best_of_n_frontier`) at whatever
     value the frontier uses, without sampling again."""
-    from rlhflow.evaluation.compare import sample, texts_of
-
     repeated = [p for p in prompts for _ in range(samples)]  # each row of a batch draws its own sample
-    outputs = sample(sft, tokenizer, repeated, cfg)
-    texts = texts_of(outputs)
+    outputs = sampling.sample(sft, tokenizer, repeated)
+    texts = [t for o in outputs for t in o.texts]
     ended = np.array([bool(e) for o in outputs for e in o.ended]).reshape(len(prompts), samples)
     proxy_scores = np.asarray(proxy.score(repeated, texts), dtype=float).reshape(len(prompts), samples)
     judge_scores = np.asarray(judge.score(repeated, texts), dtype=float).reshape(len(prompts), samples)

@@ -1,10 +1,10 @@
 """Judges: the evaluation's independent instrument, which says which of two answers to a prompt is better.
 
 `judge.kind` picks one (`load_judge`):
-- `trained`: the reward model the judge stage trained on the judge split (rlhflow.reward_model.RewardModel);
+- `trained`: the reward model the judge stage trained on the judge split (rlhflow.training.reward_model.RewardModel);
 - `reward_model`: any Hugging Face sequence-classification reward model with one label (`judge.model`: a local dir,
   `pkg:<package>` or a Hub id), used as it is, reading the chat-formatted prompt and answer with its own tokenizer
-  exactly as a trained reward model does (rlhflow.reward_model.encode_pair);
+  exactly as a trained reward model does (rlhflow.training.reward_model.encode_pair);
 - `llm`: a chat model behind an OpenAI-compatible endpoint (`POST {judge.endpoint}/chat/completions`), asked for a
   pairwise verdict with the prompt template `judge.template`.
 
@@ -46,14 +46,14 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
-from rlhflow.config import REPO_ROOT, JudgeConfig
+from rlhflow.config.params import REPO_ROOT, JudgeConfig
 from rlhflow.fsutil import dir_md5
 from rlhflow.redaction import REDACTED, redact_urls, user_info_removed
 
 if TYPE_CHECKING:
     import httpx
 
-    from rlhflow.reward_model import RewardModel
+    from rlhflow.training.reward_model import RewardModel
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def verdicts_from_scores(a_scores, b_scores) -> Verdicts:
 def check_reward_model(spec: str) -> None:
     """`judge.model` for kind=reward_model: an existing local dir (or packaged model) whose config has one label, or
     a Hub id of valid form. Reads only the config, never the weights or the network."""
-    from rlhflow.sources import SourceNotFoundError, resolve_source
+    from rlhflow.data.sources import SourceNotFoundError, resolve_source
 
     try:
         source = resolve_source(spec)
@@ -161,7 +161,7 @@ def check_reward_model(spec: str) -> None:
             raise JudgeUnavailableError(f"judge.model={spec} is neither a local dir nor a Hub id: {err}") from None
         return
     if source.kind == "package":
-        from rlhflow.models import resolve_model
+        from rlhflow.models.loading import resolve_model
 
         try:
             location = Path(resolve_model(spec).location)
@@ -190,9 +190,9 @@ def load_reward_model_judge(spec: str, *, max_length: int, batch_size: int, devi
     `max_length` tokens (and no more than its position embeddings)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from rlhflow.models import disable_dropout, resolve_model
-    from rlhflow.reward_model import NORM_FILE, RewardModel, apply_pooling, prepare_reward_tokenizer
-    from rlhflow.sources import resolve_source
+    from rlhflow.data.sources import resolve_source
+    from rlhflow.models.loading import disable_dropout, resolve_model
+    from rlhflow.training.reward_model import NORM_FILE, RewardModel, apply_pooling, prepare_reward_tokenizer
 
     check_reward_model(spec)
     source = resolve_source(spec)
@@ -463,7 +463,7 @@ def load_judge(settings: JudgeConfig, judge_dir: str | os.PathLike, *, batch_siz
     """The judge `settings.kind` names. `judge_dir`: where the judge stage wrote the trained judge (read only for
     kind=trained)."""
     if settings.kind == "trained":
-        from rlhflow.reward_model import RewardModel
+        from rlhflow.training.reward_model import RewardModel
 
         judge_dir = Path(judge_dir)
         rm = RewardModel.load(judge_dir, batch_size=batch_size, device=device)
@@ -490,10 +490,10 @@ def preflight(settings: JudgeConfig, timeout: float = PREFLIGHT_TIMEOUT_S) -> No
 
 def pair_metrics(judge: Judge, rows: list[dict]) -> tuple[dict[str, float], Verdicts]:
     """The judge on preference pairs (chosen as a, rejected as b), measured as the trained judge is
-    (rlhflow.reward_model.evaluate_pairs): `accuracy` (ties and split verdicts count half), `accuracy_se`, the
+    (rlhflow.evaluation.pairs.evaluate_pairs): `accuracy` (ties and split verdicts count half), `accuracy_se`, the
     length rule beside it with intervals (LENGTH_AWARE_METRICS) and `pairs`; a pointwise judge adds its score
     margins, the llm judge `malformed_replies`."""
-    from rlhflow.reward_model import accuracy_standard_error, evaluate_pairs, length_aware_pair_metrics
+    from rlhflow.evaluation.pairs import accuracy_standard_error, evaluate_pairs, length_aware_pair_metrics
 
     prompts = [r["prompt_messages"] for r in rows]
     chosen, rejected = [r["chosen"] for r in rows], [r["rejected"] for r in rows]

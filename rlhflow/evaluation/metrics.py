@@ -6,7 +6,7 @@
   (the k1 estimator, unbiased under samples from the policy), averaged over responses, in nats;
 - win rate: fraction of prompts where the policy's response outscores the SFT response (ties count half); its
   interval, the length-controlled win rate and paired differences are in rlhflow.evaluation.stats;
-- pairwise accuracy (in rlhflow.reward_model): fraction of pairs where chosen outscores rejected;
+- pairwise accuracy (in rlhflow.training.reward_model): fraction of pairs where chosen outscores rejected;
 - drift and reward hacking: response length (words), distinct-n, repetition rate;
 - reward-model calibration: accuracy by confidence bucket, expected calibration error;
 - Kendall's tau between reward-model scores and the human ranking of a prompt's responses.
@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from rlhflow.fsutil import save_for_file, saved_for_file
-from rlhflow.logits import kl_per_token
-from rlhflow.policy import pad_sequences, prompt_ids, sequence_logprobs
+from rlhflow.models.logits import kl_per_token
+from rlhflow.models.policy import pad_sequences, prompt_ids, sequence_logprobs
 
 Messages = list[dict[str, str]]
 

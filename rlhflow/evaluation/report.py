@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from rlhflow.config import Config
+from rlhflow.config.params import Config
 
 if TYPE_CHECKING:
     from rlhflow.evaluation.compare import PolicyEvaluation
@@ -63,6 +63,19 @@ def judge_instrument_lines(judge_metrics: dict[str, float]) -> list[str]:
     return lines
 
 
+class Figures:
+    """The metrics as the report prints them: 4 decimals, "n/a" where missing, intervals as low - high."""
+
+    def __init__(self, metrics: dict[str, float]):
+        self.metrics = metrics
+
+    def __call__(self, key: str) -> str:
+        return f"{self.metrics[key]:.4f}" if key in self.metrics else "n/a"
+
+    def interval(self, key: str) -> str:
+        return f"{self(key + '_ci_low')} - {self(key + '_ci_high')}"
+
+
 def report_markdown(
     metrics: dict[str, float],
     samples: dict[str, list],
@@ -73,90 +86,110 @@ def report_markdown(
     judge_metrics: dict[str, float] | None = None,
     settings: str = "",
 ) -> str:
-    judge_metrics = judge_metrics or {}
-
-    def fmt(key: str) -> str:
-        return f"{metrics[key]:.4f}" if key in metrics else "n/a"
-
-    def interval(key: str) -> str:
-        return f"{fmt(key + '_ci_low')} - {fmt(key + '_ci_high')}"
-
+    """report.md, section by section."""
+    fmt = Figures(metrics)
     lines = ["# Evaluation: policy vs SFT model", ""]
-    lines += judge_instrument_lines(judge_metrics)
+    lines += judge_instrument_lines(judge_metrics or {})
     if "eval/judge_win_rate_vs_sft" in metrics:
-        lines += [
-            f"{int(metrics.get('eval/prompts', 0))} held-out prompts, one per test conversation "
-            f"({int(metrics.get('eval/answers', 0))} answers per model); a win rate near 0.5 on this many "
-            f"conversations has a 95% half-width of about +-{metrics.get('eval/expected_half_width', math.nan):.3f}. "
-            f"Sampling: {settings}.",
-            "",
-        ]
-        if "dev/prompts" in metrics:
-            lines += [
-                f"Choices (the champion rule, a sweep's best point) read the dev split instead: "
-                f"{int(metrics['dev/prompts'])} other held-out conversations, half-width about "
-                f"+-{metrics.get('dev/expected_half_width', math.nan):.3f}; there the judge win rate is "
-                f"{fmt('dev/judge_win_rate_vs_sft')}, {fmt('dev/judge_win_rate_both_ended')} where both ended. "
-                "Nothing is chosen on the test split, so the figures below are not selected on.",
-                "",
-            ]
-        lines += [
-            "## Answers: ended, cut at the limit, degenerate",
-            "",
-            "| | SFT | policy |",
-            "|---|---|---|",
-        ]
-        lines += [
-            f"| {label} | {fmt(f'eval/answers_{name}_sft')} | {fmt(f'eval/answers_{name}')} |"
-            for name, label in [
-                ("ended", "ended by itself (EOS or stop string)"),
-                ("cut", "cut at the limit"),
-                ("degenerate", "degenerate (repetition loop)"),
-            ]
-        ]
-        lines += [
-            "",
-            f"Both answers ended on {int(metrics.get('eval/both_ended_prompts', 0))} answer pairs: the win rate there "
-            "compares finished answers only, so it does not reward merely stopping in time.",
-            "",
-            "## Win rate against the SFT model",
-            "",
-            "| judged by | win rate | 95% interval | both ended | 95% interval | length-controlled | 95% interval |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for key, label in [
-            ("win_rate", "proxy reward model (optimised by the policy)"),
-            ("judge_win_rate", "judge (never optimised against)"),
-        ]:
-            supported = metrics.get(f"eval/{key}_lc_supported", 1.0) >= 1
-            lc = fmt(f"eval/{key}_lc") + ("" if supported else " (unsupported)")
-            lines.append(
-                f"| {label} | {fmt(f'eval/{key}_vs_sft')} | {interval(f'eval/{key}')} | "
-                f"{fmt(f'eval/{key}_both_ended')} | {interval(f'eval/{key}_both_ended')} | {lc} | "
-                f"{interval(f'eval/{key}_lc')} |"
-            )
-        lines += [
-            "",
-            f"Proxy minus judge: {fmt('eval/proxy_judge_gap')} ({interval('eval/proxy_judge_gap')}; a large positive "
-            "gap is a sign of reward hacking: the policy pleases the model it was trained against more than an "
-            "independent one). The length-controlled win rate is what a model of the judge's preference on the "
-            'length difference predicts at equal length (AlpacaEval 2.0); "unsupported" means the answers\' lengths '
-            "do not cover equal length, so that figure is an extrapolation and says little.",
-            "",
-        ]
-        if metrics.get("eval/judge_malformed"):
-            lines += [f"The judge's reply was malformed {int(metrics['eval/judge_malformed'])} times (a tie).", ""]
-    if decisions:
-        lines += ["## Model registry", "", "| model | candidate | champion | decision | why |", "|---|---|---|---|---|"]
-        lines += [
-            f"| {d.model} | v{d.candidate} | {'v' + d.champion if d.champion else '-'} | "
-            f"{'promoted' if d.promoted else 'kept'} | {d.reason} |"
-            for d in decisions
-        ]
-        lines += [""]
+        lines += _overview_lines(fmt, settings) + _answers_lines(fmt) + _win_rate_lines(fmt)
+    lines += _registry_lines(decisions)
     lines += ["## Metrics", "", "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {v:.4f} |" for k, v in sorted(metrics.items())]
+    lines += _drift_lines(fmt)
+    if buckets:
+        lines += _reward_model_lines(fmt, buckets)
+    if figures:
+        lines += ["## Plots", ""] + [f"![{f}](plots/{f}.png)" for f in figures] + [""]
+    lines += _sample_lines(samples, n_examples)
+    return "\n".join(lines)
+
+
+def _overview_lines(fmt: Figures, settings: str) -> list[str]:
+    """How many prompts and answers, the half-width that many conversations give, and where choices are made."""
+    m = fmt.metrics
+    lines = [
+        f"{int(m.get('eval/prompts', 0))} held-out prompts, one per test conversation "
+        f"({int(m.get('eval/answers', 0))} answers per model); a win rate near 0.5 on this many "
+        f"conversations has a 95% half-width of about +-{m.get('eval/expected_half_width', math.nan):.3f}. "
+        f"Sampling: {settings}.",
+        "",
+    ]
+    if "dev/prompts" in m:
+        lines += [
+            f"Choices (the champion rule, a sweep's best point) read the dev split instead: "
+            f"{int(m['dev/prompts'])} other held-out conversations, half-width about "
+            f"+-{m.get('dev/expected_half_width', math.nan):.3f}; there the judge win rate is "
+            f"{fmt('dev/judge_win_rate_vs_sft')}, {fmt('dev/judge_win_rate_both_ended')} where both ended. "
+            "Nothing is chosen on the test split, so the figures below are not selected on.",
+            "",
+        ]
+    return lines
+
+
+def _answers_lines(fmt: Figures) -> list[str]:
+    lines = ["## Answers: ended, cut at the limit, degenerate", "", "| | SFT | policy |", "|---|---|---|"]
     lines += [
+        f"| {label} | {fmt(f'eval/answers_{name}_sft')} | {fmt(f'eval/answers_{name}')} |"
+        for name, label in [
+            ("ended", "ended by itself (EOS or stop string)"),
+            ("cut", "cut at the limit"),
+            ("degenerate", "degenerate (repetition loop)"),
+        ]
+    ]
+    return lines + [
+        "",
+        f"Both answers ended on {int(fmt.metrics.get('eval/both_ended_prompts', 0))} answer pairs: the win rate there "
+        "compares finished answers only, so it does not reward merely stopping in time.",
+        "",
+    ]
+
+
+def _win_rate_lines(fmt: Figures) -> list[str]:
+    lines = [
+        "## Win rate against the SFT model",
+        "",
+        "| judged by | win rate | 95% interval | both ended | 95% interval | length-controlled | 95% interval |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key, label in [
+        ("win_rate", "proxy reward model (optimised by the policy)"),
+        ("judge_win_rate", "judge (never optimised against)"),
+    ]:
+        supported = fmt.metrics.get(f"eval/{key}_lc_supported", 1.0) >= 1
+        lc = fmt(f"eval/{key}_lc") + ("" if supported else " (unsupported)")
+        lines.append(
+            f"| {label} | {fmt(f'eval/{key}_vs_sft')} | {fmt.interval(f'eval/{key}')} | "
+            f"{fmt(f'eval/{key}_both_ended')} | {fmt.interval(f'eval/{key}_both_ended')} | {lc} | "
+            f"{fmt.interval(f'eval/{key}_lc')} |"
+        )
+    lines += [
+        "",
+        f"Proxy minus judge: {fmt('eval/proxy_judge_gap')} ({fmt.interval('eval/proxy_judge_gap')}; a large positive "
+        "gap is a sign of reward hacking: the policy pleases the model it was trained against more than an "
+        "independent one). The length-controlled win rate is what a model of the judge's preference on the "
+        'length difference predicts at equal length (AlpacaEval 2.0); "unsupported" means the answers\' lengths '
+        "do not cover equal length, so that figure is an extrapolation and says little.",
+        "",
+    ]
+    if fmt.metrics.get("eval/judge_malformed"):
+        lines += [f"The judge's reply was malformed {int(fmt.metrics['eval/judge_malformed'])} times (a tie).", ""]
+    return lines
+
+
+def _registry_lines(decisions) -> list[str]:
+    if not decisions:
+        return []
+    lines = ["## Model registry", "", "| model | candidate | champion | decision | why |", "|---|---|---|---|---|"]
+    lines += [
+        f"| {d.model} | v{d.candidate} | {'v' + d.champion if d.champion else '-'} | "
+        f"{'promoted' if d.promoted else 'kept'} | {d.reason} |"
+        for d in decisions
+    ]
+    return lines + [""]
+
+
+def _drift_lines(fmt: Figures) -> list[str]:
+    lines = [
         "",
         "## Reward hacking and drift",
         "",
@@ -175,27 +208,30 @@ def report_markdown(
         ("perplexity", "perplexity of reference answers"),
     ]:
         lines.append(f"| {label} | {fmt(f'eval/{key}_sft')} | {fmt(f'eval/{key}')} |")
-    lines += [f"| KL to SFT, nats per response | 0 | {fmt('eval/kl')} |", ""]
-    if buckets:
-        lines += [
-            "## Reward model on held-out pairs",
-            "",
-            f"Accuracy {fmt('rm/accuracy')} ({interval('rm/accuracy')}); the length rule (the shorter answer is "
-            f"chosen) on the same pairs {fmt('rm/length_baseline_accuracy')} "
-            f"({interval('rm/length_baseline_accuracy')}), difference {fmt('rm/accuracy_minus_length_baseline')} "
-            f"({interval('rm/accuracy_minus_length_baseline')})."
-            f" Expected calibration error {fmt('rm/ece')}; Kendall's tau against the human ranking "
-            f"{fmt('rm/kendall_tau')} over {int(metrics.get('rm/ranked_prompts', 0))} prompts that rank more than "
-            "two responses.",
-            "",
-            "| confidence bucket | pairs | mean confidence | accuracy |",
-            "|---|---|---|---|",
-        ]
-        lines += [f"| {b.low:.1f}-{b.high:.1f} | {b.pairs} | {b.confidence:.3f} | {b.accuracy:.3f} |" for b in buckets]
-        lines += [""]
-    if figures:
-        lines += ["## Plots", ""] + [f"![{f}](plots/{f}.png)" for f in figures] + [""]
-    lines += ["## Samples", ""]
+    return lines + [f"| KL to SFT, nats per response | 0 | {fmt('eval/kl')} |", ""]
+
+
+def _reward_model_lines(fmt: Figures, buckets) -> list[str]:
+    lines = [
+        "## Reward model on held-out pairs",
+        "",
+        f"Accuracy {fmt('rm/accuracy')} ({fmt.interval('rm/accuracy')}); the length rule (the shorter answer is "
+        f"chosen) on the same pairs {fmt('rm/length_baseline_accuracy')} "
+        f"({fmt.interval('rm/length_baseline_accuracy')}), difference {fmt('rm/accuracy_minus_length_baseline')} "
+        f"({fmt.interval('rm/accuracy_minus_length_baseline')})."
+        f" Expected calibration error {fmt('rm/ece')}; Kendall's tau against the human ranking "
+        f"{fmt('rm/kendall_tau')} over {int(fmt.metrics.get('rm/ranked_prompts', 0))} prompts that rank more than "
+        "two responses.",
+        "",
+        "| confidence bucket | pairs | mean confidence | accuracy |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {b.low:.1f}-{b.high:.1f} | {b.pairs} | {b.confidence:.3f} | {b.accuracy:.3f} |" for b in buckets]
+    return lines + [""]
+
+
+def _sample_lines(samples: dict[str, list], n_examples: int) -> list[str]:
+    lines = ["## Samples", ""]
     for i in range(min(n_examples, len(samples["prompt"]))):
         lines += [
             f"**Prompt:** {samples['prompt'][i]}",
@@ -205,11 +241,11 @@ def report_markdown(
             f"{samples['ppo_response'][i]}",
             "",
         ]
-    return "\n".join(lines)
+    return lines
 
 
 def sampling_description(cfg: Config) -> str:
-    from rlhflow.sampling import evaluation_sampling
+    from rlhflow.models.sampling import evaluation_sampling
 
     s = evaluation_sampling(cfg)
     return (

@@ -277,6 +277,29 @@ def _cross_validated_strength(p: np.ndarray, x: np.ndarray, prompt: np.ndarray |
     return float(model.C_), model.coef_[0] * scale  # coefficients of the unscaled terms
 
 
+def _grouped_by_prompt(p: np.ndarray, d: np.ndarray, weights: np.ndarray, prompt_ids):
+    """Items sorted by prompt (the fit sums prompt terms by segments) with each item's prompt code, when prompts
+    repeat; else the items as they are and no prompt codes."""
+    if prompt_ids is None or len(set(prompt_ids)) == len(p):
+        return p, d, weights, None
+    index: dict[Hashable, int] = {}
+    codes = np.array([index.setdefault(i, len(index)) for i in prompt_ids])
+    order = np.argsort(codes, kind="stable")
+    return p[order], d[order], weights[:, order], codes[order]
+
+
+def _zero_difference_supported(d: np.ndarray) -> tuple[bool, str]:
+    """Whether zero length difference lies inside the data (LC_MIN_SIDE_SHARE of the pairs on each side), and why
+    not."""
+    shorter, longer = float(np.mean(d <= 0)), float(np.mean(d >= 0))
+    if min(shorter, longer) >= LC_MIN_SIDE_SHARE:
+        return True, ""
+    return False, (
+        f"zero length difference is outside the data: the policy's answer is longer in {longer:.0%} and "
+        f"shorter in {shorter:.0%} of pairs (support needs at least {LC_MIN_SIDE_SHARE:.0%} each side)"
+    )
+
+
 def length_controlled_win_rate(
     preference: Sequence[float],
     length_difference: Sequence[float],
@@ -314,24 +337,8 @@ def length_controlled_win_rate(
     n = len(p)
     if n < 2:
         return LengthControlled(math.nan, math.nan, math.nan, False, f"{n} pairs: too few to fit")
-    if prompt_ids is not None and len(set(prompt_ids)) < n:
-        index: dict[Hashable, int] = {}
-        codes = np.array([index.setdefault(i, len(index)) for i in prompt_ids])
-        order = np.argsort(codes, kind="stable")  # items sorted by prompt: the fit sums prompt terms by segments
-        p, d, weights, prompt = p[order], d[order], np.asarray(weights, dtype=float)[:, order], codes[order]
-    else:
-        prompt = None
-        weights = np.asarray(weights, dtype=float)
-
-    # support of zero length difference
-    shorter, longer = float(np.mean(d <= 0)), float(np.mean(d >= 0))
-    supported = min(shorter, longer) >= LC_MIN_SIDE_SHARE
-    reason = (
-        ""
-        if supported
-        else f"zero length difference is outside the data: the policy's answer is longer in {longer:.0%} and "
-        f"shorter in {shorter:.0%} of pairs (support needs at least {LC_MIN_SIDE_SHARE:.0%} each side)"
-    )
+    p, d, weights, prompt = _grouped_by_prompt(p, d, np.asarray(weights, dtype=float), prompt_ids)
+    supported, reason = _zero_difference_supported(d)
 
     # the fit on the full data: strength by cross-validation, then the same Newton solver as the resamples
     x = _length_feature(d, np.ones((1, n)))

@@ -1,10 +1,11 @@
 """PPO checkpoints: everything a killed run needs to resume as if it never stopped (trainable weights, the optimiser,
 every random stream, the KL controller, the score statistics, the prompt queue and the history), written atomically
-and durably, and read back (the newest readable of the last two). A mixin of rlhflow.ppo.trainer.PPOTrainer, whose
-attributes it reads and restores."""
+and durably, and read back (the newest readable of the last two); and the final policy with its value model
+(`save`). A mixin of rlhflow.ppo.trainer.PPOTrainer, whose attributes it reads and restores."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import uuid
@@ -14,7 +15,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from rlhflow.config.params import REPO_ROOT
 from rlhflow.fsutil import ForeignPathError, fsync_dir, fsync_tree, is_made, mark_made, remove_made
+from rlhflow.models.loading import is_peft, save_plain
+from rlhflow.models.policy import Critic
 
 CHECKPOINT_PREFIX = "step-"
 KEPT_CHECKPOINTS = 2  # the newest and the one before it, to fall back to
@@ -29,6 +33,12 @@ RESUMABLE_SETTINGS = {
     "gradient_checkpointing",
     "micro_batch_size",
 }
+
+
+def repo_path(path: str | os.PathLike) -> Path:
+    """Relative paths are relative to the repository root, as everywhere in params.yaml."""
+    p = Path(os.path.expanduser(str(path)))
+    return p if p.is_absolute() else REPO_ROOT / p
 
 
 class Checkpoints:
@@ -101,7 +111,7 @@ class Checkpoints:
         With several processes the main process alone reads the checkpoint and sends it to the others (weights by
         broadcast, the rest as one pickled object), so ranks on machines that do not share the checkpoint
         directory resume from the main process's state, never from their own."""
-        from rlhflow import distributed
+        from rlhflow.training import distributed
 
         state = self._read_checkpoint(path) if distributed.is_main_process() else None
         if distributed.world_size() > 1:  # all but the weights, which follow as tensors
@@ -169,3 +179,25 @@ class Checkpoints:
         if changed:  # once the checkpoint has been read whole: a damaged one is skipped without this warning
             warnings.warn(f"resuming from {path} with changed PPO settings: {', '.join(changed)}", stacklevel=3)
         return state
+
+    # ---- saving ------------------------------------------------------------------------------------
+
+    def _value_state(self) -> dict[str, torch.Tensor]:
+        module = self.model.value_module()
+        if isinstance(module, Critic) and is_peft(module.backbone):
+            module = copy.deepcopy(module)
+            module.backbone = module.backbone.merge_and_unload()
+        return {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+
+    def save(self, out_dir: str | os.PathLike | None = None) -> Path:
+        """The policy as a plain model dir (LoRA merged) in out_dir (default cfg.out_dir), plus
+        `value_head.safetensors` (the value head, or with value_model=separate the whole critic: backbone.*, head.*)."""
+        out = repo_path(out_dir if out_dir is not None else self.cfg.out_dir)
+        policy = self.policy
+        if is_peft(policy):
+            policy = copy.deepcopy(policy).merge_and_unload()
+        save_plain(policy, self.tokenizer, out)
+        save_file(
+            self._value_state(), str(out / "value_head.safetensors"), metadata={"value_model": self.cfg.value_model}
+        )
+        return out

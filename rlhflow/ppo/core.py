@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 # the per-token KL estimators live with the other logit math (evaluation measures KL too); PPO uses them from here
-from rlhflow.logits import kl_per_token as kl_per_token
+from rlhflow.models.logits import kl_per_token as kl_per_token
 
 # ---- masked statistics ---------------------------------------------------------------------------
 
@@ -32,7 +32,7 @@ def masked_mean(
     sum_across: SumAcross | None = None,
 ) -> torch.Tensor:
     """Mean of x over the positions where mask is 1 (over all of them, or along `dim`). `sum_across` sums a
-    tensor over data-parallel processes (rlhflow.distributed.sum_across), making the mean one over the global
+    tensor over data-parallel processes (rlhflow.training.distributed.sum_across), making the mean one over the global
     batch; None: this process's tensors only."""
     mask = mask.to(x.dtype)
     if dim is None:

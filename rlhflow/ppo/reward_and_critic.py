@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from rlhflow.config import Config
-from rlhflow.models import autocast, linear_weights_to
-from rlhflow.policy import Critic
-from rlhflow.reward_functions import load_reward_fn
-from rlhflow.reward_model import RewardModel
+from rlhflow.config.params import Config
+from rlhflow.models.loading import autocast, linear_weights_to
+from rlhflow.models.policy import Critic
+from rlhflow.ppo.reward_functions import load_reward_fn
+from rlhflow.training.reward_model import RewardModel
 
 
 def load_reward_source(cfg: Config, device):

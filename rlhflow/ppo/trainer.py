@@ -1,41 +1,9 @@
-"""The PPO engine: rollout, advantages, clipped updates, KL control, checkpoints.
+"""The PPO engine (`PPOTrainer`): rollout, advantages, clipped updates, KL control, checkpoints.
 
-One update (`PPOTrainer.update`):
-  1. rollout, no gradients: draw `batch_size` prompts, sample responses (temperature, top-k/p, EOS and stop
-     strings); old log-probs, entropy and shared-head values from the sampling pass's logits and hidden states
-     (`rollout_logprobs`; or a forward pass of their own), a separate critic's forward pass, and a forward pass
-     for the reference log-probs (a frozen copy, or with LoRA the same model with the adapter disabled);
-  2. score the decoded texts, subtract the missing-EOS penalty, normalise the scores (whiten: this batch's
-     statistics; running: all scores so far; sft: fixed statistics of the SFT policy's scores, sampled before the
-     first update);
-  3. per-token rewards r_t = -beta * kl_t (+ score on the last token), GAE, whitened advantages;
-  4. `ppo_epochs` passes over shuffled minibatches: clipped policy loss + vf_coef * clipped value loss
-     - entropy_coef * entropy, gradient clipping, AdamW at this update's learning rate (constant or linear decay);
-     with `micro_batch_size`, each minibatch's gradient is accumulated over micro-batches;
-  5. update the KL coefficient, log the stats, checkpoint every `checkpoint_every` updates.
-All models run without dropout (eval mode; train mode only for gradient checkpointing, which needs it).
-
-Precision (`precision`, resolved by rlhflow.models.resolve_precision): bf16 runs the forward passes under autocast,
-with fp32 master weights and fp32 AdamW state; the frozen reference and the copy rollouts sample from (refreshed
-before each rollout) hold their linear weights in bf16, what autocast would cast them to; log-probs, KL, values,
-advantages and losses are fp32, and `fp32_lm_head` makes the logits of all three fp32 too (output_layer_in_fp32).
-The rollout's old log-probs come from training's forward pass on the same rows in the same order (the first epoch's
-minibatches and micro-batches), so the first minibatch's ratio pi / pi_old starts at 1 in either precision.
-
-Stats passed to log_fn(stats, update) after every update (means over the global batch when several processes
-share it; the time/ entries are the main process's):
-  ppo/score_mean, ppo/score_std   raw scores from score_fn (before the EOS penalty and normalisation)
-  ppo/reward_total_mean           mean over responses of sum_t r_t (penalised, normalised score + KL penalty)
-  ppo/kl, ppo/kl_coef             mean over responses of summed per-token KL (configured estimator); beta used
-  ppo/entropy                     mean per-token entropy of the sampling policy (logits / temperature)
-  ppo/policy_loss, ppo/value_loss, ppo/clipfrac, ppo/value_clipfrac, ppo/approxkl   means over minibatches
-  ppo/returns_mean, ppo/advantages_mean   token means (advantages before whitening)
-  ppo/explained_variance          1 - Var(returns - values) / Var(returns) over the rollout's tokens
-  ppo/response_length, ppo/eos_fraction, ppo/lr
-  ppo/reward_norm_mean, ppo/reward_norm_std   with reward_normalization=sft: the fixed SFT score statistics
-  ppo/responses                   responses in the update over all processes (the global batch)
-  time/generation_s (sampling), time/forward_s (old/ref log-probs and values), time/scoring_s (score_fn),
-  time/training_s (the PPO epochs)
+One update: sample a batch and measure it (`_collect`), turn scores and the KL to the reference into per-token
+rewards, advantages and returns (`_rollout`), `ppo_epochs` passes of clipped updates over shuffled minibatches
+(`_optimize`), then the KL coefficient, the logged statistics and a checkpoint (`update`). The math, every option,
+precision and the logged statistics: docs/ppo.md.
 """
 
 from __future__ import annotations
@@ -46,15 +14,14 @@ import random
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from rlhflow import distributed
-from rlhflow.config import REPO_ROOT, PPOConfig
-from rlhflow.models import (
+from rlhflow.config.params import PPOConfig
+from rlhflow.models.generation import GenerationOutput, generate
+from rlhflow.models.loading import (
     add_lora,
     checkpoint_activations,
     copy_weights_into,
@@ -64,11 +31,11 @@ from rlhflow.models import (
     linear_weights_to,
     output_layer_in_fp32,
     resolve_precision,
-    save_plain,
 )
-from rlhflow.policy import Critic, PolicyAndValue, encode_prompts, generate, sequence_logprobs
+from rlhflow.models.policy import Critic, PolicyAndValue, encode_prompts, sequence_logprobs
 from rlhflow.ppo import core
-from rlhflow.ppo.checkpoints import Checkpoints
+from rlhflow.ppo.checkpoints import Checkpoints, repo_path
+from rlhflow.training import distributed
 
 ScoreFn = Callable[[list, list[str]], "torch.Tensor | Sequence[float]"]
 # sampling seeds of the reward-normalisation samples: a stream apart from the updates' (1, 2, ...)
@@ -83,10 +50,22 @@ class NonFiniteError(RuntimeError):
         self.quantity, self.update = quantity, update
 
 
-def _resolve(path: str | os.PathLike) -> Path:
-    """Relative paths are relative to the repository root, as everywhere in params.yaml."""
-    p = Path(os.path.expanduser(str(path)))
-    return p if p.is_absolute() else REPO_ROOT / p
+@dataclass
+class Experience:
+    """One rollout before rewards: what was sampled (`gen`, with its response mask and the first epoch's row order)
+    and measured on it (old log-probs, values and entropy; the reference's log-probs; this process's raw scores and
+    the global batch's), with the phases' timings."""
+
+    gen: GenerationOutput
+    mask: torch.Tensor
+    order: torch.Tensor
+    old_logprobs: torch.Tensor
+    old_values: torch.Tensor
+    entropy: torch.Tensor
+    ref_logprobs: torch.Tensor
+    raw_scores: torch.Tensor
+    all_raw_scores: torch.Tensor
+    timings: dict[str, float]
 
 
 class PPOTrainer(Checkpoints):
@@ -108,23 +87,12 @@ class PPOTrainer(Checkpoints):
         """checkpoint_dir overrides cfg.checkpoint_dir (relative paths are relative to the repository root).
         critic: the value model when cfg.value_model is "separate" (e.g. `Critic.from_reward_model`); default: a
         copy of the policy's backbone with a zero value head."""
-        if not prompts:
-            raise ValueError("PPOTrainer needs at least one prompt")
-        if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-            raise ValueError("the tokenizer needs a pad token distinct from EOS (see rlhflow.models.prepare_tokenizer)")
-        if cfg.top_k > 0 or cfg.top_p < 1:
-            # generate samples from the truncated distribution, the log-probs are of the full one
-            warnings.warn(
-                f"ppo.top_k={cfg.top_k}, ppo.top_p={cfg.top_p}: sampling is truncated, but PPO's ratios and KL use the "
-                "full softmax(logits / temperature), so the rollouts are off-policy for them; use top_k=0, top_p=1.0 "
-                "for on-policy PPO",
-                stacklevel=2,
-            )
+        self._check_settings(cfg, tokenizer, prompts)
         self.cfg, self.tokenizer, self.score_fn, self.log_fn = cfg, tokenizer, score_fn, log_fn
         self.prompts = list(prompts)
         self.device = torch.device(device)
         self.seed = seed
-        self.checkpoint_dir = _resolve(checkpoint_dir if checkpoint_dir is not None else cfg.checkpoint_dir)
+        self.checkpoint_dir = repo_path(checkpoint_dir if checkpoint_dir is not None else cfg.checkpoint_dir)
         self.dtype = resolve_precision(cfg.precision, self.device)  # what the forward passes' matmuls run in
         mixed = self.dtype != torch.float32
         if mixed and cfg.rollout_logprobs == "generation":
@@ -134,6 +102,52 @@ class PPOTrainer(Checkpoints):
                 "be 1; use rollout_logprobs=forward (or auto)"
             )
 
+        policy = self._build_models(policy, ref_policy, critic)
+        self._shard_batches()
+        self.sum_across = distributed.sum_across if self.world_size > 1 else None
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # float32 decoding matches a full forward pass up to rounding; in bf16 or with TF32 matmuls they differ more
+        exact_fp32 = not mixed and next(policy.parameters()).dtype == torch.float32 and fp32_matmuls_exact(self.device)
+        self.logprobs_from_generation = cfg.rollout_logprobs == "generation" or (
+            cfg.rollout_logprobs == "auto" and exact_fp32
+        )
+        self._build_optimizer()
+        if cfg.adaptive_kl.enabled:
+            self.kl_ctl = core.AdaptiveKLController(cfg.kl_coef, cfg.adaptive_kl.target, cfg.adaptive_kl.horizon)
+        else:
+            self.kl_ctl = core.FixedKLController(cfg.kl_coef)
+        self.running_scores = core.RunningMoments()
+        self.sft_scores = core.RunningMoments()  # reward_normalization=sft: filled once, before the first update
+
+        self.step = 0  # updates done
+        self.history: list[dict[str, float]] = []
+        self.py_rng = random.Random(seed)  # prompt order
+        self.generator = torch.Generator().manual_seed(seed)  # minibatch shuffles
+        self._prompt_queue: list[int] = []  # what is left of the current shuffled pass over the prompts
+
+    def _check_settings(self, cfg: PPOConfig, tokenizer, prompts: Sequence[list[dict]]):
+        """Settings that cannot train, refused before any model is touched; truncated sampling warned of."""
+        if not prompts:
+            raise ValueError("PPOTrainer needs at least one prompt")
+        if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+            raise ValueError(
+                "the tokenizer needs a pad token distinct from EOS (see rlhflow.models.loading.prepare_tokenizer)"
+            )
+        if cfg.top_k > 0 or cfg.top_p < 1:
+            # generate samples from the truncated distribution, the log-probs are of the full one
+            warnings.warn(
+                f"ppo.top_k={cfg.top_k}, ppo.top_p={cfg.top_p}: sampling is truncated, but PPO's ratios and KL use the "
+                "full softmax(logits / temperature), so the rollouts are off-policy for them; use top_k=0, top_p=1.0 "
+                "for on-policy PPO",
+                stacklevel=3,
+            )
+
+    def _build_models(
+        self, policy: torch.nn.Module, ref_policy: torch.nn.Module | None, critic: Critic | None
+    ) -> torch.nn.Module:
+        """The policy with its value model (`self.model`), the frozen reference and, in bf16, the sampling copy;
+        returns the policy as trained (LoRA-wrapped where enabled)."""
+        cfg, mixed = self.cfg, self.dtype != torch.float32
         policy = disable_dropout(policy).to(self.device)
         if mixed:
             policy = policy.float()  # the fp32 master weights autocast reads
@@ -150,12 +164,12 @@ class PPOTrainer(Checkpoints):
             if mixed:
                 critic = critic.float()
         if cfg.lora.enabled:
-            policy = add_lora(policy, self.cfg.lora, seed=self.seed)
+            policy = add_lora(policy, cfg.lora, seed=self.seed)
             if critic is not None:
-                critic.backbone = add_lora(critic.backbone, self.cfg.lora, seed=self.seed)
+                critic.backbone = add_lora(critic.backbone, cfg.lora, seed=self.seed)
             if cfg.lora.dropout > 0:
                 warnings.warn(
-                    "ppo.lora.dropout > 0 is inactive: PPO runs every model in eval mode (no dropout)", stacklevel=2
+                    "ppo.lora.dropout > 0 is inactive: PPO runs every model in eval mode (no dropout)", stacklevel=3
                 )
         # the reference: given, or with LoRA the adapter-free base (no copy), else a frozen copy of the start policy;
         # in bf16 its linear weights are held in bf16, the values autocast computes with anyway
@@ -180,9 +194,13 @@ class PPOTrainer(Checkpoints):
             checkpoint_activations(policy)
             if critic is not None:
                 checkpoint_activations(critic.backbone)
-        # Data parallelism (a no-op in one process): every process starts from rank 0's weights, takes its shard
-        # of each global batch (ppo.batch_size and ppo.mini_batch_size are global), and sums its gradients and
-        # statistics with the others', so an update is the one a single process would make on the global batch.
+        return policy
+
+    def _shard_batches(self):
+        """Data parallelism (a no-op in one process): every process starts from rank 0's weights, takes its shard
+        of each global batch (ppo.batch_size and ppo.mini_batch_size are global), and sums its gradients and
+        statistics with the others', so an update is the one a single process would make on the global batch."""
+        cfg = self.cfg
         distributed.broadcast_parameters(self.model)
         self.rank, self.world_size = distributed.rank(), distributed.world_size()
         self.local_batch_size = distributed.shard_size(cfg.batch_size, "ppo.batch_size")
@@ -194,13 +212,10 @@ class PPOTrainer(Checkpoints):
                 f"ppo.micro_batch_size ({cfg.micro_batch_size}) must divide ppo.mini_batch_size "
                 f"({cfg.mini_batch_size}{share}): a minibatch's gradient is accumulated over whole micro-batches"
             )
-        self.sum_across = distributed.sum_across if self.world_size > 1 else None
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        # float32 decoding matches a full forward pass up to rounding; in bf16 or with TF32 matmuls they differ more
-        exact_fp32 = not mixed and next(policy.parameters()).dtype == torch.float32 and fp32_matmuls_exact(self.device)
-        self.logprobs_from_generation = cfg.rollout_logprobs == "generation" or (
-            cfg.rollout_logprobs == "auto" and exact_fp32
-        )
+
+    def _build_optimizer(self):
+        """AdamW over the policy's and the value model's trainable parameters."""
+        cfg = self.cfg
         # the fused kernel: one pass over each tensor instead of a dozen (same update rule; ~1.8x faster on CPU)
         fused = self.device.type in ("cpu", "cuda") and all(p.is_floating_point() for p in self.params)
         # two groups: the value model may learn at its own rate (ppo.value_learning_rate); equal rates, one update rule
@@ -218,18 +233,6 @@ class PPOTrainer(Checkpoints):
             weight_decay=cfg.weight_decay,
             fused=fused or None,
         )
-        if cfg.adaptive_kl.enabled:
-            self.kl_ctl = core.AdaptiveKLController(cfg.kl_coef, cfg.adaptive_kl.target, cfg.adaptive_kl.horizon)
-        else:
-            self.kl_ctl = core.FixedKLController(cfg.kl_coef)
-        self.running_scores = core.RunningMoments()
-        self.sft_scores = core.RunningMoments()  # reward_normalization=sft: filled once, before the first update
-
-        self.step = 0  # updates done
-        self.history: list[dict[str, float]] = []
-        self.py_rng = random.Random(seed)  # prompt order
-        self.generator = torch.Generator().manual_seed(seed)  # minibatch shuffles
-        self._prompt_queue: list[int] = []  # what is left of the current shuffled pass over the prompts
 
     @property
     def policy(self) -> torch.nn.Module:
@@ -303,10 +306,38 @@ class PPOTrainer(Checkpoints):
 
     @torch.no_grad()
     def _rollout(self, update: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        cfg, dev = self.cfg, self.device
-        idx = self._next_prompts()
-        messages = [self.prompts[i] for i in idx]
+        """One batch of experience: sample and score (`_collect`), then the per-token rewards r_t = score at the last
+        token - beta * KL_t, and GAE's advantages and returns (docs/ppo.md, Rollout)."""
+        cfg = self.cfg
+        x = self._collect(update)
+        scores = self._normalised(core.penalize_missing_eos(x.raw_scores, x.gen.ended, cfg.missing_eos_penalty))
+        kl = core.kl_per_token(x.old_logprobs, x.ref_logprobs, cfg.kl_estimator) * x.mask
+        if self._on_any_process(~torch.isfinite(kl).all()):
+            raise NonFiniteError("KL", update)
+        kl_coef = self.kl_ctl.value
+        rewards = core.per_token_rewards(scores, kl, kl_coef, x.mask)
+        advantages, returns = core.gae(rewards, x.old_values, x.mask, cfg.gamma, cfg.lam)
+        stats = self._rollout_stats(x, rewards, kl, kl_coef, advantages, returns)
+        if cfg.whiten_advantages:
+            advantages = core.masked_whiten(advantages, x.mask, sum_across=self.sum_across)
+        batch = dict(
+            query_response=x.gen.query_response,
+            attention_mask=x.gen.attention_mask,
+            mask=x.mask,
+            logprobs=x.old_logprobs,
+            values=x.old_values,
+            advantages=advantages,
+            returns=returns,
+            order=x.order,
+        )
+        batch["context_length"] = x.gen.context_length
+        return batch, stats
 
+    def _collect(self, update: int) -> Experience:
+        """Sample this process's share of the batch, then the old log-probs, values and entropy, the reference's
+        log-probs and the raw scores; a non-finite score stops the run."""
+        cfg, dev = self.cfg, self.device
+        messages = [self.prompts[i] for i in self._next_prompts()]
         t0 = time.perf_counter()
         shared = cfg.value_model == "shared"
         gen = self._sample(
@@ -318,7 +349,6 @@ class PPOTrainer(Checkpoints):
         t1 = time.perf_counter()
         qr, am, ctx = gen.query_response, gen.attention_mask, gen.context_length
         B, T = gen.response.shape
-        mask = gen.response_mask.float()
         # the first epoch's minibatch order, drawn now: the forward passes below run on its micro-batches
         order = torch.randperm(B, generator=self.generator).to(dev)
         groups = self._micro_batches(order)
@@ -336,72 +366,69 @@ class PPOTrainer(Checkpoints):
             )
         (ref_logprobs,) = self._in_chunks(self._ref_logprobs, qr, am, ctx, T, groups)
         t2 = time.perf_counter()
-
-        raw_scores = self.score_fn(messages, gen.texts)
-        raw_scores = torch.as_tensor(raw_scores, dtype=torch.float32).to(dev).flatten()
+        raw_scores = torch.as_tensor(self.score_fn(messages, gen.texts), dtype=torch.float32).to(dev).flatten()
         t3 = time.perf_counter()
         if raw_scores.shape[0] != len(messages):
             raise ValueError(f"score_fn returned {raw_scores.shape[0]} scores for {len(messages)} responses")
         all_raw_scores = distributed.gather(raw_scores)  # the global batch's scores, for global statistics
         if not torch.isfinite(all_raw_scores).all():
             raise NonFiniteError("score", update)
+        timings = {"time/generation_s": t1 - t0, "time/forward_s": t2 - t1, "time/scoring_s": t3 - t2}
+        return Experience(
+            gen=gen,
+            mask=gen.response_mask.float(),
+            order=order,
+            old_logprobs=old_logprobs,
+            old_values=old_values,
+            entropy=entropy,
+            ref_logprobs=ref_logprobs,
+            raw_scores=raw_scores,
+            all_raw_scores=all_raw_scores,
+            timings=timings,
+        )
 
-        scores = core.penalize_missing_eos(raw_scores, gen.ended, cfg.missing_eos_penalty)
-        if cfg.reward_normalization == "whiten":
-            scores = core.masked_whiten(scores, torch.ones_like(scores), sum_across=self.sum_across)
-        elif cfg.reward_normalization == "running":
+    def _normalised(self, scores: torch.Tensor) -> torch.Tensor:
+        """The scores as `reward_normalization` sets them: whitened over the batch, by running moments, by the SFT
+        policy's score moments (fitted once, before the first update), or as they are."""
+        norm = self.cfg.reward_normalization
+        if norm == "whiten":
+            return core.masked_whiten(scores, torch.ones_like(scores), sum_across=self.sum_across)
+        if norm == "running":
             self.running_scores.update(distributed.gather(scores))
-            scores = self.running_scores.normalize(scores)
-        elif cfg.reward_normalization == "sft":
-            scores = self.sft_scores.normalize(scores)  # (score - mean_sft) / std_sft, the same for the whole run
+            return self.running_scores.normalize(scores)
+        if norm == "sft":
+            return self.sft_scores.normalize(scores)  # (score - mean_sft) / std_sft, the same for the whole run
+        return scores
 
-        kl = core.kl_per_token(old_logprobs, ref_logprobs, cfg.kl_estimator) * mask
-        if self._on_any_process(~torch.isfinite(kl).all()):
-            raise NonFiniteError("KL", update)
-        kl_coef = self.kl_ctl.value
-        rewards = core.per_token_rewards(scores, kl, kl_coef, mask)
-        advantages, returns = core.gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
+    def _rollout_stats(self, x: Experience, rewards, kl, kl_coef: float, advantages, returns) -> dict[str, float]:
+        """The rollout's logged statistics, over the global batch."""
+        mask = x.mask
 
-        def token_mean(x: torch.Tensor) -> float:  # over all response tokens of the global batch
-            return core.masked_mean(x, mask, sum_across=self.sum_across).item()
+        def token_mean(v: torch.Tensor) -> float:  # over all response tokens of the global batch
+            return core.masked_mean(v, mask, sum_across=self.sum_across).item()
 
-        def response_mean(x: torch.Tensor) -> float:  # over all responses of the global batch
-            return core.masked_mean(x.float(), torch.ones_like(x, dtype=torch.float), sum_across=self.sum_across).item()
+        def response_mean(v: torch.Tensor) -> float:  # over all responses of the global batch
+            return core.masked_mean(v.float(), torch.ones_like(v, dtype=torch.float), sum_across=self.sum_across).item()
 
         stats = {
-            "ppo/score_mean": all_raw_scores.mean().item(),
-            "ppo/score_std": all_raw_scores.std(correction=0).item(),
+            "ppo/score_mean": x.all_raw_scores.mean().item(),
+            "ppo/score_std": x.all_raw_scores.std(correction=0).item(),
             "ppo/reward_total_mean": response_mean(rewards.sum(1)),
             "ppo/kl": response_mean(kl.sum(1)),
             "ppo/kl_coef": kl_coef,
-            "ppo/entropy": token_mean(entropy),
+            "ppo/entropy": token_mean(x.entropy),
             "ppo/returns_mean": token_mean(returns),
             "ppo/advantages_mean": token_mean(advantages),  # before whitening
             # the rollout's values against the returns they are trained towards, before this update's epochs
-            "ppo/explained_variance": float(core.explained_variance(old_values, returns, mask, self.sum_across)),
+            "ppo/explained_variance": float(core.explained_variance(x.old_values, returns, mask, self.sum_across)),
             "ppo/response_length": response_mean(mask.sum(1)),
-            "ppo/eos_fraction": response_mean(gen.ended),
-            "ppo/responses": float(all_raw_scores.numel()),  # the global batch: responses over all processes
-            "time/generation_s": t1 - t0,
-            "time/forward_s": t2 - t1,
-            "time/scoring_s": t3 - t2,
+            "ppo/eos_fraction": response_mean(x.gen.ended),
+            "ppo/responses": float(x.all_raw_scores.numel()),  # the global batch: responses over all processes
+            **x.timings,
         }
-        if cfg.reward_normalization == "sft":
+        if self.cfg.reward_normalization == "sft":
             stats.update({"ppo/reward_norm_mean": self.sft_scores.mean, "ppo/reward_norm_std": self.sft_scores.std})
-        if cfg.whiten_advantages:
-            advantages = core.masked_whiten(advantages, mask, sum_across=self.sum_across)
-        batch = dict(
-            query_response=qr,
-            attention_mask=am,
-            mask=mask,
-            logprobs=old_logprobs,
-            values=old_values,
-            advantages=advantages,
-            returns=returns,
-            order=order,
-        )
-        batch["context_length"] = ctx
-        return batch, stats
+        return stats
 
     @torch.no_grad()
     def _fit_sft_scores(self) -> None:
@@ -545,28 +572,6 @@ class PPOTrainer(Checkpoints):
         finally:
             bar.close()
         return self.history
-
-    # ---- saving ------------------------------------------------------------------------------------
-
-    def _value_state(self) -> dict[str, torch.Tensor]:
-        module = self.model.value_module()
-        if isinstance(module, Critic) and is_peft(module.backbone):
-            module = copy.deepcopy(module)
-            module.backbone = module.backbone.merge_and_unload()
-        return {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
-
-    def save(self, out_dir: str | os.PathLike | None = None) -> Path:
-        """The policy as a plain model dir (LoRA merged) in out_dir (default cfg.out_dir), plus
-        `value_head.safetensors` (the value head, or with value_model=separate the whole critic: backbone.*, head.*)."""
-        out = _resolve(out_dir if out_dir is not None else self.cfg.out_dir)
-        policy = self.policy
-        if is_peft(policy):
-            policy = copy.deepcopy(policy).merge_and_unload()
-        save_plain(policy, self.tokenizer, out)
-        save_file(
-            self._value_state(), str(out / "value_head.safetensors"), metadata={"value_model": self.cfg.value_model}
-        )
-        return out
 
 
 __all__ = ["NonFiniteError", "PPOTrainer"]

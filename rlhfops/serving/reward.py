@@ -22,7 +22,7 @@ class RewardPyfunc(mlflow.pyfunc.PythonModel):
     INPUT_EXAMPLE = pd.DataFrame({"prompt": [EXAMPLE_PROMPT], "response": [EXAMPLE_RESPONSE]})
 
     def load_context(self, context):
-        from rlhflow.reward_model import RewardModel
+        from rlhflow.training.reward_model import RewardModel
 
         self.rm = RewardModel.load(context.artifacts["model_dir"])
 

@@ -1,4 +1,4 @@
-"""Where outputs and checkpoints may go: checked when the config loads (rlhflow.config.Config), before any stage
+"""Where outputs and checkpoints may go: checked when the config loads (rlhflow.config.params.Config), before any stage
 runs. A stage replaces its output directory whole and deletes its checkpoint directory when done, so a setting
 that points one at the repository root, a directory above it, the home directory, the data the repository ships
 or another stage's output would cost files the pipeline did not write."""
@@ -90,7 +90,7 @@ def check_output_paths(values: dict[str, Any], resolve: Callable[[str], Path], r
     repository (the workspace, and the project around a DVC experiment's temporary copy) or a directory above it,
     the home directory or one above it, a path holding shipped files, or the path of another such setting (the same,
     or one inside the other). `values`: the config as params.yaml holds it; `resolve`: Config.path; `repo_roots`:
-    the workspace and the project it belongs to (rlhflow.config.project_root)."""
+    the workspace and the project it belongs to (rlhflow.config.params.project_root)."""
     repo_roots = list(dict.fromkeys(p.resolve() for p in repo_roots))
     home = Path(os.path.expanduser("~")).resolve()
     resolved: dict[str, Path] = {}

@@ -19,16 +19,16 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
-from rlhflow.align_config import AlignConfig
-from rlhflow.config_help import params_epilog
-from rlhflow.config_section import Section, inherit, inherited_keys, without_inherited
-from rlhflow.evaluate_config import EvaluateConfig
-from rlhflow.lora_config import LoraConfig, LoraSettings
-from rlhflow.output_paths import check_output_paths
-from rlhflow.ppo_config import PPOConfig
+from rlhflow.config.align import AlignConfig
+from rlhflow.config.evaluate import EvaluateConfig
+from rlhflow.config.help import params_epilog
+from rlhflow.config.lora import LoraConfig, LoraSettings
+from rlhflow.config.output_paths import check_output_paths
+from rlhflow.config.ppo import PPOConfig
+from rlhflow.config.section import Section, inherit, inherited_keys, without_inherited
 from rlhflow.redaction import redact_urls
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PARAMS = REPO_ROOT / "params.yaml"
 # Where DVC runs experiments in temporary copies of the repository (`dvc exp run --temp`, queued experiments).
 DVC_EXPERIMENT_WORKSPACES = (".dvc", "tmp", "exps")
@@ -414,7 +414,7 @@ class Config(Section):
     @model_validator(mode="after")
     def _outputs_destroy_nothing_else(self) -> Config:
         """No output or checkpoint setting points at the repository, a directory above it or the home directory,
-        the shipped data, or another such setting's path (rlhflow/output_paths.py)."""
+        the shipped data, or another such setting's path (rlhflow/config/output_paths.py)."""
         check_output_paths(self.model_dump(by_alias=True), self.path, [REPO_ROOT, project_root(REPO_ROOT)])
         return self
 
@@ -525,7 +525,7 @@ def parse_config_args(
     parser = argparse.ArgumentParser(
         description=description,
         parents=list(parents),
-        epilog=params_epilog(),
+        epilog=params_epilog(lambda: load_config(None, []).to_params()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--params", default=None, help="params file (default: the repo's params.yaml)")
@@ -543,7 +543,7 @@ def parse_config_args(
 def write_params(cfg: Config, path: str | os.PathLike) -> None:
     header = (
         "# Every hyperparameter of the pipeline, one section per stage. Types, bounds and descriptions:\n"
-        "# rlhflow/config.py and the *_config.py beside it. Override one value for a run: --set section.key=value\n"
+        "# rlhflow/config/params.py and its sections' modules. Override one value for a run: --set section.key=value\n"
         "# judge takes each reward_model key it does not set, except out_dir and checkpoint_dir; sft.lora and\n"
         "# ppo.lora take each lora key they do not set.\n"
     )

@@ -1,6 +1,6 @@
 """Per-token quantities from a language model's logits, as pure tensor functions: the log-probability of the
 chosen token, the entropy of the distribution, and the per-token KL estimate between two models' log-probabilities.
-rlhflow/policy.py computes them for the policy and the reference; they import nothing of the project, so policy,
+rlhflow/models/policy.py computes them for the policy and the reference; they import nothing of the project, so policy,
 PPO and evaluation code can all use them without a cycle (and without loading one another)."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ A spec naming an existing file or directory is local, whatever it looks like. A 
 like a path (it starts with `.`, `/` or `~`, ends in a data or model file suffix, or has more than two
 `/`-separated parts) is a missing local path: an error here, never a Hub download. Anything else
 (`Anthropic/hh-rlhf`, `HuggingFaceTB/SmolLM2-135M-Instruct`) is a Hub id. Nothing here reads the network or a
-package: the callers load what is resolved (rlhflow/models.py for models, rlhflow/data/readers.py for data).
+package: the callers load what is resolved (rlhflow/models/loading.py for models, rlhflow/data/readers.py for data).
 """
 
 from __future__ import annotations

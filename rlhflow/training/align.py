@@ -4,19 +4,21 @@
 
 - GRPO and RLOO (trl's GRPOTrainer, RLOOTrainer) sample `num_generations` completions of each train-split prompt
   and optimise PPO's reward source: `ProxyReward` scores the decoded prompt and completion text with the proxy
-  reward model's normalised score (`rlhflow.reward_model.RewardModel.score`, its own tokenizer) or `ppo.reward_fn`,
-  minus `ppo.missing_eos_penalty` for completions that never ended, as PPO scores its rollouts. Sampling is PPO's:
-  prompts chat-templated and cut to their last `ppo.max_prompt_length` tokens (`PPOPrompts`), `ppo.temperature`,
-  `top_k`, `top_p`, `max_new_tokens`, EOS and single-token stop strings, the model's own generation defaults off.
+  reward model's normalised score (`rlhflow.training.reward_model.RewardModel.score`, its own tokenizer) or
+  `ppo.reward_fn`, minus `ppo.missing_eos_penalty` for completions that never ended, as PPO scores its rollouts.
+  Sampling is PPO's: prompts chat-templated and cut to their last `ppo.max_prompt_length` tokens (`PPOPrompts`),
+  `ppo.temperature`, `top_k`, `top_p`, `max_new_tokens`, EOS and single-token stop strings, the model's own
+  generation defaults off.
 - DPO (trl's DPOTrainer) trains on the train split's preference pairs with the SFT model as the frozen reference;
   prompts are cut as for sampling, responses to `align.dpo.max_response_length` tokens (`truncating_collator`).
 
-All three train with Trainer checkpoints in `ppo.checkpoint_dir` and resume after a kill (rlhflow/hf_trainer.py);
-every logged statistic goes to `log_fn` as `align/<name>` at its step (`align_metrics`); fp32 on CPUs."""
+All three train with Trainer checkpoints in `ppo.checkpoint_dir` and resume after a kill
+(rlhflow/training/hf_trainer.py); every logged statistic goes to `log_fn` as `align/<name>` at its step
+(`align_metrics`); fp32 on CPUs."""
 
 from __future__ import annotations
 
-# trl, datasets and pandas are imported by the functions that need them: `import rlhflow.align` stays light.
+# trl, datasets and pandas are imported by the functions that need them: `import rlhflow.training.align` stays light.
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -25,11 +27,12 @@ from typing import Any
 
 import torch
 
-from rlhflow import distributed
-from rlhflow.config import Config
-from rlhflow.hf_trainer import checkpoint_args, train_resuming
-from rlhflow.models import trainer_bf16
-from rlhflow.policy import prompt_ids, prompt_text, stop_token_ids
+from rlhflow.config.params import Config
+from rlhflow.models.generation import stop_token_ids
+from rlhflow.models.loading import trainer_bf16
+from rlhflow.models.policy import prompt_ids, prompt_text
+from rlhflow.training import distributed
+from rlhflow.training.hf_trainer import checkpoint_args, train_resuming
 
 LogFn = Callable[[dict, int], None]  # (metrics, step)
 PREFIX = "align/"
@@ -181,7 +184,8 @@ class ProxyReward:
 
 class PPOPrompts:
     """Mixed into trl's GRPOTrainer / RLOOTrainer: prompts are tokenised as PPO tokenises them
-    (`rlhflow.policy.prompt_ids`), left-truncated to `max_prompt_length` (trl 1.16 has no prompt length limit)."""
+    (`rlhflow.models.policy.prompt_ids`), left-truncated to `max_prompt_length` (trl 1.16 has no prompt length
+    limit)."""
 
     max_prompt_length: int = 192
 
@@ -250,12 +254,11 @@ def truncating_collator(pad_token_id: int, max_prompt_length: int, max_response_
 # ---- trainer arguments ---------------------------------------------------------------------------
 
 
-def trainer_args(cfg: Config, device: torch.device, work_dir: str | Path):
-    """The GRPOConfig, RLOOConfig or DPOConfig of `align.algorithm`: the align section's shared settings and the
-    algorithm's own, PPO's sampling settings, fp32 unless on CUDA with bf16 asked for (align.precision), no
-    gradient checkpointing unless asked for, a log entry every step."""
-    a, p = cfg.align, cfg.ppo
-    common: dict[str, Any] = dict(
+def _common_args(cfg: Config, device: torch.device, work_dir: str | Path) -> dict[str, Any]:
+    """What every trl algorithm's config shares: the align section's run length, batch, learning rate, checkpoints
+    and precision."""
+    a = cfg.align
+    return dict(
         output_dir=str(work_dir),
         max_steps=a.steps,
         per_device_train_batch_size=distributed.shard_size(a.batch_size, "align.batch_size"),
@@ -275,6 +278,14 @@ def trainer_args(cfg: Config, device: torch.device, work_dir: str | Path):
         dataloader_num_workers=0,
         disable_tqdm=not distributed.is_main_process(),
     )
+
+
+def trainer_args(cfg: Config, device: torch.device, work_dir: str | Path):
+    """The GRPOConfig, RLOOConfig or DPOConfig of `align.algorithm`: the align section's shared settings and the
+    algorithm's own, PPO's sampling settings, fp32 unless on CUDA with bf16 asked for (align.precision), no
+    gradient checkpointing unless asked for, a log entry every step."""
+    a, p = cfg.align, cfg.ppo
+    common = _common_args(cfg, device, work_dir)
     sampling = dict(
         max_completion_length=p.max_new_tokens,
         temperature=p.temperature,
@@ -374,7 +385,8 @@ def log_callback(log_fn: LogFn | None):
 def neutral_generation_config(model, eos_ids: Sequence[int]) -> Iterator[None]:
     """While inside: the model's generation_config says only which tokens end a completion and which pads, so its
     own defaults (repetition penalties, typical-p, ...) never reach trl's sampling, as PPO ignores them
-    (rlhflow.policy.generate). The model's own config is put back afterwards, so the saved policy keeps it."""
+    (rlhflow.models.generation.generate). The model's own config is put back afterwards, so the saved policy keeps
+    it."""
     from transformers import GenerationConfig
 
     saved = model.generation_config

@@ -1,4 +1,4 @@
-"""Rule-based rewards for PPO without a reward model: `--set ppo.reward_fn=rlhflow.reward_functions:contains_word
+"""Rule-based rewards for PPO without a reward model: `--set ppo.reward_fn=rlhflow.ppo.reward_functions:contains_word
 --set ppo.reward_fn_kwargs='{word: thanks}'`.
 
 A reward function takes the batch of prompts (chat messages) and the decoded responses, plus the keyword

@@ -1,4 +1,4 @@
-"""The evaluate section of params.yaml (rlhflow/config.py holds the rest): which prompts, how both models sample
+"""The evaluate section of params.yaml (rlhflow/config/params.py holds the rest): which prompts, how both models sample
 their answers, when an answer is degenerate, and the champion rule's setting (docs/evaluation.md)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from rlhflow.config_section import Section
+from rlhflow.config.section import Section
 
 
 class ChampionConfig(Section):

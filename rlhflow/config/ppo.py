@@ -6,8 +6,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from rlhflow.config_section import Section
-from rlhflow.lora_config import LoraConfig
+from rlhflow.config.lora import LoraConfig
+from rlhflow.config.section import Section
 
 
 class AdaptiveKLConfig(Section):
@@ -89,7 +89,7 @@ class PPOConfig(Section):
     reward_fn: str | None = Field(
         None,
         description="'module:function' scoring (prompts, responses, **reward_fn_kwargs) -> list[float], "
-        "e.g. 'rlhflow.reward_functions:contains_word'; default: the trained reward model",
+        "e.g. 'rlhflow.ppo.reward_functions:contains_word'; default: the trained reward model",
     )
     reward_fn_kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for reward_fn")
     value_model: Literal["shared", "separate"] = Field(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from rlhflow.config_section import Section
+from rlhflow.config.section import Section
 
 
 class LoraSettings(Section):

@@ -15,19 +15,16 @@ from __future__ import annotations
 # trl, datasets and the trainer callbacks are imported by train_reward_model and pair_dataset only: scoring with a
 # trained reward model (PPO, evaluation, serving) never loads them.
 import json
-import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
 
-from rlhflow import distributed
-from rlhflow.fsutil import save_for_file, saved_for_file
-from rlhflow.hf_trainer import checkpoint_args, log_callback, train_resuming
-from rlhflow.models import disable_dropout, pick_device, resolve_model, trainer_bf16
+from rlhflow.models.loading import disable_dropout, pick_device, resolve_model, trainer_bf16
+from rlhflow.training import distributed
+from rlhflow.training.hf_trainer import checkpoint_args, log_callback, train_resuming
 
 NORM_FILE = "reward_normalization.json"
 NORM_SAMPLE_PAIRS = 256  # training pairs whose scores set the normalisation
@@ -294,13 +291,46 @@ def train_reward_model(
     With `cfg.checkpoint_every` > 0 the Trainer checkpoints into `work_dir` every that many steps (the last one
     kept), and training resumes from the last complete checkpoint found there: the caller keeps `work_dir` only
     for the same inputs (see `rlhflow.fsutil.prepare_checkpoint_dir`)."""
-    from trl import RewardConfig, RewardTrainer
+    from trl import RewardTrainer
 
     torch.manual_seed(seed)  # the new score head's initialisation: the same in every run and every process
     model, tok = load_backbone(backbone, trust_remote_code=trust_remote_code, pooling=cfg.pooling)
     train = pair_dataset(train_rows, tok, cfg.max_length)
+    args = reward_config(cfg, work_dir, seed)
+    trainer = RewardTrainer(
+        model=model, args=args, train_dataset=train, processing_class=tok, callbacks=[log_callback(log_fn)]
+    )
+    train_resuming(trainer, work_dir, what="reward model", log_fn=log_fn)
+    if log_fn:  # the batch the Trainer actually used per optimisation step, over all processes
+        log_fn(
+            {
+                "global_batch_size": float(
+                    args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
+                ),
+                "processes": float(args.world_size),
+                "train_steps": float(trainer.state.global_step),
+            },
+            trainer.state.global_step,
+        )
+    if not distributed.is_main_process():
+        return None
+    # Score with the saved model, exactly as every later stage will load it.
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    trainer.model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    write_normalization(out, mean=0.0, std=1.0, max_length=cfg.max_length)
+    rm = RewardModel.load(out, batch_size=cfg.eval_batch_size, device=trainer.model.device)
+    rm.mean, rm.std = normalization_of(rm, train_rows, seed)
+    write_normalization(out, mean=rm.mean, std=rm.std, max_length=cfg.max_length)
+    return rm
 
-    args = RewardConfig(
+
+def reward_config(cfg, work_dir: str | os.PathLike, seed: int):
+    """trl's RewardConfig from the `reward_model` section: `batch_size` global, split over the processes."""
+    from trl import RewardConfig
+
+    return RewardConfig(
         output_dir=str(work_dir),
         num_train_epochs=cfg.epochs,
         per_device_train_batch_size=distributed.shard_size(cfg.batch_size, "reward_model.batch_size"),
@@ -326,33 +356,11 @@ def train_reward_model(
         bf16=trainer_bf16(cfg.precision, pick_device(), "reward_model"),  # auto: bf16 on native-bf16 CPUs too
         activation_checkpointing=cfg.gradient_checkpointing,  # transformers 5 name (gradient_checkpointing: deprecated)
     )
-    trainer = RewardTrainer(
-        model=model, args=args, train_dataset=train, processing_class=tok, callbacks=[log_callback(log_fn)]
-    )
-    train_resuming(trainer, work_dir, what="reward model", log_fn=log_fn)
-    if log_fn:  # the batch the Trainer actually used per optimisation step, over all processes
-        log_fn(
-            {
-                "global_batch_size": float(
-                    args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
-                ),
-                "processes": float(args.world_size),
-                "train_steps": float(trainer.state.global_step),
-            },
-            trainer.state.global_step,
-        )
-    if not distributed.is_main_process():
-        return None
 
-    # Score with the saved model, exactly as every later stage will load it.
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    trainer.model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    write_normalization(out, mean=0.0, std=1.0, max_length=cfg.max_length)
-    rm = RewardModel.load(out, batch_size=cfg.eval_batch_size, device=trainer.model.device)
-    # Normalise by the scores of training responses (chosen and rejected alike); a fixed sample of pairs estimates
-    # the mean and std well and keeps the cost of this pass bounded on large datasets.
+
+def normalization_of(rm: RewardModel, train_rows: list[dict], seed: int) -> tuple[float, float]:
+    """The mean and std of the model's scores of training responses (chosen and rejected alike); a fixed sample of
+    pairs estimates them well and keeps the cost of this pass bounded on large datasets."""
     sample = train_rows
     if len(train_rows) > NORM_SAMPLE_PAIRS:
         picked = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed))[:NORM_SAMPLE_PAIRS]
@@ -361,131 +369,8 @@ def train_reward_model(
     scores = torch.cat(
         [rm.raw_scores(prompts, [r["chosen"] for r in sample]), rm.raw_scores(prompts, [r["rejected"] for r in sample])]
     )
-    rm.mean, rm.std = float(scores.mean()), float(scores.std().clamp_min(1e-6))
-    write_normalization(out, mean=rm.mean, std=rm.std, max_length=cfg.max_length)
-    return rm
+    return float(scores.mean()), float(scores.std().clamp_min(1e-6))
 
 
 def write_normalization(model_dir: Path, *, mean: float, std: float, max_length: int) -> None:
     (model_dir / NORM_FILE).write_text(json.dumps({"mean": mean, "std": std, "max_length": max_length}, indent=2))
-
-
-def pair_correct(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
-    """Per pair: 1 where the chosen response scores higher, 0.5 on a tie, 0 else."""
-    return (chosen > rejected).double() + 0.5 * (chosen == rejected).double()
-
-
-def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> float:
-    """Fraction of pairs where the chosen response scores higher (ties count half)."""
-    if len(chosen) == 0:
-        return math.nan
-    return float(pair_correct(chosen, rejected).mean())
-
-
-def accuracy_standard_error(accuracy: float, pairs: int) -> float:
-    """Binomial standard error of a pairwise accuracy over `pairs` independent pairs: sqrt(p (1 - p) / n)."""
-    return math.sqrt(accuracy * (1 - accuracy) / pairs) if pairs else math.nan
-
-
-@dataclass
-class PairEvaluation:
-    """A reward model on preference pairs, from one scoring pass. `chosen` and `rejected` are its raw scores
-    (the Bradley-Terry logits), one per pair. `metrics`: `accuracy` (of the raw scores, ties half), its
-    `accuracy_se` and 95% Wilson interval; the length rule on the same pairs (`length_baseline_accuracy`, "the
-    shorter answer is chosen") with its Wilson interval, and the paired difference `accuracy_minus_length_baseline`
-    with a paired-bootstrap interval; `pairs`; and `margin_mean`, `chosen_mean`, `rejected_mean` of the normalised
-    scores (the rewards PPO gets)."""
-
-    chosen: torch.Tensor
-    rejected: torch.Tensor
-    metrics: dict[str, float]
-
-    @property
-    def correct(self) -> torch.Tensor:
-        return pair_correct(self.chosen, self.rejected)
-
-
-# what `length_aware_pair_metrics` adds to a pair evaluation's metrics
-LENGTH_AWARE_METRICS = (
-    "accuracy_ci_low",
-    "accuracy_ci_high",
-    "length_baseline_accuracy",
-    "length_baseline_accuracy_ci_low",
-    "length_baseline_accuracy_ci_high",
-    "accuracy_minus_length_baseline",
-    "accuracy_minus_length_baseline_ci_low",
-    "accuracy_minus_length_baseline_ci_high",
-)
-
-
-def length_aware_pair_metrics(correct, rows: list[dict], seed: int = 0) -> dict[str, float]:
-    """A model's per-pair correctness next to the length rule's on the same pairs (rlhflow.evaluation.stats)."""
-    from rlhflow.data.splits import conversation_key
-    from rlhflow.evaluation import stats
-
-    correct = [float(c) for c in correct]
-    rule = stats.shorter_answer_correct([r["chosen"] for r in rows], [r["rejected"] for r in rows])
-    n = len(rows)
-    low, high = stats.wilson_interval(sum(correct), n)  # proportions: Wilson intervals
-    rule_low, rule_high = stats.wilson_interval(float(rule.sum()), n)
-    # pairs of one conversation (several depths, several rejected answers) are resampled together
-    keyed = all("prompt_messages" in r for r in rows)
-    conversations = [conversation_key(r["prompt_messages"]) for r in rows] if keyed else None
-    weights = stats.resample_weights(n, conversations, seed=seed)
-    difference, diff_low, diff_high = stats.difference_interval(correct, rule, weights)
-    return {
-        "accuracy_ci_low": low,
-        "accuracy_ci_high": high,
-        "length_baseline_accuracy": float(rule.mean()) if n else math.nan,
-        "length_baseline_accuracy_ci_low": rule_low,
-        "length_baseline_accuracy_ci_high": rule_high,
-        "accuracy_minus_length_baseline": difference,
-        "accuracy_minus_length_baseline_ci_low": diff_low,
-        "accuracy_minus_length_baseline_ci_high": diff_high,
-    }
-
-
-def evaluate_pairs(
-    rm: RewardModel, rows: list[dict], *, scores: tuple[torch.Tensor, torch.Tensor] | None = None
-) -> PairEvaluation:
-    """Score each row's chosen and rejected response to its `prompt_messages` and measure the pairs. `scores`: the
-    raw (chosen, rejected) scores of these rows by this model, when they were saved already (`saved_pair_scores`)."""
-    if scores is None:
-        prompts = [r["prompt_messages"] for r in rows]
-        chosen = rm.raw_scores(prompts, [r["chosen"] for r in rows])
-        scores = chosen, rm.raw_scores(prompts, [r["rejected"] for r in rows])
-    chosen, rejected = scores
-    chosen_rewards, rejected_rewards = rm.normalise(chosen), rm.normalise(rejected)
-    accuracy = pairwise_accuracy(chosen, rejected)
-    metrics = {
-        "accuracy": accuracy,
-        "accuracy_se": accuracy_standard_error(accuracy, len(rows)),
-        **length_aware_pair_metrics(pair_correct(chosen, rejected).tolist(), rows),
-        "margin_mean": float((chosen_rewards - rejected_rewards).mean()),
-        "chosen_mean": float(chosen_rewards.mean()),
-        "rejected_mean": float(rejected_rewards.mean()),
-        "pairs": float(len(rows)),
-    }
-    return PairEvaluation(chosen, rejected, metrics)
-
-
-# The raw scores of the test split's pairs, saved beside the model by the stage that trained it: evaluate measures
-# the same model on the same pairs from them rather than score them again. They name the split file by its md5, so
-# scores of another split are never taken for this one.
-HELD_OUT_SCORES_FILE = "held_out_scores.json"
-
-
-def save_pair_scores(model_dir: str | os.PathLike, pairs: PairEvaluation, *, data_file: str | os.PathLike) -> None:
-    scores = {"chosen": pairs.chosen.tolist(), "rejected": pairs.rejected.tolist()}
-    save_for_file(Path(model_dir) / HELD_OUT_SCORES_FILE, scores, data_file=data_file)
-
-
-def saved_pair_scores(
-    model_dir: str | os.PathLike, *, data_file: str | os.PathLike
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The raw (chosen, rejected) scores saved in `model_dir` for `data_file` as it is now; None when there are
-    none for it."""
-    record = saved_for_file(Path(model_dir) / HELD_OUT_SCORES_FILE, data_file=data_file)
-    if record is None:
-        return None
-    return torch.tensor(record["chosen"], dtype=torch.float32), torch.tensor(record["rejected"], dtype=torch.float32)

@@ -2,7 +2,7 @@
 so the stages cannot drift apart.
 
 - `sample_responses`: `generate` over all prompts in batches, each batch on its own seeded random stream; ended
-  answers leave their batch (`rlhflow.decoding`), so a batch's cost follows its answers' lengths.
+  answers leave their batch (`rlhflow.models.decoding`), so a batch's cost follows its answers' lengths.
 - `Sampling`: every setting of one sampling run. PPO must sample the full softmax (its ratios and KL assume it);
   evaluation need not: `evaluate.top_p` and `evaluate.repetition_penalty` may change what the compared models say,
   the same way for both (docs/evaluation.md shows what they do to the SFT model's degenerate answers).
@@ -19,8 +19,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Literal
 
-from rlhflow.config import Config
-from rlhflow.policy import GenerationOutput, Messages, encode_prompts, generate
+from rlhflow.config.params import Config
+from rlhflow.models.generation import GenerationOutput, generate
+from rlhflow.models.policy import Messages, encode_prompts
 
 if TYPE_CHECKING:
     from torch import nn
@@ -47,7 +48,7 @@ def sample_responses(
     """`generate` over all prompts in batches of `batch_size`, on the model's device. Batch i samples with seed
     `seed + i`, so two models given the same prompts and seed are compared on the same random streams.
     drop_finished False: transformers' own `generate`, which keeps ended rows until the batch's last one ends;
-    True: `draw` picks each token (rlhflow.decoding.DRAWS)."""
+    True: `draw` picks each token (rlhflow.models.decoding.DRAWS)."""
     device = next(model.parameters()).device
     outs = []
     for start in range(0, len(prompt_messages), batch_size):
@@ -83,9 +84,9 @@ class Sampling:
     stop_strings: tuple[str, ...]
     seed: int | None
     batch_size: int
-    # rlhflow.decoding, or transformers' "generate"; the tokens differ between the two at one seed
+    # rlhflow.models.decoding, or transformers' "generate"; the tokens differ between the two at one seed
     decoder: Literal["drop_finished", "generate"] = "drop_finished"
-    # how drop_finished draws each token (rlhflow.decoding.DRAWS): the same distribution, different tokens
+    # how drop_finished draws each token (rlhflow.models.decoding.DRAWS): the same distribution, different tokens
     draw: Literal["inverse_cdf", "multinomial"] = "inverse_cdf"
 
     def key(self) -> dict:

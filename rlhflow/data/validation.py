@@ -28,7 +28,7 @@ from typing import Any
 
 import pandas as pd
 
-from rlhflow.config import ValidateConfig
+from rlhflow.config.params import ValidateConfig
 from rlhflow.data.splits import conversation_keys
 from rlhflow.fsutil import write_text_atomic
 
@@ -181,6 +181,8 @@ class _Check:
 
 
 def _checks(df: pd.DataFrame, cfg: ValidateConfig, columns: tuple[str, ...] = TEXT_COLUMNS) -> list[_Check]:
+    """The suite's expectations, in the order they are reported: rows and columns present, each text column's
+    values, their token lengths, then the checks across columns and rows."""
     import great_expectations.expectations as gxe
 
     present = [c for c in columns if c in df.columns]
@@ -188,55 +190,69 @@ def _checks(df: pd.DataFrame, cfg: ValidateConfig, columns: tuple[str, ...] = TE
     for column in columns:
         checks.append(_Check(gxe.ExpectColumnToExist(column=column), column, f"column {column} is present", ()))
     for column in present:
-        show = (column,) if column == "prompt" else ("prompt", column)
-        checks += [
-            _Check(
-                gxe.ExpectColumnValuesToNotBeNull(column=column),
-                column,
-                f"{column} is never null",
-                ("prompt",) if column != "prompt" else (),
-                problem=f"no {column} (null)",
-            ),
-            _Check(
-                gxe.ExpectColumnValuesToBeOfType(column=column, type_="str"),
-                column,
-                f"{column} values are strings",
-                (column,),
-                problem=f"a {column} that is not a string",
-            ),
-            _Check(
-                gxe.ExpectColumnValuesToNotMatchRegex(column=column, regex=r"^\s*$"),
-                column,
-                f"{column} is not empty or whitespace",
-                show,
-                problem=f"a blank {column} (empty or whitespace only)",
-                drop_policy="blank",
-            ),
-        ]
+        checks += _value_checks(column)
     # the prompt has an upper bound only; every other text column is a response
-    bounds = {
-        c: (None, cfg.max_prompt_tokens) if c == "prompt" else (cfg.min_tokens, cfg.max_response_tokens)
-        for c in columns
-    }
     for column in present:
-        low, high = bounds[column]
-        words = f"at most {high}" if low is None else f"between {low} and {high}"
-        problem = (
-            f"an over-long {column} (more than {high} tokens)"
-            if low is None
-            else f"a {column} shorter than {low} or longer than {high} tokens"
-        )
-        checks.append(
-            _Check(
-                gxe.ExpectColumnValuesToBeBetween(column=f"{column}_tokens", min_value=low, max_value=high),
-                f"{column}_tokens",
-                f"{column} is {words} tokens long",
-                (f"{column}_tokens", column),
-                problem=problem,
-                drop_policy="overlong",
-                drop_above=high,
-            )
-        )
+        low, high = (None, cfg.max_prompt_tokens) if column == "prompt" else (cfg.min_tokens, cfg.max_response_tokens)
+        checks.append(_length_check(column, low, high))
+    return checks + _row_checks(df, present, columns)
+
+
+def _value_checks(column: str) -> list[_Check]:
+    import great_expectations.expectations as gxe
+
+    show = (column,) if column == "prompt" else ("prompt", column)
+    return [
+        _Check(
+            gxe.ExpectColumnValuesToNotBeNull(column=column),
+            column,
+            f"{column} is never null",
+            ("prompt",) if column != "prompt" else (),
+            problem=f"no {column} (null)",
+        ),
+        _Check(
+            gxe.ExpectColumnValuesToBeOfType(column=column, type_="str"),
+            column,
+            f"{column} values are strings",
+            (column,),
+            problem=f"a {column} that is not a string",
+        ),
+        _Check(
+            gxe.ExpectColumnValuesToNotMatchRegex(column=column, regex=r"^\s*$"),
+            column,
+            f"{column} is not empty or whitespace",
+            show,
+            problem=f"a blank {column} (empty or whitespace only)",
+            drop_policy="blank",
+        ),
+    ]
+
+
+def _length_check(column: str, low: int | None, high: int) -> _Check:
+    import great_expectations.expectations as gxe
+
+    words = f"at most {high}" if low is None else f"between {low} and {high}"
+    problem = (
+        f"an over-long {column} (more than {high} tokens)"
+        if low is None
+        else f"a {column} shorter than {low} or longer than {high} tokens"
+    )
+    return _Check(
+        gxe.ExpectColumnValuesToBeBetween(column=f"{column}_tokens", min_value=low, max_value=high),
+        f"{column}_tokens",
+        f"{column} is {words} tokens long",
+        (f"{column}_tokens", column),
+        problem=problem,
+        drop_policy="overlong",
+        drop_above=high,
+    )
+
+
+def _row_checks(df: pd.DataFrame, present: list[str], columns: tuple[str, ...]) -> list[_Check]:
+    """Across columns and rows: chosen differs from rejected, no duplicate rows, no conversation in two splits."""
+    import great_expectations.expectations as gxe
+
+    checks = []
     if "chosen" in present and "rejected" in present:
         checks.append(
             _Check(

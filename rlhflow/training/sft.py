@@ -3,7 +3,7 @@
 Loss (completion-only negative log-likelihood), over a batch of demonstrations (x, y):
     L = -(1 / sum |y|) * sum_(x, y) sum_t log pi(y_t | x, y_<t)
 Only completion tokens y_t carry loss: the prompt's tokens are labelled -100 (TRL's completion_only_loss on
-prompt/completion data). The prompt is rendered and cut exactly as the policy is prompted later (rlhflow.policy):
+prompt/completion data). The prompt is rendered and cut exactly as the policy is prompted later (rlhflow.models.policy):
 the chat template with the generation prompt when the tokenizer has one, else the plain-text prompt, cut to its last
 `ppo.max_prompt_length` tokens. No completion is cut: a demonstration longer than `sft.max_length` is left out (and
 counted), since a completion without its end would teach the model to stop mid-answer.
@@ -20,10 +20,10 @@ import os
 import pandas as pd
 import torch
 
-from rlhflow.config import SFTConfig
-from rlhflow.hf_trainer import LogFn, checkpoint_args, log_callback, train_resuming, trl_alias_warning_off
-from rlhflow.models import pick_device, trainer_bf16
-from rlhflow.policy import prompt_ids, prompt_text
+from rlhflow.config.params import SFTConfig
+from rlhflow.models.loading import pick_device, trainer_bf16
+from rlhflow.models.policy import prompt_ids, prompt_text
+from rlhflow.training.hf_trainer import LogFn, checkpoint_args, log_callback, train_resuming, trl_alias_warning_off
 
 LOGGING_STEPS = 5
 

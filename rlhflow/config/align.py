@@ -1,6 +1,7 @@
 """The policy-optimisation settings: params.yaml's `align` section (AlignConfig), which algorithm the ppo stage runs
 (ALGORITHMS) and the settings of trl's GRPO, RLOO and DPO trainers. The project's own PPO engine is configured by the
-`ppo` section (rlhflow/config.py), whose sampling settings, reward source and output paths every algorithm shares.
+`ppo` section (rlhflow/config/params.py), whose sampling settings, reward source and output paths every algorithm
+shares.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlhflow.config_section import Section
+from rlhflow.config.section import Section
 
 ALGORITHMS = ("ppo", "grpo", "rloo", "dpo")
 # the values trl 1.16's GRPOConfig.loss_type, GRPOConfig.scale_rewards and DPOConfig.loss_type accept

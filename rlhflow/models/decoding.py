@@ -85,11 +85,28 @@ def multinomial_draw(probs: torch.Tensor) -> torch.Tensor:
     return torch.multinomial(probs, num_samples=1).squeeze(1)
 
 
-# the draws a caller may name (rlhflow.sampling.Sampling.draw): one token per row from the processed probabilities
+# the draws a caller may name (rlhflow.models.sampling.Sampling.draw): one token per row from the processed
+# probabilities
 DRAWS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "inverse_cdf": inverse_cdf_draw,
     "multinomial": multinomial_draw,
 }
+
+
+def _prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache):
+    """The prompts' forward pass, filling `cache`; the LM head on the last position only where the model can."""
+    positions = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    prefill = dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+    )
+    try:
+        return model(**prefill, logits_to_keep=1)
+    except TypeError:  # a model without `logits_to_keep`
+        return model(**prefill)
 
 
 @torch.no_grad()
@@ -121,12 +138,7 @@ def sample_dropping_finished(
     done = torch.zeros(B, dtype=torch.bool, device=device)
     seq, mask = input_ids, attention_mask
     cache = DynamicCache()
-    positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
-    prefill = dict(input_ids=seq, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
-    try:
-        out = model(**prefill, logits_to_keep=1)  # the LM head on the last position only
-    except TypeError:  # a model without `logits_to_keep`
-        out = model(**prefill)
+    out = _prefill(model, seq, mask, cache)
     generated = 0
     for step in range(max_new_tokens):
         scores = processors(seq, out.logits[:, -1, :].float())

@@ -1,0 +1,174 @@
+"""The held-out prompts of an evaluation (one per test or dev conversation) and the SFT model's answers to them: the
+sft_answers stage samples and scores those once (`sample_reference`), for every evaluate and sweep point to read
+(`load_reference`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhflow.config.params import Config
+from rlhflow.evaluation.answers import Answers
+
+REFERENCE_FILE = "answers.json"
+
+
+def evaluation_prompts(test_file: Path, n_prompts: int | None):
+    """One prompt per test conversation (its first row in the file: the conversation's shallowest branch there), in
+    file order; the first `n_prompts` of them when set. Columns: prompt, prompt_messages, conversation."""
+    from rlhflow.data.readers import read_jsonl
+    from rlhflow.data.splits import conversation_keys
+
+    test = read_jsonl(test_file)
+    test = test.assign(conversation=conversation_keys(test).to_numpy())
+    prompts = test.drop_duplicates("conversation")[["prompt", "prompt_messages", "conversation"]]
+    return prompts.head(n_prompts) if n_prompts is not None else prompts
+
+
+# the held-out splits answered: test for the report, dev for choosing (the champion rule, a sweep's best point)
+HELD_OUT = ("test", "dev")
+
+
+def held_out_files(cfg: Config) -> dict[str, Path]:
+    """test.jsonl, and dev.jsonl where validate wrote one (validate.dev_fraction > 0)."""
+    validated = cfg.path(cfg.validate_.out_dir)
+    return {s: validated / f"{s}.jsonl" for s in HELD_OUT if s == "test" or (validated / f"{s}.jsonl").exists()}
+
+
+@dataclass
+class HeldOutPrompts:
+    """The evaluation prompts of each held-out split, one row per answer (k samples per prompt in a row), and the
+    order in which both models answer them all at once: test first, then dev."""
+
+    prompts: dict[str, list]  # per split: prompt messages
+    texts: dict[str, list[str]]  # per split: prompt texts
+    conversations: dict[str, list[str]]  # per split: each row's conversation, the bootstrap's clusters
+    counts: dict[str, int]  # per split: distinct prompts
+
+    @classmethod
+    def load(cls, cfg: Config) -> HeldOutPrompts:
+        k = cfg.evaluate.samples_per_prompt
+        frames = {split: evaluation_prompts(f, cfg.evaluate.n_prompts) for split, f in held_out_files(cfg).items()}
+        return cls(
+            {s: repeated(list(df["prompt_messages"]), k) for s, df in frames.items()},
+            {s: repeated(list(df["prompt"]), k) for s, df in frames.items()},
+            {s: repeated(list(df["conversation"]), k) for s, df in frames.items()},
+            {s: len(df) for s, df in frames.items()},
+        )
+
+    def all(self) -> list:
+        return [p for split in self.prompts for p in self.prompts[split]]
+
+    def sizes(self) -> dict[str, int]:
+        return {split: len(p) for split, p in self.prompts.items()}
+
+
+def sample(model, tokenizer, prompt_messages, cfg: Config, *, max_new_tokens: int | None = None):
+    """Answers to `prompt_messages` with the evaluation's sampling settings (`max_new_tokens`: another limit)."""
+    import dataclasses
+
+    from rlhflow.models.sampling import evaluation_sampling
+
+    settings = evaluation_sampling(cfg)
+    if max_new_tokens is not None:
+        settings = dataclasses.replace(settings, max_new_tokens=max_new_tokens)
+    return settings.sample(model, tokenizer, prompt_messages)
+
+
+def texts_of(outputs) -> list[str]:
+    return [t for o in outputs for t in o.texts]
+
+
+def repeated(items: list, k: int) -> list:
+    """Each item k times in a row: the rows of k samples per prompt."""
+    return [x for x in items for _ in range(k)]
+
+
+def as_precision(model, dtype):
+    """The model in `dtype` for sampling and scoring (a copy when it differs: the fp32 weights stay for
+    perplexity, which is compared with the sft stage's fp32 figure)."""
+    import copy
+
+    import torch
+
+    return model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
+
+
+def sample_reference(cfg: Config, out_dir: Path) -> dict[str, float]:
+    """The sft_answers stage: the SFT model's answers to the evaluation prompts of both held-out splits, classified,
+    with the proxy's scores (and the judge's, for a judge that scores answers one at a time), written to `out_dir`
+    with what they are keyed by (`reference_key`). Returns the answers' class shares per split."""
+    from rlhflow.evaluation.judges import load_judge
+    from rlhflow.fsutil import write_json_atomic
+    from rlhflow.models.loading import load_causal_lm, load_tokenizer, pick_device, resolve_precision
+    from rlhflow.models.sampling import evaluation_sampling
+    from rlhflow.training.reward_model import RewardModel
+
+    e = cfg.evaluate
+    device = pick_device(cfg.device)
+    sft_dir = cfg.path(cfg.sft.out_dir)
+    held_out = HeldOutPrompts.load(cfg)
+    prompts = held_out.all()
+
+    tokenizer = load_tokenizer(str(sft_dir))
+    sft = load_causal_lm(str(sft_dir), pad_token_id=tokenizer.pad_token_id).to(device).eval()
+    sft = as_precision(sft, resolve_precision(e.precision, device))
+    answers = Answers.from_outputs(evaluation_sampling(cfg).sample(sft, tokenizer, prompts), e.degenerate_repetition)
+    del sft
+
+    rm = RewardModel.load(
+        cfg.path(cfg.reward_model.out_dir), batch_size=cfg.reward_model.eval_batch_size, device=device
+    )
+    answers.extra["proxy"] = rm.score(prompts, answers.texts).tolist()
+    judge = load_judge(cfg.judge, cfg.path(cfg.judge.out_dir), batch_size=cfg.judge.eval_batch_size, device=device)
+    if judge.pointwise:
+        answers.extra["judge"] = [float(x) for x in judge.score(prompts, answers.texts)]
+    parts = answers.split(held_out.sizes())
+    record = {
+        "key": reference_key(cfg, prompts=held_out.counts),
+        "answers": {split: part.to_json() for split, part in parts.items()},
+    }
+    write_json_atomic(Path(out_dir) / REFERENCE_FILE, record)
+    metrics = {"sft_answers/answers": float(len(answers))}
+    for split, part in parts.items():
+        prefix = "sft_answers/" if split == "test" else f"sft_answers/{split}_"
+        metrics.update({f"{prefix}{name}": share for name, share in part.shares().items()})
+    return metrics
+
+
+def reference_key(cfg: Config, *, prompts: dict[str, int]) -> dict:
+    """What the SFT answers depend on besides the code: the SFT model, the held-out split files, the number of
+    evaluation prompts of each (`prompts`) and every sampling and classification setting. The sft_answers stage
+    writes it with the answers; evaluate takes them only under the same key."""
+    from rlhflow.fsutil import dir_md5, file_md5
+    from rlhflow.models.sampling import evaluation_sampling
+
+    e = cfg.evaluate
+    return {
+        "sft_md5": dir_md5(cfg.path(cfg.sft.out_dir)),
+        "held_out_md5": {split: file_md5(path) for split, path in held_out_files(cfg).items()},
+        "prompts": prompts,
+        "samples_per_prompt": e.samples_per_prompt,
+        "sampling": evaluation_sampling(cfg).key(),
+        "degenerate_repetition": e.degenerate_repetition,
+        "precision": e.precision,
+    }
+
+
+def load_reference(cfg: Config, *, prompts: dict[str, int]) -> dict[str, Answers]:
+    """The sft_answers stage's output per held-out split, for `prompts` evaluation prompts of each; an error naming
+    what differs when it was sampled for another SFT model, other prompts or other settings (the flow reruns that
+    stage first; a stage run by hand may not have)."""
+    path = cfg.path(cfg.evaluate.reference_dir) / REFERENCE_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: the SFT model's evaluation answers are missing; run the sft_answers stage")
+    record = json.loads(path.read_text())
+    expected = reference_key(cfg, prompts=prompts)
+    differs = sorted(k for k in expected if record["key"].get(k) != expected[k])
+    if differs:
+        raise ValueError(
+            f"{path} was sampled with other {', '.join(differs)} than this evaluation's; rerun the sft_answers stage "
+            "(the pipeline flow and `dvc repro` do)"
+        )
+    return {split: Answers.from_json(answers) for split, answers in record["answers"].items()}
