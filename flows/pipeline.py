@@ -255,8 +255,7 @@ def this_run_name() -> str:
 def _run_stages(
     cfg: Config, names: list[str], force: bool, push: bool, remote: str | None, parent_run: str | None
 ) -> dict[str, float]:
-    if any(get_stage(n).accelerator for n in names):
-        ensure_training_limit()
+    slots = ensure_training_limit() if any(get_stage(n).accelerator for n in names) else 0
     results: dict[str, float] = {}
     outcomes: list[report.StageOutcome] = []
     run_url, error = None, None
@@ -272,7 +271,7 @@ def _run_stages(
             )
             for name in names:
                 if get_stage(name).accelerator:  # a second pipeline run waits here for the first one's stage
-                    with training_slot(name, TRAINING_LIMIT):
+                    with training_slot(name, TRAINING_LIMIT, slots):
                         outcome, metrics = run_or_skip(name, cfg, parent.info.run_id, force)
                 else:
                     outcome, metrics = run_or_skip(name, cfg, parent.info.run_id, force)

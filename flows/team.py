@@ -119,8 +119,7 @@ def stage_on_worker(
             print(f"{stage}: {len(pulled)} input(s) checked out by md5")
         limit = f"{TRAINING_LIMIT}-{worker}"
         if get_stage(stage).accelerator:
-            ensure_training_limit(limit)
-            with training_slot(stage, limit, lease_s=SLOT_LEASE_S):
+            with training_slot(stage, limit, ensure_training_limit(limit), lease_s=SLOT_LEASE_S):
                 ran = _run_stage(stage, cfg, parent_run_id, force)
         else:
             ran = _run_stage(stage, cfg, parent_run_id, force)

@@ -16,12 +16,12 @@ machines that share a Prefect server.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
 import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from rlhfops.locks import read_holder, try_flock, write_holder
 
 NOTICE_S = 600.0  # while waiting, say so this often
 POLL_S = 1.0
@@ -40,36 +40,20 @@ def lock_dir() -> Path:
     return Path(get_current_settings().home).expanduser() / "locks"
 
 
-def limit_slots(limit: str) -> int:
-    """The slots of the global concurrency limit `limit` (ensure_training_limit made it)."""
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
-        return client.read_global_concurrency_limit_by_name(limit).limit
-
-
 def _try_one_of(paths: list[Path], holder: dict) -> int | None:
     """The descriptor of the first of `paths` this process could flock (with `holder` written in it), else None."""
     for path in paths:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(holder).encode(), 0)
-        return fd
+        if try_flock(fd):
+            write_holder(fd, holder)
+            return fd
+        os.close(fd)
     return None
 
 
 def _holders(paths: list[Path]) -> str:
     """Who holds the lock files, as they say: 'ppo (pid 123, since 12:00:01)', ..."""
-    said = []
-    for path in paths:
-        with contextlib.suppress(OSError, ValueError):
-            h = json.loads(path.read_text() or "{}")
-            said.append(f"{h['stage']} (pid {h['pid']}, since {h['since']})")
+    said = [f"{h['stage']} (pid {h['pid']}, since {h['since']})" for h in map(read_holder, paths) if "stage" in h]
     return ", ".join(said) or "another pipeline run"
 
 
@@ -92,7 +76,7 @@ def local_slot(stage: str, limit: str, slots: int, log=print) -> Iterator[None]:
     try:
         yield
     finally:
-        os.ftruncate(fd, 0)
+        write_holder(fd, {})
         os.close(fd)  # releases the flock
 
 
@@ -122,10 +106,11 @@ def server_slot(stage: str, limit: str, lease_s: float, log=print) -> Iterator[N
 
 
 @contextlib.contextmanager
-def training_slot(stage: str, limit: str, lease_s: float = 300.0, log=print) -> Iterator[None]:
-    """Hold a slot of `limit` while `stage` runs: the lock file on this machine, then, against a Prefect server,
-    the server's slot too (the order keeps a run from holding a server slot while it waits for this machine)."""
-    with local_slot(stage, limit, limit_slots(limit), log):
+def training_slot(stage: str, limit: str, slots: int, lease_s: float = 300.0, log=print) -> Iterator[None]:
+    """Hold a slot of `limit` (`slots` of them: its Prefect limit's, as ensure_training_limit read it) while `stage`
+    runs: the lock file on this machine, then, against a Prefect server, the server's slot too (the order keeps a
+    run from holding a server slot while it waits for this machine)."""
+    with local_slot(stage, limit, slots, log):
         if on_a_server():
             with server_slot(stage, limit, lease_s, log):
                 yield

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import socket
 import time
@@ -26,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from rlhflow.config.params import REPO_ROOT
+from rlhfops.locks import read_holder, try_flock, write_holder
 
 LOCK_PATH = Path(".dvc") / "tmp" / "rlhflow-run.lock"
 # set in the environment of a process (and its children) while it holds the workspace
@@ -44,10 +44,7 @@ def lock_path(root: Path = REPO_ROOT) -> Path:
 
 def holder(root: Path = REPO_ROOT) -> dict:
     """Who holds (or last held) the workspace: what its lock file says."""
-    try:
-        return json.loads(lock_path(root).read_text() or "{}")
-    except (OSError, ValueError):
-        return {}
+    return read_holder(lock_path(root))
 
 
 def describe(owner: dict) -> str:
@@ -70,14 +67,6 @@ def dvc_is_busy(root: Path = REPO_ROOT) -> bool:
     return False
 
 
-def _try_lock(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-
-
 @contextlib.contextmanager
 def exclusive(run: str, *, wait: bool = True, root: Path = REPO_ROOT, log=print) -> Iterator[None]:
     """Hold the workspace while the block runs. `run` names this run in the messages others see. With `wait`, wait
@@ -94,7 +83,7 @@ def exclusive(run: str, *, wait: bool = True, root: Path = REPO_ROOT, log=print)
         started, noticed = time.monotonic(), -NOTICE_S
         while True:
             dvc_busy = wait and dvc_is_busy(root)
-            if not dvc_busy and _try_lock(fd):
+            if not dvc_busy and try_flock(fd):
                 break
             busy = "a DVC command (dvc repro?) holding DVC's lock" if dvc_busy else describe(holder(root))
             if not wait:
@@ -116,14 +105,13 @@ def exclusive(run: str, *, wait: bool = True, root: Path = REPO_ROOT, log=print)
             "host": socket.gethostname(),
             "since": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(owner).encode(), 0)
+        write_holder(fd, owner)
         os.environ[HELD_ENV] = str(root)
         try:
             yield
         finally:
             os.environ.pop(HELD_ENV, None)
-            os.ftruncate(fd, 0)
+            write_holder(fd, {})
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)

@@ -216,7 +216,7 @@ def test_a_server_slot_left_taken_is_announced_and_can_be_freed(served):
         client.update_global_concurrency_limit(TRAINING_LIMIT, GlobalConcurrencyLimitUpdate(active_slots=1))
     code = (
         "import rlhfops.training_slot as s; s.NOTICE_S = 1.0\n"
-        f"with s.training_slot('ppo', {TRAINING_LIMIT!r}):\n    print('stage entered', flush=True)"
+        f"with s.training_slot('ppo', {TRAINING_LIMIT!r}, 1):\n    print('stage entered', flush=True)"
     )
     proc = subprocess.Popen(
         [sys.executable, "-u", "-c", code],

@@ -102,8 +102,8 @@ def test_a_run_killed_holding_the_slot_on_the_temporary_server_leaves_nothing_ta
         "import time\n"
         "from flows.pipeline import TRAINING_LIMIT, ensure_training_limit\n"
         "from rlhfops.training_slot import training_slot\n"
-        "ensure_training_limit.fn()\n"
-        "with training_slot('ppo', TRAINING_LIMIT):\n"
+        "slots = ensure_training_limit.fn()\n"
+        "with training_slot('ppo', TRAINING_LIMIT, slots):\n"
         "    print('held', flush=True)\n"
         "    time.sleep(600)\n"
     )
