@@ -27,7 +27,7 @@ from rlhflow.config.params import load_config
 from rlhflow.evaluation.answers import Answers, ended_within
 from rlhflow.evaluation.held_out import evaluation_prompts
 from rlhflow.models.loading import load_causal_lm, load_tokenizer
-from rlhflow.models.sampling import evaluation_sampling
+from tasks.evaluation_setup import evaluation_sampling
 
 
 def main(argv: list[str] | None = None) -> None:

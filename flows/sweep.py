@@ -270,8 +270,8 @@ def _sample_best_of_n(cfg: Config, samples: int) -> dict[str, list]:
     from rlhflow.evaluation.frontier import sample_best_of_n_scores
     from rlhflow.evaluation.held_out import evaluation_prompts
     from rlhflow.models.loading import load_causal_lm, load_tokenizer, pick_device
-    from rlhflow.models.sampling import evaluation_sampling
     from rlhflow.training.reward_model import RewardModel
+    from tasks.evaluation_setup import evaluation_sampling
 
     start = time.perf_counter()
     device = pick_device(cfg.device)

@@ -47,8 +47,10 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.evaluation import compare as ev
     from rlhflow.evaluation import report
     from rlhfops import promotion
+    from tasks.evaluation_setup import evaluation_setup
 
-    result = ev.evaluate(cfg)
+    setup = evaluation_setup(cfg)
+    result = ev.evaluate(setup)
     ctx.log_metrics(result.metrics, on_parent=True)
     mlflow.set_tag("algorithm", cfg.align.algorithm)  # what made the policy (align.algorithm, one of its params)
     mlflow.log_table(result.samples, artifact_file="samples.json")
@@ -56,14 +58,15 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     client = mlflow.MlflowClient()
 
     def against_champion(name: str, compare):
-        """`compare(result, cfg, model_dir, challenge)` against the registered version's model dir, on the dev split."""
+        """`compare(result, setup, model_dir, challenge)` against the registered version's model dir, on the dev
+        split."""
 
         def head_to_head(version, challenge: int):
             if result.dev is None:  # nothing is chosen on the test split
                 return None
             with tempfile.TemporaryDirectory() as tmp:
                 model_dir = str(registry.registered_model_dir(client, name, version.version, tmp))
-                return compare(result, cfg, model_dir, challenge)
+                return compare(result, setup, model_dir, challenge)
 
         return head_to_head
 
@@ -86,10 +89,10 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
                 )
 
     # the judge stage's figures (the judge against the length rule), for the report
-    judge_file = cfg.path(cfg.metrics_dir) / "judge.json"
+    judge_file = setup.metrics_dir / "judge.json"
     judge_metrics = json.loads(judge_file.read_text()) if judge_file.exists() else {}
-    report.write_outputs(cfg, result, decisions, judge_metrics)
-    mlflow.log_artifacts(str(cfg.path(cfg.evaluate.report_dir)), artifact_path="evaluation")
+    report.write_outputs(setup, result, decisions, judge_metrics)
+    mlflow.log_artifacts(str(setup.report_dir), artifact_path="evaluation")
 
     # Last, once everything else succeeded: a failed evaluation moves no alias.
     for decision in decisions:

@@ -176,7 +176,6 @@ def train_trl(cfg: Config, ctx: StageContext) -> TrainedPolicy | None:
     from rlhflow.data.readers import read_jsonl
     from rlhflow.fsutil import prepare_checkpoint_dir as keep_or_clear
     from rlhflow.models.loading import enable_tf32, load_causal_lm, load_tokenizer, pick_device, save_plain
-    from rlhflow.ppo.reward_and_critic import load_reward_source
     from rlhflow.training import align, distributed
 
     algorithm = cfg.align.algorithm
@@ -188,7 +187,8 @@ def train_trl(cfg: Config, ctx: StageContext) -> TrainedPolicy | None:
         raise FileNotFoundError(f"{train_file}: no train split; run the validate stage first")
     train_rows = read_jsonl(train_file).to_dict("records")
     tokenizer = load_tokenizer(sft_dir)
-    align.check_settings(cfg, train_rows, tokenizer)  # bad settings fail here, before any model is loaded
+    settings = align.AlignSettings(cfg.align, cfg.ppo, cfg.seed)
+    align.check_settings(settings, train_rows, tokenizer)  # bad settings fail here, before any model is loaded
 
     checkpoint_dir = cfg.path(cfg.ppo.checkpoint_dir)
     if ctx.main_process:  # checkpoints of an interrupted run with the same inputs are resumed from; others dropped
@@ -198,11 +198,11 @@ def train_trl(cfg: Config, ctx: StageContext) -> TrainedPolicy | None:
     policy = load_causal_lm(sft_dir, pad_token_id=tokenizer.pad_token_id)
     score_fn = ref_model = None
     if algorithm in align.SAMPLING_ALGORITHMS:
-        score_fn, _ = load_reward_source(cfg, device)  # PPO's: the proxy's normalised score, or ppo.reward_fn
+        score_fn, _ = reward_source(cfg, device)  # PPO's: the proxy's normalised score, or ppo.reward_fn
     else:  # DPO's reference: the SFT model, frozen
         ref_model = load_causal_lm(sft_dir, pad_token_id=tokenizer.pad_token_id)
     policy, history = align.train_policy(
-        cfg,
+        settings,
         policy=policy,
         tokenizer=tokenizer,
         train_rows=train_rows,
@@ -238,7 +238,7 @@ def train_ppo(cfg: Config, ctx: StageContext) -> TrainedPolicy | None:
     """The project's PPO engine (rlhflow.ppo.trainer), resuming from a checkpoint of the same inputs."""
     import torch
 
-    from rlhflow.ppo.reward_and_critic import in_precision, load_reward_source, make_critic
+    from rlhflow.ppo.reward_and_critic import in_precision, make_critic
     from rlhflow.ppo.trainer import PPOTrainer
     from rlhflow.training import distributed
 
@@ -246,8 +246,8 @@ def train_ppo(cfg: Config, ctx: StageContext) -> TrainedPolicy | None:
     torch.manual_seed(cfg.seed)
     checkpoint_dir = prepare_checkpoint_dir(cfg) if ctx.main_process else cfg.path(cfg.ppo.checkpoint_dir)
     distributed.barrier()  # with several processes: rank 0 has kept or cleared the checkpoints before any reads them
-    score_fn, reward_model = load_reward_source(cfg, device)
-    critic = make_critic(cfg, reward_model, tokenizer)  # from the reward model's fp32 weights
+    score_fn, reward_model = reward_source(cfg, device)
+    critic = make_critic(cfg.ppo, reward_model, tokenizer)  # from the reward model's fp32 weights
     score_fn = in_precision(score_fn, reward_model, dtype)
     trainer = PPOTrainer(
         cfg.ppo,
@@ -271,6 +271,14 @@ def train_ppo(cfg: Config, ctx: StageContext) -> TrainedPolicy | None:
         return None
     rows = [{"step": i + 1, **with_aliases(h)} for i, h in enumerate(history)]
     return TrainedPolicy(rows, trainer.save, ppo_summary(history), checkpoint_dir)
+
+
+def reward_source(cfg: Config, device):
+    """(score_fn, reward model): ppo.reward_fn, or the reward model stage's model (rlhflow.ppo.reward_and_critic)."""
+    from rlhflow.ppo.reward_and_critic import load_reward_source
+
+    rm_dir = cfg.path(cfg.reward_model.out_dir)
+    return load_reward_source(cfg.ppo, rm_dir, batch_size=cfg.reward_model.eval_batch_size, device=device)
 
 
 def load_ppo_inputs(cfg: Config):

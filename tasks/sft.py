@@ -187,18 +187,27 @@ def log_samples(cfg: Config, model, tokenizer, rows) -> None:
     """A few answers of the model to held-out prompts, as an MLflow table."""
     import mlflow
 
-    from rlhflow.models import sampling
-
-    outs = sampling.sample(
-        model,
-        tokenizer,
-        list(rows["prompt_messages"]),
-        cfg,
-        batch_size=cfg.sft.batch_size,
-        max_new_tokens=cfg.sft.max_new_tokens,
-    )
+    outs = sample_settings(cfg).sample(model, tokenizer, list(rows["prompt_messages"]))
     responses = [t for o in outs for t in o.texts]
     mlflow.log_table({"prompt": list(rows["prompt"]), "response": responses}, artifact_file="sft_samples.json")
+
+
+def sample_settings(cfg: Config):
+    """The SFT model's sample answers: as PPO samples (its prompt cut, top-k / top-p, stop strings), at the
+    evaluation temperature, with the run's seed."""
+    from rlhflow.models.sampling import Sampling
+
+    return Sampling(
+        temperature=cfg.eval_temperature,
+        top_k=cfg.ppo.top_k,
+        top_p=cfg.ppo.top_p,
+        repetition_penalty=1.0,
+        max_new_tokens=cfg.sft.max_new_tokens,
+        max_prompt_length=cfg.ppo.max_prompt_length,
+        stop_strings=tuple(cfg.ppo.stop_strings),
+        seed=cfg.seed,
+        batch_size=cfg.sft.batch_size,
+    )
 
 
 task = stage_task(NAME, run)

@@ -14,9 +14,11 @@ NAME = "sft_answers"
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.evaluation.held_out import sample_reference
     from rlhflow.fsutil import atomic_dir
+    from tasks.evaluation_setup import evaluation_setup
 
-    with atomic_dir(cfg.path(cfg.evaluate.reference_dir), setting="evaluate.reference_dir") as tmp:
-        metrics = sample_reference(cfg, tmp)
+    setup = evaluation_setup(cfg)
+    with atomic_dir(setup.reference_dir, setting="evaluate.reference_dir") as tmp:
+        metrics = sample_reference(setup, tmp)
     ctx.log_metrics(metrics)
     return metrics
 

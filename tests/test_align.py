@@ -66,6 +66,10 @@ def upstream(tmp_path_factory, tiny_model_dir, one_thread):
 # ---- the stage, per algorithm -----------------------------------------------------------------------
 
 
+def settings_of(cfg) -> align.AlignSettings:
+    return align.AlignSettings(cfg.align, cfg.ppo, cfg.seed)
+
+
 @pytest.mark.parametrize("algorithm", TRL_ALGORITHMS)
 def test_each_algorithm_trains_and_evaluate_reads_its_policy(upstream, algorithm):
     from rlhflow.models.loading import load_causal_lm
@@ -188,7 +192,7 @@ def test_trainer_arguments_follow_the_ppo_sampling_settings_and_stay_fp32_on_cpu
             "align.grpo.loss_type=dr_grpo",
         ]
     )
-    args = align.trainer_args(cfg, torch.device("cpu"), tmp_path)
+    args = align.trainer_args(settings_of(cfg), torch.device("cpu"), tmp_path)
     assert (args.temperature, args.top_k, args.top_p, args.max_completion_length) == (0.9, 5, 0.8, 17)
     assert args.bf16 is False and args.fp16 is False and args.gradient_checkpointing is False
     assert (args.num_generations, args.beta, args.loss_type, args.max_steps) == (4, 0.04, "dr_grpo", 20)
@@ -196,11 +200,10 @@ def test_trainer_arguments_follow_the_ppo_sampling_settings_and_stay_fp32_on_cpu
     assert (args.steps_per_generation, args.generation_batch_size) == (1, 8)  # one generation per step
     # steps_per_generation: one generation of 8 completions (2 prompts x 4) serves 2 steps of 4, as PPO's minibatches
     split = load_config(overrides=["align.algorithm=rloo", "align.batch_size=4", "align.steps_per_generation=2"])
-    args = align.trainer_args(split, torch.device("cpu"), tmp_path)
+    args = align.trainer_args(settings_of(split), torch.device("cpu"), tmp_path)
     assert (args.per_device_train_batch_size, args.steps_per_generation, args.generation_batch_size) == (4, 2, 8)
-    dpo = align.trainer_args(
-        load_config(overrides=["align.algorithm=dpo", "align.dpo.beta=0.3"]), torch.device("cpu"), tmp_path
-    )
+    dpo_cfg = load_config(overrides=["align.algorithm=dpo", "align.dpo.beta=0.3"])
+    dpo = align.trainer_args(settings_of(dpo_cfg), torch.device("cpu"), tmp_path)
     assert dpo.beta == 0.3 and dpo.loss_type == ["sigmoid"] and dpo.bf16 is False
 
 
@@ -233,7 +236,7 @@ def test_dpo_raises_the_chosen_log_ratio_on_a_hand_built_pair(tmp_path, tiny_mod
         overrides=["align.algorithm=dpo", "align.steps=8", "align.batch_size=1", "align.learning_rate=1e-3"]
     )
     trainer = align.build_trainer(
-        cfg,
+        settings_of(cfg),
         policy=policy,
         tokenizer=tokenizer,
         train_rows=[row],
@@ -263,8 +266,15 @@ def test_dpo_training_warns_nothing_about_checkpointing_names(tmp_path, tiny_mod
     row = {"prompt": "Hi?", "prompt_messages": [{"role": "user", "content": "Hi?"}], "chosen": "Hi.", "rejected": "no"}
     cfg = load_config(overrides=["align.algorithm=dpo", "align.steps=1", "align.batch_size=1"])
     device = torch.device("cpu")
-    align.train_policy(cfg, policy=policy, tokenizer=tokenizer, train_rows=[row], work_dir=tmp_path, device=device,
-                       ref_model=reference)  # fmt: skip
+    align.train_policy(
+        settings_of(cfg),
+        policy=policy,
+        tokenizer=tokenizer,
+        train_rows=[row],
+        work_dir=tmp_path,
+        device=device,
+        ref_model=reference,
+    )
     assert not policy.is_activation_checkpointing
 
 

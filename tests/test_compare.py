@@ -100,21 +100,24 @@ def test_one_prompt_per_test_conversation(tmp_path):
 def test_answers_sampled_another_way_are_refused(tmp_path):
     from rlhflow.config.params import load_config
     from rlhflow.evaluation.held_out import REFERENCE_FILE, load_reference
+    from tasks.evaluation_setup import evaluation_setup
 
     test = tmp_path / "validated/test.jsonl"
     test.parent.mkdir()
     test.write_text(json.dumps({"prompt": "p", "prompt_messages": [{"role": "user", "content": "p"}]}) + "\n")
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft/model.safetensors").write_text("weights")
-    cfg = load_config(
-        overrides=[
-            f"validate.out_dir={tmp_path}/validated",
-            f"sft.out_dir={tmp_path}/sft",
-            f"evaluate.reference_dir={tmp_path}/answers",
-        ]
+    setup = evaluation_setup(
+        load_config(
+            overrides=[
+                f"validate.out_dir={tmp_path}/validated",
+                f"sft.out_dir={tmp_path}/sft",
+                f"evaluate.reference_dir={tmp_path}/answers",
+            ]
+        )
     )
     with pytest.raises(FileNotFoundError, match="run the sft_answers stage"):
-        load_reference(cfg, prompts=1)
+        load_reference(setup, prompts=1)
     (tmp_path / "answers").mkdir()
     record = {
         "key": {"sft_md5": "another model", "test_md5": "x", "prompts": 1, "sampling": {}, "precision": "auto"},
@@ -122,5 +125,5 @@ def test_answers_sampled_another_way_are_refused(tmp_path):
     }
     (tmp_path / "answers" / REFERENCE_FILE).write_text(json.dumps(record))
     with pytest.raises(ValueError, match="sft_md5") as error:
-        load_reference(cfg, prompts=1)
+        load_reference(setup, prompts=1)
     assert "sampling" in str(error.value) and "rerun the sft_answers stage" in str(error.value)

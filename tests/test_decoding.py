@@ -138,7 +138,7 @@ def test_the_draw_is_part_of_the_sampling_settings_and_reaches_the_decoder(tok, 
     import dataclasses
 
     from rlhflow.config.params import load_config
-    from rlhflow.models.sampling import evaluation_sampling
+    from tasks.evaluation_setup import evaluation_sampling
 
     used = []
     for name, draw in list(decoding.DRAWS.items()):

@@ -117,10 +117,12 @@ def test_a_nan_comparison_never_promotes():
 @pytest.mark.parametrize("evaluate_temperature,expected", [(None, 0.9), (0.5, 0.5)])
 def test_evaluation_samples_as_ppo_samples(monkeypatch, evaluate_temperature, expected):
     """top-k / top-p and stop strings are PPO's; the temperature is evaluate.temperature, by default the PPO
-    temperature; the SFT stage's samples are drawn the same way (rlhflow/models/sampling.py)."""
+    temperature; the SFT stage's samples are drawn the same way (tasks/evaluation_setup.py, tasks/sft.py)."""
     import rlhflow.models.sampling
     from rlhflow.config.params import load_config
     from rlhflow.evaluation.held_out import sample
+    from tasks.evaluation_setup import evaluation_sampling
+    from tasks.sft import sample_settings
 
     calls = []
     monkeypatch.setattr(rlhflow.models.sampling, "sample_responses", lambda *args, **kwargs: calls.append(kwargs))
@@ -133,8 +135,9 @@ def test_evaluation_samples_as_ppo_samples(monkeypatch, evaluate_temperature, ex
             f"evaluate.temperature={'null' if evaluate_temperature is None else evaluate_temperature}",
         ]
     )
-    sample(None, None, [], cfg)
-    rlhflow.models.sampling.sample(None, None, [], cfg, batch_size=2, max_new_tokens=5)  # as the SFT stage samples
+    sample(None, None, [], evaluation_sampling(cfg))
+    sample_settings(cfg).sample(None, None, [])  # as the SFT stage samples
+    assert len(calls) == 2
     for call in calls:
         assert call["temperature"] == expected and call["top_k"] == 7 and call["top_p"] == 0.8
         assert call["stop_strings"] == ["###"] and call["max_prompt_length"] == cfg.ppo.max_prompt_length

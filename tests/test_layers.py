@@ -68,7 +68,7 @@ def test_the_ml_library_knows_nothing_of_the_orchestration_stack():
 
 
 def test_no_stage_module_imports_another_stage():
-    stage_modules = {p.stem for p in project_files("tasks")} - {"__init__", "pairwise_training"}
+    stage_modules = {p.stem for p in project_files("tasks")} - {"__init__", "pairwise_training", "evaluation_setup"}
     wrong = []
     for path in project_files("tasks"):
         tree = ast.parse(path.read_text())

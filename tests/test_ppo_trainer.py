@@ -326,7 +326,7 @@ def test_separate_critic_starts_from_the_reward_model_when_it_reads_the_policys_
         std=2.0,
     )
     cfg = load_config(overrides=["ppo.value_model=separate"])
-    critic = make_critic(cfg, rm, tok)
+    critic = make_critic(cfg.ppo, rm, tok)
     assert critic is not None
     assert torch.equal(critic.head.summary.weight, rm.model.score.weight / 2.0)
 
@@ -346,11 +346,11 @@ def test_separate_critic_starts_from_the_reward_model_when_it_reads_the_policys_
         )
 
     # no reward model (a rule-based reward): auto falls back to the SFT copy, reward_model refuses
-    assert make_critic(cfg, None, tok) is None
+    assert make_critic(cfg.ppo, None, tok) is None
     strict = load_config(overrides=["ppo.value_model=separate", "ppo.critic_init=reward_model"])
     with pytest.raises(ValueError, match="ppo.critic_init=reward_model: ppo.reward_fn replaces the reward model"):
-        make_critic(strict, None, tok)
-    assert make_critic(load_config(overrides=["ppo.value_model=shared"]), rm, tok) is None
+        make_critic(strict.ppo, None, tok)
+    assert make_critic(load_config(overrides=["ppo.value_model=shared"]).ppo, rm, tok) is None
 
 
 def test_load_reward_fn_binds_its_kwargs_and_rejects_bad_specs():

@@ -34,8 +34,14 @@ STAGE_SPECIFIC = {
 }
 
 
-# the one module in tasks/ that is not a stage: the body the two pairwise-model stages share
-SHARED_STAGE_BODIES = {"reward_model": {"tasks/pairwise_training.py"}, "judge": {"tasks/pairwise_training.py"}}
+# the modules in tasks/ that are not stages: the body the two pairwise-model stages share, and the evaluation's
+# settings the two evaluating stages read
+SHARED_STAGE_BODIES = {
+    "reward_model": {"tasks/pairwise_training.py"},
+    "judge": {"tasks/pairwise_training.py"},
+    "sft_answers": {"tasks/evaluation_setup.py"},
+    "evaluate": {"tasks/evaluation_setup.py"},
+}
 
 
 def test_no_stage_module_imports_another_stage_module():

@@ -1,27 +1,10 @@
 """The champion rule: when a newly registered model (the challenger) replaces the current champion.
 
-A figure is comparable with another only when both were measured on the same data by the same judge. Every
-registered version therefore carries its evaluation basis (`basis.*` tags: the md5s of the split files it was
-trained and evaluated on, and of the judge model that scored it). A challenger is compared with a champion of the
-same basis only, head to head on the same items of the dev split (chosen on dev, reported on test: the test split
-never decides):
-- the policy: the challenger's and the champion's answers to the dev prompts, each model prompted and decoded with
-  its own tokenizer, judged on the pairs where both answers ended (a cut or looping answer loses on form, not on
-  content; the raw win rate rewards the shorter model);
-- a reward model: both on the dev pairs, compared by which one ranks each pair as people did.
-Guards a user sets come first (`evaluate.champion`): a KL budget to the SFT model, a minimum share of ended answers
-and a bound on the length ratio to the champion; a challenger outside them is kept out whatever it wins.
-
-The test is a one-sided sign test over conversations (each conversation's mean verdict: a win, a loss or a tie; ties
-drop out), exact under the null hypothesis that the challenger is no better. The error rate stays bounded over
-repeated challenges by alpha spending: the challenge of registered version k is tested at level
-alpha_k = alpha * 6 / (pi^2 k^2); since sum_k 6 / (pi^2 k^2) = 1, the chance that any challenger no better than its
-champion is ever promoted stays at or below alpha, however many challenges come and however they depend on each
-other (they reuse the dev prompts). Version numbers are never reused, so runs challenging at the same time never
-share a level. The price is power that falls with k (`promotion_power`; table in docs/mlflow.md).
-
-Otherwise the decision is "not comparable (reason)" and nothing is promoted, unless `evaluate.promote=force`.
-With no champion yet the challenger becomes champion; `evaluate.promote=never` moves no alias at all.
+Only a champion of the same evaluation basis (`basis.*` tags: the split files and the judge) is compared with, head
+to head on the dev split (the test split never decides), after the user's guards (`evaluate.champion`). The test
+is a one-sided sign test over conversations at the level alpha_k = alpha * 6 / (pi^2 k^2) for version k, so the
+chance that a challenger no better than its champion is ever promoted stays at or below alpha however many
+challenges come. The rule, step by step: docs/evaluation.md, The champion rule; its power: docs/mlflow.md.
 """
 
 from __future__ import annotations

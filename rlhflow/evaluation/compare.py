@@ -1,23 +1,9 @@
-"""A policy against the SFT model on held-out prompts, reward models on held-out pairs, challengers against champions.
-
-What the evaluate stage measures, and how (each figure computed here or in the one module named):
-- prompts: one per held-out conversation (rlhflow.evaluation.held_out), all of them unless `evaluate.n_prompts`
-  says fewer, of both held-out splits: test for every figure reported (eval/...), dev for the figures choices read
-  (dev/...: the champion rule, a sweep's best point); the test split never chooses;
-- answers: both models sample with the evaluation's settings (rlhflow.models.sampling.evaluation_sampling) up to
-  `evaluate.max_new_tokens`; the SFT model's answers and their scores are the sft_answers stage's output
-  (rlhflow.evaluation.held_out), sampled once for every evaluate and sweep point; each answer is ended, cut or
-  degenerate (rlhflow.evaluation.answers);
-- win rates of the policy over the SFT model by the proxy and by the judge (rlhflow.evaluation.judges), overall and
-  on the prompts where both answers ended, with 95% intervals from a bootstrap over conversations; the same
-  resamples give the interval of the proxy-judge gap (rlhflow.evaluation.stats);
-- length-controlled win rates (AlpacaEval 2.0 LC, rlhflow.evaluation.stats), flagged unsupported when the data do
-  not cover equal lengths;
-- reward-model accuracy on held-out pairs beside the length rule ("the shorter answer is chosen"), with intervals
-  (rlhflow.evaluation.pairs.evaluate_pairs), calibration and ranking agreement (rlhflow.evaluation.metrics);
-- drift: answer length, EOS share, distinct-n, repetition; KL to the SFT model and perplexity
-  (rlhflow.evaluation.metrics);
-- head-to-head comparisons on the dev split for the champion rule (rlhflow.evaluation.champion).
+"""What the evaluate stage measures (`evaluate`): the policy against the SFT model's answers on one prompt per held-out
+conversation (rlhflow.evaluation.held_out), by the proxy and the judge (rlhflow.evaluation.judges): win rates overall,
+where both answers ended and length-controlled, with intervals over conversations (rlhflow.evaluation.stats); the
+answers' classes and drift, KL and perplexity (rlhflow.evaluation.metrics); the proxy on held-out pairs
+(rlhflow.evaluation.pairs). Every figure on the test split (eval/...), the choosing ones on the dev split (dev/...);
+and the head-to-head comparisons the champion rule reads. What each figure is: docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -30,7 +16,6 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from rlhflow.config.evaluate import ChampionConfig
-from rlhflow.config.params import Config
 from rlhflow.evaluation import stats
 from rlhflow.evaluation.answers import Answers
 from rlhflow.evaluation.champion import HeadToHead, alpha_spent, guard_failures, sign_test
@@ -50,6 +35,7 @@ from rlhflow.evaluation.metrics import (
     ranking_agreement,
     repetition_rate,
 )
+from rlhflow.evaluation.setup import EvaluationSetup
 
 # the bootstrap's seed: fixed, so every run's intervals are drawn the same way whatever its training seed
 BOOTSTRAP_SEED = 0
@@ -320,46 +306,44 @@ class EvaluatedModels:
     judge: Any  # rlhflow.evaluation.judges.Judge
 
 
-def load_evaluated_models(cfg: Config) -> EvaluatedModels:
+def load_evaluated_models(setup: EvaluationSetup) -> EvaluatedModels:
     from rlhflow.evaluation.judges import load_judge
     from rlhflow.models.loading import load_causal_lm, load_tokenizer, pick_device, resolve_precision
     from rlhflow.training.reward_model import RewardModel
 
-    device = pick_device(cfg.device)
-    sft_dir, policy_dir = str(cfg.path(cfg.sft.out_dir)), str(cfg.path(cfg.ppo.out_dir))
+    device = pick_device(setup.device)
+    sft_dir, policy_dir = str(setup.sft_dir), str(setup.policy_dir)
     tokenizer = load_tokenizer(sft_dir)
     return EvaluatedModels(
         device=device,
-        dtype=resolve_precision(cfg.evaluate.precision, device),
+        dtype=resolve_precision(setup.precision, device),
         tokenizer=tokenizer,
         sft=load_causal_lm(sft_dir, pad_token_id=tokenizer.pad_token_id).to(device).eval(),
         policy=load_causal_lm(policy_dir, pad_token_id=tokenizer.pad_token_id).to(device).eval(),
-        rm=RewardModel.load(
-            cfg.path(cfg.reward_model.out_dir), batch_size=cfg.reward_model.eval_batch_size, device=device
-        ),
-        judge=load_judge(cfg.judge, cfg.path(cfg.judge.out_dir), batch_size=cfg.judge.eval_batch_size, device=device),
+        rm=RewardModel.load(setup.reward_model_dir, batch_size=setup.reward_model_batch_size, device=device),
+        judge=load_judge(setup.judge, setup.judge_dir, batch_size=setup.judge_batch_size, device=device),
     )
 
 
-def evaluate(cfg: Config) -> PolicyEvaluation:
-    """The policy (`ppo.out_dir`) against the SFT model's answers (the sft_answers stage) on one prompt per held-out
-    conversation, scored by the proxy and the judge: every figure on the test split (eval/...), the choosing figures
-    on the dev split (dev/...); the proxy's accuracy on every test pair; perplexities on the chosen responses of the
-    first `evaluate.perplexity_rows` test prompts. Figures that are NaN (no value) are left out."""
+def evaluate(setup: EvaluationSetup) -> PolicyEvaluation:
+    """The policy (`setup.policy_dir`) against the SFT model's answers (the sft_answers stage) on one prompt per
+    held-out conversation, scored by the proxy and the judge: every figure on the test split (eval/...), the choosing
+    figures on the dev split (dev/...); the proxy's accuracy on every test pair; perplexities on the chosen responses
+    of the first `setup.perplexity_rows` test prompts. Figures that are NaN (no value) are left out."""
     from rlhflow.data.readers import read_jsonl
     from rlhflow.evaluation.pairs import evaluate_pairs
 
-    models = load_evaluated_models(cfg)
-    files = held_out_files(cfg)
-    held_out = HeldOutPrompts.load(cfg)
-    references = load_reference(cfg, prompts=held_out.counts)
-    parts, kl = answer_held_out(cfg, models, held_out)
+    models = load_evaluated_models(setup)
+    files = held_out_files(setup.validated_dir)
+    held_out = HeldOutPrompts.of(setup)
+    references = load_reference(setup, prompts=held_out.counts)
+    parts, kl = answer_held_out(setup, models, held_out)
     figures = {
-        split: split_figures(cfg, models.judge, held_out, split, policy_answers, references[split])
+        split: split_figures(setup, models.judge, held_out, split, policy_answers, references[split])
         for split, policy_answers in parts.items()
     }
     test_figures, judged, judge_scores = figures["test"]
-    metrics, pairs, buckets = test_metrics(cfg, models, files["test"], kl["test"], held_out.conversations["test"])
+    metrics, pairs, buckets = test_metrics(setup, models, files["test"], kl["test"], held_out.conversations["test"])
     metrics = {**test_figures, **metrics}
     dev = None
     if "dev" in parts:
@@ -385,17 +369,16 @@ def evaluate(cfg: Config) -> PolicyEvaluation:
     )
 
 
-def answer_held_out(cfg: Config, models: EvaluatedModels, held_out: HeldOutPrompts):
+def answer_held_out(setup: EvaluationSetup, models: EvaluatedModels, held_out: HeldOutPrompts):
     """The policy's answers to both held-out splits' prompts, sampled at once (full batches, and the random streams
     the SFT model's answers were drawn with), with the proxy's and a pointwise judge's scores and each answer's KL
     to the SFT model in the sampling precision: (answers per split, KL per split)."""
     from rlhflow.evaluation.metrics import sampled_kl
-    from rlhflow.models.sampling import evaluation_sampling
 
     everything = held_out.all()
     policy_low = as_precision(models.policy, models.dtype)
-    policy_out = evaluation_sampling(cfg).sample(policy_low, models.tokenizer, everything)
-    answers = Answers.from_outputs(policy_out, cfg.evaluate.degenerate_repetition)
+    policy_out = setup.sampling.sample(policy_low, models.tokenizer, everything)
+    answers = Answers.from_outputs(policy_out, setup.degenerate_repetition)
     answers.extra["proxy"] = models.rm.score(everything, answers.texts).tolist()
     if models.judge.pointwise:
         answers.extra["judge"] = [float(x) for x in models.judge.score(everything, answers.texts)]
@@ -403,52 +386,50 @@ def answer_held_out(cfg: Config, models: EvaluatedModels, held_out: HeldOutPromp
         policy_low,
         as_precision(models.sft, models.dtype),
         policy_out,
-        cfg.eval_temperature,
+        setup.temperature,
         pad_token_id=models.tokenizer.pad_token_id,
-        batch_size=cfg.evaluate.score_batch_size,
+        batch_size=setup.score_batch_size,
     )
     parts = answers.split(held_out.sizes())
     kl = dict(zip(parts, np.split(np.asarray(kl_all), np.cumsum(list(held_out.sizes().values()))[:-1])))
     return parts, kl
 
 
-def split_figures(cfg: Config, judge, held_out: HeldOutPrompts, split: str, policy_answers: Answers, sft_answers):
+def split_figures(setup: EvaluationSetup, judge, held_out: HeldOutPrompts, split: str, policy_answers, sft_answers):
     """One split's comparison of the policy's answers with the SFT model's: (figures, the judge's verdicts, a
     pointwise judge's scores)."""
     proxy = verdicts_from_scores(policy_answers.extra["proxy"], sft_answers.extra["proxy"])
     judged, judge_scores = _verdicts(judge, held_out.prompts[split], policy_answers, sft_answers)
     conversations = held_out.conversations[split]
     metrics = comparison_metrics(
-        policy_answers, sft_answers, proxy, judged, conversations, judge_scores, cfg.ppo.missing_eos_penalty
+        policy_answers, sft_answers, proxy, judged, conversations, judge_scores, setup.missing_eos_penalty
     )
     return metrics | text_metrics(policy_answers) | sft_side(text_metrics(sft_answers)), judged, judge_scores
 
 
-def test_metrics(cfg: Config, models: EvaluatedModels, test_file: Path, kl: np.ndarray, conversations: list[str]):
+def test_metrics(setup: EvaluationSetup, models: EvaluatedModels, test_file: Path, kl, conversations: list[str]):
     """The test split's KL with its interval, both perplexities, and the proxy on every test pair:
     (figures, the pairs' verdicts, the calibration buckets)."""
     from rlhflow.data.readers import read_jsonl
     from rlhflow.evaluation.metrics import perplexity, saved_held_out_perplexity
     from rlhflow.evaluation.pairs import evaluate_pairs, saved_pair_scores
 
-    e = cfg.evaluate
+    rows, batch = setup.perplexity_rows, setup.score_batch_size
     test = read_jsonl(test_file)
-    ref_rows = test.drop_duplicates("prompt").head(e.perplexity_rows)
+    ref_rows = test.drop_duplicates("prompt").head(rows)
     ppl_args = (list(ref_rows["prompt_messages"]), list(ref_rows["chosen"]))
     # the SFT model's figure as the sft stage measured it on the same rows; measured here when it has none for them
-    sft_dir = str(cfg.path(cfg.sft.out_dir))
-    sft_perplexity = saved_held_out_perplexity(sft_dir, rows=e.perplexity_rows, data_file=test_file)
+    sft_perplexity = saved_held_out_perplexity(str(setup.sft_dir), rows=rows, data_file=test_file)
     if sft_perplexity is None:
-        sft_perplexity = perplexity(models.sft, models.tokenizer, *ppl_args, batch_size=e.score_batch_size)
+        sft_perplexity = perplexity(models.sft, models.tokenizer, *ppl_args, batch_size=batch)
     pair_rows = test.to_dict("records")
     # the proxy's scores of these pairs as its stage saved them (the same model, loaded the same way)
-    rm_dir = cfg.path(cfg.reward_model.out_dir)
-    pairs = evaluate_pairs(models.rm, pair_rows, scores=saved_pair_scores(rm_dir, data_file=test_file))
+    pairs = evaluate_pairs(models.rm, pair_rows, scores=saved_pair_scores(setup.reward_model_dir, data_file=test_file))
     rm_metrics, buckets = reward_model_metrics(pairs, pair_rows)
     kl_weights = stats.resample_weights(len(kl), clusters=conversations, seed=BOOTSTRAP_SEED)
     metrics = {
         **_with_interval("eval/kl", stats.mean_with_interval(kl, kl_weights)),  # by conversation
-        "eval/perplexity": perplexity(models.policy, models.tokenizer, *ppl_args, batch_size=e.score_batch_size),
+        "eval/perplexity": perplexity(models.policy, models.tokenizer, *ppl_args, batch_size=batch),
         "eval/perplexity_sft": sft_perplexity,
         **rm_metrics,
     }
@@ -473,20 +454,19 @@ def answer_samples(held_out, policy_answers: Answers, sft_answers: Answers, judg
     return samples
 
 
-def policy_against(result: PolicyEvaluation, cfg: Config, model_dir: str, challenge: int) -> HeadToHead:
+def policy_against(result: PolicyEvaluation, setup: EvaluationSetup, model_dir: str, challenge: int) -> HeadToHead:
     """The evaluated policy head to head with another one (the champion's model dir) on the dev prompts, judged by
     the same judge on the pairs where both answers ended, after the guards (evaluate.champion); the other policy
     samples with its own tokenizer (its chat template and special tokens), as it would be served, with the
     evaluation's settings."""
     from rlhflow.models.loading import load_causal_lm, load_tokenizer, resolve_precision
-    from rlhflow.models.sampling import evaluation_sampling
 
-    dev, e = result.dev, cfg.evaluate
+    dev = result.dev
     tokenizer = load_tokenizer(model_dir)
     other = load_causal_lm(model_dir, pad_token_id=tokenizer.pad_token_id).to(result.device).eval()
-    other = as_precision(other, resolve_precision(e.precision, result.device))
+    other = as_precision(other, resolve_precision(setup.precision, result.device))
     other_answers = Answers.from_outputs(
-        evaluation_sampling(cfg).sample(other, tokenizer, dev.prompts), e.degenerate_repetition
+        setup.sampling.sample(other, tokenizer, dev.prompts), setup.degenerate_repetition
     )
     mine = dev.answers
     both = np.flatnonzero(mine.is_class("ended") & other_answers.is_class("ended"))
@@ -496,7 +476,7 @@ def policy_against(result: PolicyEvaluation, cfg: Config, model_dir: str, challe
         verdicts = verdicts_from_scores(result.judge.score(prompts, texts), result.judge.score(prompts, other_texts))
     else:
         verdicts = result.judge.compare(prompts, texts, other_texts)
-    rule = e.champion
+    rule = setup.champion
     guards = guard_failures(
         rule,
         kl=dev.kl,
@@ -506,7 +486,7 @@ def policy_against(result: PolicyEvaluation, cfg: Config, model_dir: str, challe
     return policy_head_to_head(verdicts, [dev.conversations[i] for i in both], rule, challenge, guards)
 
 
-def reward_model_against(result: PolicyEvaluation, cfg: Config, model_dir, challenge: int) -> HeadToHead:
+def reward_model_against(result: PolicyEvaluation, setup: EvaluationSetup, model_dir, challenge: int) -> HeadToHead:
     """The proxy head to head with another reward model (the champion's model dir) on the dev split's pairs."""
     import pandas as pd
 
@@ -515,9 +495,9 @@ def reward_model_against(result: PolicyEvaluation, cfg: Config, model_dir, chall
     from rlhflow.training.reward_model import RewardModel
 
     dev = result.dev
-    other = RewardModel.load(model_dir, batch_size=cfg.reward_model.eval_batch_size, device=result.device)
+    other = RewardModel.load(model_dir, batch_size=setup.reward_model_batch_size, device=result.device)
     other_pairs = evaluate_pairs(other, dev.pair_rows)
     conversations = list(conversation_keys(pd.DataFrame(dev.pair_rows)))
     return reward_model_head_to_head(
-        dev.pairs.correct.tolist(), other_pairs.correct.tolist(), conversations, cfg.evaluate.champion, challenge
+        dev.pairs.correct.tolist(), other_pairs.correct.tolist(), conversations, setup.champion, challenge
     )

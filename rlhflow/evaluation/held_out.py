@@ -8,8 +8,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlhflow.config.params import Config
 from rlhflow.evaluation.answers import Answers
+from rlhflow.evaluation.setup import EvaluationSetup
+from rlhflow.models.sampling import Sampling
 
 REFERENCE_FILE = "answers.json"
 
@@ -30,10 +31,9 @@ def evaluation_prompts(test_file: Path, n_prompts: int | None):
 HELD_OUT = ("test", "dev")
 
 
-def held_out_files(cfg: Config) -> dict[str, Path]:
+def held_out_files(validated_dir: Path) -> dict[str, Path]:
     """test.jsonl, and dev.jsonl where validate wrote one (validate.dev_fraction > 0)."""
-    validated = cfg.path(cfg.validate_.out_dir)
-    return {s: validated / f"{s}.jsonl" for s in HELD_OUT if s == "test" or (validated / f"{s}.jsonl").exists()}
+    return {s: validated_dir / f"{s}.jsonl" for s in HELD_OUT if s == "test" or (validated_dir / f"{s}.jsonl").exists()}
 
 
 @dataclass
@@ -47,15 +47,19 @@ class HeldOutPrompts:
     counts: dict[str, int]  # per split: distinct prompts
 
     @classmethod
-    def load(cls, cfg: Config) -> HeldOutPrompts:
-        k = cfg.evaluate.samples_per_prompt
-        frames = {split: evaluation_prompts(f, cfg.evaluate.n_prompts) for split, f in held_out_files(cfg).items()}
+    def load(cls, files: dict[str, Path], n_prompts: int | None, samples_per_prompt: int) -> HeldOutPrompts:
+        k = samples_per_prompt
+        frames = {split: evaluation_prompts(f, n_prompts) for split, f in files.items()}
         return cls(
             {s: repeated(list(df["prompt_messages"]), k) for s, df in frames.items()},
             {s: repeated(list(df["prompt"]), k) for s, df in frames.items()},
             {s: repeated(list(df["conversation"]), k) for s, df in frames.items()},
             {s: len(df) for s, df in frames.items()},
         )
+
+    @classmethod
+    def of(cls, setup: EvaluationSetup) -> HeldOutPrompts:
+        return cls.load(held_out_files(setup.validated_dir), setup.n_prompts, setup.samples_per_prompt)
 
     def all(self) -> list:
         return [p for split in self.prompts for p in self.prompts[split]]
@@ -64,16 +68,13 @@ class HeldOutPrompts:
         return {split: len(p) for split, p in self.prompts.items()}
 
 
-def sample(model, tokenizer, prompt_messages, cfg: Config, *, max_new_tokens: int | None = None):
-    """Answers to `prompt_messages` with the evaluation's sampling settings (`max_new_tokens`: another limit)."""
+def sample(model, tokenizer, prompt_messages, sampling: Sampling, *, max_new_tokens: int | None = None):
+    """Answers to `prompt_messages` with `sampling` (the evaluation's settings; `max_new_tokens`: another limit)."""
     import dataclasses
 
-    from rlhflow.models.sampling import evaluation_sampling
-
-    settings = evaluation_sampling(cfg)
     if max_new_tokens is not None:
-        settings = dataclasses.replace(settings, max_new_tokens=max_new_tokens)
-    return settings.sample(model, tokenizer, prompt_messages)
+        sampling = dataclasses.replace(sampling, max_new_tokens=max_new_tokens)
+    return sampling.sample(model, tokenizer, prompt_messages)
 
 
 def texts_of(outputs) -> list[str]:
@@ -95,38 +96,33 @@ def as_precision(model, dtype):
     return model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
 
 
-def sample_reference(cfg: Config, out_dir: Path) -> dict[str, float]:
+def sample_reference(setup: EvaluationSetup, out_dir: Path) -> dict[str, float]:
     """The sft_answers stage: the SFT model's answers to the evaluation prompts of both held-out splits, classified,
     with the proxy's scores (and the judge's, for a judge that scores answers one at a time), written to `out_dir`
     with what they are keyed by (`reference_key`). Returns the answers' class shares per split."""
     from rlhflow.evaluation.judges import load_judge
     from rlhflow.fsutil import write_json_atomic
     from rlhflow.models.loading import load_causal_lm, load_tokenizer, pick_device, resolve_precision
-    from rlhflow.models.sampling import evaluation_sampling
     from rlhflow.training.reward_model import RewardModel
 
-    e = cfg.evaluate
-    device = pick_device(cfg.device)
-    sft_dir = cfg.path(cfg.sft.out_dir)
-    held_out = HeldOutPrompts.load(cfg)
+    device = pick_device(setup.device)
+    held_out = HeldOutPrompts.of(setup)
     prompts = held_out.all()
 
-    tokenizer = load_tokenizer(str(sft_dir))
-    sft = load_causal_lm(str(sft_dir), pad_token_id=tokenizer.pad_token_id).to(device).eval()
-    sft = as_precision(sft, resolve_precision(e.precision, device))
-    answers = Answers.from_outputs(evaluation_sampling(cfg).sample(sft, tokenizer, prompts), e.degenerate_repetition)
+    tokenizer = load_tokenizer(str(setup.sft_dir))
+    sft = load_causal_lm(str(setup.sft_dir), pad_token_id=tokenizer.pad_token_id).to(device).eval()
+    sft = as_precision(sft, resolve_precision(setup.precision, device))
+    answers = Answers.from_outputs(setup.sampling.sample(sft, tokenizer, prompts), setup.degenerate_repetition)
     del sft
 
-    rm = RewardModel.load(
-        cfg.path(cfg.reward_model.out_dir), batch_size=cfg.reward_model.eval_batch_size, device=device
-    )
+    rm = RewardModel.load(setup.reward_model_dir, batch_size=setup.reward_model_batch_size, device=device)
     answers.extra["proxy"] = rm.score(prompts, answers.texts).tolist()
-    judge = load_judge(cfg.judge, cfg.path(cfg.judge.out_dir), batch_size=cfg.judge.eval_batch_size, device=device)
+    judge = load_judge(setup.judge, setup.judge_dir, batch_size=setup.judge_batch_size, device=device)
     if judge.pointwise:
         answers.extra["judge"] = [float(x) for x in judge.score(prompts, answers.texts)]
     parts = answers.split(held_out.sizes())
     record = {
-        "key": reference_key(cfg, prompts=held_out.counts),
+        "key": reference_key(setup, prompts=held_out.counts),
         "answers": {split: part.to_json() for split, part in parts.items()},
     }
     write_json_atomic(Path(out_dir) / REFERENCE_FILE, record)
@@ -137,34 +133,32 @@ def sample_reference(cfg: Config, out_dir: Path) -> dict[str, float]:
     return metrics
 
 
-def reference_key(cfg: Config, *, prompts: dict[str, int]) -> dict:
+def reference_key(setup: EvaluationSetup, *, prompts: dict[str, int]) -> dict:
     """What the SFT answers depend on besides the code: the SFT model, the held-out split files, the number of
     evaluation prompts of each (`prompts`) and every sampling and classification setting. The sft_answers stage
     writes it with the answers; evaluate takes them only under the same key."""
     from rlhflow.fsutil import dir_md5, file_md5
-    from rlhflow.models.sampling import evaluation_sampling
 
-    e = cfg.evaluate
     return {
-        "sft_md5": dir_md5(cfg.path(cfg.sft.out_dir)),
-        "held_out_md5": {split: file_md5(path) for split, path in held_out_files(cfg).items()},
+        "sft_md5": dir_md5(setup.sft_dir),
+        "held_out_md5": {split: file_md5(path) for split, path in held_out_files(setup.validated_dir).items()},
         "prompts": prompts,
-        "samples_per_prompt": e.samples_per_prompt,
-        "sampling": evaluation_sampling(cfg).key(),
-        "degenerate_repetition": e.degenerate_repetition,
-        "precision": e.precision,
+        "samples_per_prompt": setup.samples_per_prompt,
+        "sampling": setup.sampling.key(),
+        "degenerate_repetition": setup.degenerate_repetition,
+        "precision": setup.precision,
     }
 
 
-def load_reference(cfg: Config, *, prompts: dict[str, int]) -> dict[str, Answers]:
+def load_reference(setup: EvaluationSetup, *, prompts: dict[str, int]) -> dict[str, Answers]:
     """The sft_answers stage's output per held-out split, for `prompts` evaluation prompts of each; an error naming
     what differs when it was sampled for another SFT model, other prompts or other settings (the flow reruns that
     stage first; a stage run by hand may not have)."""
-    path = cfg.path(cfg.evaluate.reference_dir) / REFERENCE_FILE
+    path = setup.reference_dir / REFERENCE_FILE
     if not path.exists():
         raise FileNotFoundError(f"{path}: the SFT model's evaluation answers are missing; run the sft_answers stage")
     record = json.loads(path.read_text())
-    expected = reference_key(cfg, prompts=prompts)
+    expected = reference_key(setup, prompts=prompts)
     differs = sorted(k for k in expected if record["key"].get(k) != expected[k])
     if differs:
         raise ValueError(

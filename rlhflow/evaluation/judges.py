@@ -1,32 +1,11 @@
 """Judges: the evaluation's independent instrument, which says which of two answers to a prompt is better.
 
-`judge.kind` picks one (`load_judge`):
-- `trained`: the reward model the judge stage trained on the judge split (rlhflow.training.reward_model.RewardModel);
-- `reward_model`: any Hugging Face sequence-classification reward model with one label (`judge.model`: a local dir,
-  `pkg:<package>` or a Hub id), used as it is, reading the chat-formatted prompt and answer with its own tokenizer
-  exactly as a trained reward model does (rlhflow.training.reward_model.encode_pair);
-- `llm`: a chat model behind an OpenAI-compatible endpoint (`POST {judge.endpoint}/chat/completions`), asked for a
-  pairwise verdict with the prompt template `judge.template`.
-
-Pointwise judges (trained, reward_model) score answers one at a time (`score`: the trained judge's normalised
-rewards, another reward model's raw scores); on a pair, the higher score wins (a tie is half) and the soft preference
-for a is sigmoid(score_a - score_b) of those scores. The llm judge only compares: each
-prompt is asked twice, with the answers in both orders, so position bias cancels. An order names a (1) or b (0); the
-soft preference is the mean of the two orders; the verdict is a's win only when both orders name a, b's only when
-both name b, else a tie (0.5).
-
-What the llm judge reads (`LLMJudge.render`): the template filled in one pass (`str.format_map`), the conversation
-as a JSON list of `{"role", "content"}` messages and each answer as a JSON string, so that no answer can expand a
-placeholder, end its own block or speak as the instructions. A template holds exactly the placeholders
-`{instruction}`, `{output_1}` and `{output_2}` (str.format syntax, a literal brace doubled), checked when it is loaded.
-
-Reading a verdict (`parse_verdict`): the reply, with surrounding whitespace removed, must be exactly `1` or `2`.
-Anything else (`Output 1`, `2.`, `**1**`, a sentence) is malformed: it is asked again, up to `judge.max_retries`
-times, then counted and its prompt named (`Verdicts.malformed_items`); that order counts 0.5, so a malformed reply
-is never silently dropped nor taken for a verdict.
-
-The endpoint's API key is read from the environment variable `judge.api_key_env` at request time (absent: no
-Authorization header) and sent only in that header: it is never in `describe()`, a log line or an error message.
+`judge.kind` picks one (`load_judge`): `trained` (the judge stage's reward model), `reward_model` (any one-label
+sequence-classification reward model, read as a trained one is) or `llm` (a chat model behind an OpenAI-compatible
+endpoint, asked in both answer orders). Pointwise judges score answers one at a time; the llm judge only compares.
+What the llm judge reads (`LLMJudge.render`) and how a verdict is read (`parse_verdict`) are written so that no
+answer can steer it; its API key goes only into the request's Authorization header. The whole contract:
+docs/evaluation.md, The judge.
 """
 
 from __future__ import annotations

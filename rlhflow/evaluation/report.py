@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from rlhflow.config.params import Config
+from rlhflow.evaluation.setup import EvaluationSetup
+from rlhflow.models.sampling import Sampling
 
 if TYPE_CHECKING:
     from rlhflow.evaluation.compare import PolicyEvaluation
@@ -244,17 +245,16 @@ def _sample_lines(samples: dict[str, list], n_examples: int) -> list[str]:
     return lines
 
 
-def sampling_description(cfg: Config) -> str:
-    from rlhflow.models.sampling import evaluation_sampling
-
-    s = evaluation_sampling(cfg)
+def sampling_description(s: Sampling) -> str:
     return (
         f"temperature {s.temperature}, top-k {s.top_k or 'off'}, top-p {s.top_p}, repetition penalty "
         f"{s.repetition_penalty}, up to {s.max_new_tokens} new tokens, seed {s.seed}"
     )
 
 
-def write_outputs(cfg: Config, result: PolicyEvaluation, decisions: list, judge_metrics: dict | None = None) -> None:
+def write_outputs(
+    setup: EvaluationSetup, result: PolicyEvaluation, decisions: list, judge_metrics: dict | None = None
+) -> None:
     """The plot data in metrics_dir (DVC plots) and, all at once, the report dir: samples, figures (the PPO
     history's too, when there is one) and report.md with the champion decisions."""
     import pandas as pd
@@ -263,15 +263,15 @@ def write_outputs(cfg: Config, result: PolicyEvaluation, decisions: list, judge_
     from rlhflow.fsutil import atomic_dir, write_json_atomic, write_text_atomic
 
     samples, buckets = result.samples, result.buckets
-    history_csv = cfg.path(cfg.metrics_dir) / "ppo_history.csv"
+    metrics_dir = setup.metrics_dir
+    history_csv = metrics_dir / "ppo_history.csv"
     history = pd.read_csv(history_csv) if history_csv.exists() else None
-    metrics_dir = cfg.path(cfg.metrics_dir)
     write_text_atomic(
         metrics_dir / REWARD_QUANTILES_CSV,
         reward_quantiles(samples["sft_reward"], samples["ppo_reward"]).to_csv(index=False),
     )
     write_text_atomic(metrics_dir / CALIBRATION_CSV, calibration_table(buckets).to_csv(index=False))
-    with atomic_dir(cfg.path(cfg.evaluate.report_dir), setting="evaluate.report_dir") as tmp:
+    with atomic_dir(setup.report_dir, setting="evaluate.report_dir") as tmp:
         write_json_atomic(tmp / "samples.json", samples)
         figures = {
             "reward_distributions": plots.reward_distributions(samples["sft_reward"], samples["ppo_reward"]),
@@ -292,6 +292,6 @@ def write_outputs(cfg: Config, result: PolicyEvaluation, decisions: list, judge_
                 decisions,
                 sorted(figures),
                 judge_metrics=judge_metrics,
-                settings=sampling_description(cfg),
+                settings=sampling_description(setup.sampling),
             ),
         )

@@ -5,12 +5,7 @@ so the stages cannot drift apart.
   answers leave their batch (`rlhflow.models.decoding`), so a batch's cost follows its answers' lengths.
 - `Sampling`: every setting of one sampling run. PPO must sample the full softmax (its ratios and KL assume it);
   evaluation need not: `evaluate.top_p` and `evaluate.repetition_penalty` may change what the compared models say,
-  the same way for both (docs/evaluation.md shows what they do to the SFT model's degenerate answers).
-- `evaluation_sampling(cfg)`: the evaluation's settings: evaluate's temperature (default: PPO's), top-p (default:
-  PPO's), repetition penalty and its own seed (`evaluate.seed`), PPO's prompt cut, top-k and stop strings. Every
-  model compared samples on the same random streams; a training-seed sweep keeps the same streams.
-- `sample(model, tokenizer, prompts, cfg, ...)`: as PPO samples (its prompt cut, top-k / top-p, stop strings) at
-  the evaluation temperature with the run's seed: the SFT stage's samples.
+  the same way for both. The stages build theirs from params.yaml (tasks/evaluation_setup.py, tasks/sft.py).
 """
 
 from __future__ import annotations
@@ -19,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Literal
 
-from rlhflow.config.params import Config
 from rlhflow.models.generation import GenerationOutput, generate
 from rlhflow.models.policy import Messages, encode_prompts
 
@@ -111,36 +105,3 @@ class Sampling:
             drop_finished=self.decoder == "drop_finished",
             draw=self.draw,
         )
-
-
-def evaluation_sampling(cfg: Config) -> Sampling:
-    e, p = cfg.evaluate, cfg.ppo
-    return Sampling(
-        temperature=cfg.eval_temperature,
-        top_k=p.top_k,
-        top_p=e.top_p if e.top_p is not None else p.top_p,
-        repetition_penalty=e.repetition_penalty,
-        max_new_tokens=e.max_new_tokens,
-        max_prompt_length=p.max_prompt_length,
-        stop_strings=tuple(p.stop_strings),
-        seed=e.seed,
-        batch_size=e.batch_size,
-    )
-
-
-def sample(
-    model, tokenizer, prompt_messages, cfg: Config, *, batch_size: int, max_new_tokens: int
-) -> list[GenerationOutput]:
-    """As PPO samples, at the evaluation temperature, with the run's seed (the SFT stage's samples)."""
-    settings = Sampling(
-        temperature=cfg.eval_temperature,
-        top_k=cfg.ppo.top_k,
-        top_p=cfg.ppo.top_p,
-        repetition_penalty=1.0,
-        max_new_tokens=max_new_tokens,
-        max_prompt_length=cfg.ppo.max_prompt_length,
-        stop_strings=tuple(cfg.ppo.stop_strings),
-        seed=cfg.seed,
-        batch_size=batch_size,
-    )
-    return settings.sample(model, tokenizer, prompt_messages)

@@ -3,24 +3,24 @@ trained reward model, held in the run's precision) and the separate critic's ini
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from rlhflow.config.params import Config
+from rlhflow.config.ppo import PPOConfig
 from rlhflow.models.loading import autocast, linear_weights_to
 from rlhflow.models.policy import Critic
 from rlhflow.ppo.reward_functions import load_reward_fn
 from rlhflow.training.reward_model import RewardModel
 
 
-def load_reward_source(cfg: Config, device):
-    """(score_fn, reward model): ppo.reward_fn when set (no reward model), else the trained reward model's
-    normalised score."""
-    if cfg.ppo.reward_fn:
-        fn = load_reward_fn(cfg.ppo.reward_fn, cfg.ppo.reward_fn_kwargs)
+def load_reward_source(ppo: PPOConfig, reward_model_dir: Path, *, batch_size: int, device):
+    """(score_fn, reward model): ppo.reward_fn when set (no reward model), else the normalised score of the trained
+    reward model in `reward_model_dir`, scoring `batch_size` responses at a time."""
+    if ppo.reward_fn:
+        fn = load_reward_fn(ppo.reward_fn, ppo.reward_fn_kwargs)
         return lambda prompts, responses: torch.as_tensor(list(fn(prompts, responses)), dtype=torch.float32), None
-    rm = RewardModel.load(
-        cfg.path(cfg.reward_model.out_dir), batch_size=cfg.reward_model.eval_batch_size, device=device
-    )
+    rm = RewardModel.load(reward_model_dir, batch_size=batch_size, device=device)
     return rm.score, rm
 
 
@@ -39,10 +39,10 @@ def in_precision(score_fn, reward_model, dtype: torch.dtype):
     return score
 
 
-def make_critic(cfg: Config, reward_model, policy_tokenizer):
+def make_critic(ppo: PPOConfig, reward_model, policy_tokenizer):
     """The separate critic's start (ppo.critic_init): a copy of the reward model when it reads the policy's tokens,
     else None (the trainer copies the SFT backbone)."""
-    if cfg.ppo.value_model != "separate" or cfg.ppo.critic_init == "sft":
+    if ppo.value_model != "separate" or ppo.critic_init == "sft":
         return None
     if reward_model is None:
         why_not = "ppo.reward_fn replaces the reward model"
@@ -55,7 +55,7 @@ def make_critic(cfg: Config, reward_model, policy_tokenizer):
             return critic
         except ValueError as err:
             why_not = str(err)
-    if cfg.ppo.critic_init == "reward_model":
+    if ppo.critic_init == "reward_model":
         raise ValueError(f"ppo.critic_init=reward_model: {why_not}")
     print(f"ppo: the critic starts from the SFT model ({why_not})", flush=True)
     return None

@@ -22,12 +22,14 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rlhflow.config.params import Config
+from rlhflow.config.align import AlignConfig
+from rlhflow.config.ppo import PPOConfig
 from rlhflow.models.generation import stop_token_ids
 from rlhflow.models.loading import trainer_bf16
 from rlhflow.models.policy import prompt_ids, prompt_text
@@ -44,6 +46,16 @@ REWARD_NAME = "proxy"  # trl names the reward's statistics (rewards/proxy/mean) 
 
 
 # ---- settings ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AlignSettings:
+    """What trl's algorithms read: the align section, PPO's sampling and reward settings (the contract they share
+    with PPO) and the training seed."""
+
+    align: AlignConfig
+    ppo: PPOConfig
+    seed: int
 
 
 def preference_pairs(rows: Sequence[dict]) -> list[dict]:
@@ -69,9 +81,9 @@ def unique_prompts(rows: Sequence[dict]) -> list[list[dict]]:
     return prompts
 
 
-def check_settings(cfg: Config, train_rows: Sequence[dict], tokenizer=None) -> None:
+def check_settings(settings: AlignSettings, train_rows: Sequence[dict], tokenizer=None) -> None:
     """Settings that the typed config cannot judge alone fail here, before any model is loaded, naming the key."""
-    algorithm = cfg.align.algorithm
+    algorithm = settings.align.algorithm
     if algorithm == "dpo" and not preference_pairs(train_rows):
         raise ValueError(
             f"align.algorithm=dpo needs preference pairs, and the train split ({len(train_rows)} rows) has none with "
@@ -83,7 +95,7 @@ def check_settings(cfg: Config, train_rows: Sequence[dict], tokenizer=None) -> N
             raise ValueError(f"align.algorithm={algorithm}: the train split has no prompts to sample from")
         if tokenizer is not None:
             vocab = tokenizer.get_vocab()
-            multi_token = [s for s in cfg.ppo.stop_strings if s not in vocab]
+            multi_token = [s for s in settings.ppo.stop_strings if s not in vocab]
             if multi_token:
                 raise ValueError(
                     f"ppo.stop_strings {multi_token}: align.algorithm={algorithm} stops only at EOS and stop strings "
@@ -254,10 +266,10 @@ def truncating_collator(pad_token_id: int, max_prompt_length: int, max_response_
 # ---- trainer arguments ---------------------------------------------------------------------------
 
 
-def _common_args(cfg: Config, device: torch.device, work_dir: str | Path) -> dict[str, Any]:
+def _common_args(settings: AlignSettings, device: torch.device, work_dir: str | Path) -> dict[str, Any]:
     """What every trl algorithm's config shares: the align section's run length, batch, learning rate, checkpoints
     and precision."""
-    a = cfg.align
+    a = settings.align
     return dict(
         output_dir=str(work_dir),
         max_steps=a.steps,
@@ -268,7 +280,7 @@ def _common_args(cfg: Config, device: torch.device, work_dir: str | Path) -> dic
         warmup_steps=0,
         logging_steps=1,
         report_to="none",
-        seed=cfg.seed,
+        seed=settings.seed,
         **checkpoint_args(a.checkpoint_every),
         use_cpu=device.type != "cuda",
         bf16=device.type == "cuda" and trainer_bf16(a.precision, device, "align"),
@@ -280,12 +292,12 @@ def _common_args(cfg: Config, device: torch.device, work_dir: str | Path) -> dic
     )
 
 
-def trainer_args(cfg: Config, device: torch.device, work_dir: str | Path):
+def trainer_args(settings: AlignSettings, device: torch.device, work_dir: str | Path):
     """The GRPOConfig, RLOOConfig or DPOConfig of `align.algorithm`: the align section's shared settings and the
     algorithm's own, PPO's sampling settings, fp32 unless on CUDA with bf16 asked for (align.precision), no
     gradient checkpointing unless asked for, a log entry every step."""
-    a, p = cfg.align, cfg.ppo
-    common = _common_args(cfg, device, work_dir)
+    a, p = settings.align, settings.ppo
+    common = _common_args(settings, device, work_dir)
     sampling = dict(
         max_completion_length=p.max_new_tokens,
         temperature=p.temperature,
@@ -402,7 +414,7 @@ def neutral_generation_config(model, eos_ids: Sequence[int]) -> Iterator[None]:
 
 
 def build_trainer(
-    cfg: Config,
+    settings: AlignSettings,
     *,
     policy,
     tokenizer,
@@ -415,8 +427,8 @@ def build_trainer(
 ):
     """trl's trainer for `align.algorithm` on the policy (the SFT model, loaded), ready to train. GRPO and RLOO
     need `score_fn` (PPO's reward source); DPO's reference is `ref_model` (a frozen copy of the SFT model)."""
-    algorithm = cfg.align.algorithm
-    args = trainer_args(cfg, device, work_dir)
+    algorithm = settings.align.algorithm
+    args = trainer_args(settings, device, work_dir)
     callbacks = [log_callback(log_fn)]
     if algorithm in SAMPLING_ALGORITHMS:
         from trl import GRPOTrainer, RLOOTrainer
@@ -425,12 +437,12 @@ def build_trainer(
             raise ValueError(f"align.algorithm={algorithm} needs a reward source")
         reward = ProxyReward(
             score_fn,
-            eos_ids=stop_token_ids(tokenizer, policy, cfg.ppo.stop_strings),
-            missing_eos_penalty=cfg.ppo.missing_eos_penalty,
+            eos_ids=stop_token_ids(tokenizer, policy, settings.ppo.stop_strings),
+            missing_eos_penalty=settings.ppo.missing_eos_penalty,
             record_dir=Path(work_dir) / SCORED_DIR,
         )
         base = GRPOTrainer if algorithm == "grpo" else RLOOTrainer
-        trainer_class = _with_ppo_prompts(base, cfg.ppo.max_prompt_length)
+        trainer_class = _with_ppo_prompts(base, settings.ppo.max_prompt_length)
         return trainer_class(
             model=policy,
             reward_funcs=[reward],
@@ -446,7 +458,7 @@ def build_trainer(
         ref_model=ref_model,
         args=args,
         data_collator=truncating_collator(
-            tokenizer.pad_token_id, cfg.ppo.max_prompt_length, cfg.align.dpo.max_response_length
+            tokenizer.pad_token_id, settings.ppo.max_prompt_length, settings.align.dpo.max_response_length
         ),
         train_dataset=preference_dataset(train_rows, tokenizer),
         processing_class=tokenizer,
@@ -455,7 +467,7 @@ def build_trainer(
 
 
 def train_policy(
-    cfg: Config,
+    settings: AlignSettings,
     *,
     policy,
     tokenizer,
@@ -468,10 +480,10 @@ def train_policy(
 ):
     """Train the policy with `align.algorithm` (resuming from the last complete Trainer checkpoint in `work_dir`,
     which the caller keeps only for the same inputs) and return (trained policy, per-step history)."""
-    algorithm = cfg.align.algorithm
-    with neutral_generation_config(policy, stop_token_ids(tokenizer, policy, cfg.ppo.stop_strings)):
+    algorithm = settings.align.algorithm
+    with neutral_generation_config(policy, stop_token_ids(tokenizer, policy, settings.ppo.stop_strings)):
         trainer = build_trainer(
-            cfg,
+            settings,
             policy=policy,
             tokenizer=tokenizer,
             train_rows=train_rows,
