@@ -107,6 +107,23 @@ def test_no_function_longer_than_a_screen():
     assert not long, long
 
 
+def test_no_library_function_takes_the_whole_config():
+    """A stage reads its sections once and hands the library values (docs/configuration.md): outside the config
+    room, rlhflow neither imports the Config nor takes one."""
+    wrong = []
+    for path in project_files("rlhflow"):
+        if path.parent.name == "config":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and any(a.name == "Config" for a in node.names):
+                wrong.append(f"{path.relative_to(REPO)}:{node.lineno} imports Config")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                if any(ast.unparse(a.annotation).strip("'\"") == "Config" for a in args if a.annotation):
+                    wrong.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} takes a Config")
+    assert not wrong, wrong
+
+
 def test_every_project_import_resolves():
     """Imports inside functions run only when the function does: check each `from <project module> import name`
     names something that module defines, so a moved function cannot leave a stage that fails at run time."""
