@@ -1,25 +1,11 @@
-"""The full RLHF pipeline as one Prefect flow: the stages of rlhfops.stages.STAGES, in order, inside one
-MLflow parent run (one child run per stage that runs). Run it with
+"""The full RLHF pipeline as one Prefect flow: the stages of rlhfops.stages.STAGES, in order, inside one MLflow
+parent run (one child run per stage that runs). `python -m flows.pipeline [--params FILE] [--set KEY=VALUE ...]
+[--stages ppo,evaluate] [--force]`, or from the Prefect UI (`make ui`). A failing stage fails the flow and stops
+everything downstream.
 
-    python -m flows.pipeline [--params params.yaml] [--set ppo.kl_coef=0.1 ...] [--stages ppo,evaluate] [--force]
-
-or from the Prefect UI (see `make ui` and flows/serve.py). A failing stage fails the flow, marks the parent run
-FAILED and stops everything downstream.
-
-- Skipping and recording are DVC's (rlhfops/stage_lock.py): a stage DVC finds unchanged (`changed()`, as
-  `dvc repro` asks it) is skipped and its recorded metrics (metrics/<stage>.json) are reported instead; a stage
-  that ran is committed as `dvc repro` commits it (outputs into the DVC cache, its dvc.lock entry), so after a
-  flow run `dvc status` is clean and `dvc repro` does nothing. `force=True` runs everything.
-- The parent run is restorable: artifacts `dvc.lock` (its stages' lock entries), `params.yaml` and the uncached
-  outputs; `python -m flows.restore RUN_ID` puts its outputs back (flows/restore.py). A run with overrides
-  (`--set`, the Prefect form) is also saved as a DVC experiment, listed by `dvc exp show`. See docs/lineage.md.
-- One run at a time per workspace (rlhfops/workspace.py): a second flow run started meanwhile waits for the whole
-  first run and says so in its log. Accelerator stages also hold a training slot (rlhfops/training_slot.py: 1
-  unless the Prefect global concurrency limit TRAINING_LIMIT is changed with `prefect gcl update`), so runs of
-  several workspaces on one machine, or on machines that share a Prefect server, never train on one GPU at once.
-- Retries with exponential backoff for the steps that can fail transiently (hashing and recording, Prefect
-  API calls); none for the stages themselves, which train and write MLflow runs.
-- Each flow run leaves a markdown report and a link to its MLflow run as Prefect artifacts (flows/report.py).
+A stage DVC finds unchanged is skipped and reports its recorded metrics; one that ran is committed as `dvc repro`
+commits it (rlhfops/stage_lock.py). The parent run is restorable (flows/restore.py). One run at a time per workspace,
+and accelerator stages hold a training slot. The whole behaviour: docs/prefect.md; lineage: docs/lineage.md.
 """
 
 from __future__ import annotations

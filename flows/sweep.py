@@ -3,21 +3,10 @@
     python -m flows.sweep --grid ppo.kl_coef=0.02,0.05,0.1,0.2 [--grid key=v1,v2 ...] [--set key=value ...]
                           [--seeds N] [--best-of-n 1,2,4,8,16]
 
-Each point of the grid (every combination of the values) is a full pipeline run (flows/pipeline.py): an MLflow
-parent run nested under the sweep's run, and a DVC experiment. Stages a point does not change are up to date and
-skipped, so the upstream stages are shared, not recomputed; with --seeds, seed by seed (every point at the first
-seed, then at the next), so what a seed changes upstream is trained once per seed. Points run one after another,
-holding the workspace for the whole sweep (rlhfops/workspace.py); to run them in parallel, serve the pipeline from
-several workers, each in a clone of its own (docs/scaling.md). A failed point is reported and the others go on. A
-rerun of the sweep skips the points that already finished: a FINISHED pipeline run of the same resolved params (tag
-`params_md5`) and the same git commit.
-
-Then best-of-n from the SFT model on the same held-out prompts (rlhflow/evaluation/frontier.py: n in `best_of_n`,
-selected by the reward PPO optimises, proxy - ppo.missing_eos_penalty * not_ended, judged by the judge, at the
-analytic KL log n - (n-1)/n); the samples are cached in `<metrics_dir>/.flow/` until the SFT model, the reward
-models, the test split or the sampling settings change. The result: a table and a plot of that optimised reward
-and the judge reward against sqrt(KL), in `reports/sweep/`, `<metrics_dir>/sweep_frontier.csv` (`dvc plots show`), on
-the sweep's MLflow run and as a Prefect artifact.
+Each point of the grid is a full pipeline run nested under the sweep's MLflow run (stages a point does not change
+are skipped), seed by seed with --seeds; then best-of-n from the SFT model on the same held-out prompts
+(rlhflow/evaluation/frontier.py). The frontier goes to reports/sweep/, metrics/sweep_frontier.csv, the sweep's
+MLflow run and a Prefect artifact. How points share, fail and resume: docs/prefect.md, Sweeps.
 """
 
 from __future__ import annotations

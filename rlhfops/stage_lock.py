@@ -1,27 +1,11 @@
-"""A stage's lock entry: is the stage up to date, and its record once it ran.
+"""A stage's lock entry: is the stage up to date (`why_stale`), and its record once it ran (`record_run`).
 
-DVC decides and records. When the repository is a DVC project and the flow's paths for a stage are the ones
-dvc.yaml has for it (always, unless a `--set` override moved an output), the stage is DVC's own object
-(`dvc.repo.Repo.stage.load_one`: dvc.yaml and dvc.lock) and
-
-- `why_stale` asks it `changed()`, the very call `dvc repro` makes before running a stage;
-- `record_run`, after the stage ran, does what `dvc repro` does after running its command: `save()` (hash deps
-  and outputs, fill the run cache), `commit()` (outputs into the DVC cache) and `dump(update_pipeline=False)`
-  (the stage's dvc.lock entry).
-
-The one difference is where param values come from: the run's config (params.yaml plus `--set` overrides or the
-Prefect form) instead of params.yaml alone (`_params_from_config`). Without overrides these are the values DVC
-reads (a test checks it for every stage), so a flow run leaves `dvc status` clean and `dvc repro` a no-op. With
-overrides, dvc.lock records the values the outputs were made with, exactly as `dvc exp run --set-param` would:
-`dvc status` then says which params.yaml values differ, and the same overrides skip in the next flow run.
-DVC's repository lock is held only while checking and recording, never while a stage trains.
-
-Where DVC cannot record (no DVC project, or an override moved an output elsewhere, even outside the
-repository), the flow keeps the same kind of record itself: a dvc.lock-shaped entry in
-`<metrics_dir>/.flow/flow.lock`, with DVC's own hashes (dvc-data's `build`) of the same deps and outputs,
-compared the same way. The repository's dvc.lock is accepted there too.
-
-What a whole run leaves in MLflow is rlhfops/run_record.py; putting a run back, rlhfops/restore.py.
+DVC decides and records: the stage is DVC's own object (dvc.yaml and dvc.lock), `why_stale` asks it `changed()` as
+`dvc repro` does, and `record_run` saves, commits and dumps its lock entry as `dvc repro` does after the command,
+with the param values of the run's config (`_params_from_config`: params.yaml plus overrides). DVC's repository
+lock is held only while checking and recording. Where DVC cannot record (no DVC project, or an override moved an
+output), the flow keeps a dvc.lock-shaped record of its own in `<metrics_dir>/.flow/flow.lock`, with DVC's hashes.
+The whole story: docs/lineage.md.
 """
 
 from __future__ import annotations
