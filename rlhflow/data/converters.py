@@ -1,22 +1,9 @@
-"""Turn records in the formats users bring into the canonical columns.
-
-Canonical columns (one row per preference pair):
-  prompt_messages  list of {"role": "system"|"user"|"assistant", "content": str}
-  prompt           plain text: the user text for a single user turn, else a transcript
-                   ("Human: ...\\n\\nAssistant: ...\\n\\nHuman: ...\\n\\nAssistant:")
-  chosen, rejected the two response texts
-  source_row       1-based row (JSONL: line) number in the input, so every message can name rows
-
-Formats, detected from the columns:
-  prompt/chosen/rejected  plain strings, or TRL's conversational form (lists of messages)
-  HH dialogues            only chosen/rejected, each a whole "\\n\\nHuman: ...\\n\\nAssistant: ..." dialogue
-                          (or a list of messages); the prompt is their shared prefix
-  sharegpt                conversations = [{"from", "value"}, ...]; chosen/rejected = one turn each
-Demonstrations (DEMONSTRATION_COLUMNS: a completion instead of chosen/rejected) come from prompt/completion,
-chat `messages`, or preference pairs (their chosen responses).
-
-Wrong value types are collected over all rows and raised as one `DataFormatError` naming them. Content problems
-(nulls, empty texts, chosen == rejected, duplicates, long texts) are kept: the validation suite reports them.
+"""Turn records in the formats users bring into the canonical columns: `prompt_messages` (chat messages), `prompt`
+(plain text: the user text of a single turn, else a transcript), `chosen`, `rejected` and `source_row` (1-based, so
+every message can name rows). Formats are detected from the columns: prompt/chosen/rejected (plain or TRL's
+conversational form), HH dialogues (the prompt is the shared prefix) and sharegpt; demonstrations from
+prompt/completion, chat `messages` or pairs' chosen responses. Wrong value types are collected over all rows and
+raised as one `DataFormatError`; content problems are kept for the validation suite. The formats: docs/data.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""Policy optimisation with trl: GRPO, RLOO and DPO as drop-in alternatives to the project's PPO engine
-(rlhflow/ppo/), chosen by `align.algorithm`. The ppo stage (tasks/ppo.py) dispatches here for every algorithm but
-`ppo`.
-
-- GRPO and RLOO (trl's GRPOTrainer, RLOOTrainer) sample `num_generations` completions of each train-split prompt
-  and optimise PPO's reward source: `ProxyReward` scores the decoded prompt and completion text with the proxy
-  reward model's normalised score (`rlhflow.training.reward_model.RewardModel.score`, its own tokenizer) or
-  `ppo.reward_fn`, minus `ppo.missing_eos_penalty` for completions that never ended, as PPO scores its rollouts.
-  Sampling is PPO's: prompts chat-templated and cut to their last `ppo.max_prompt_length` tokens (`PPOPrompts`),
-  `ppo.temperature`, `top_k`, `top_p`, `max_new_tokens`, EOS and single-token stop strings, the model's own
-  generation defaults off.
-- DPO (trl's DPOTrainer) trains on the train split's preference pairs with the SFT model as the frozen reference;
-  prompts are cut as for sampling, responses to `align.dpo.max_response_length` tokens (`truncating_collator`).
-
-All three train with Trainer checkpoints in `ppo.checkpoint_dir` and resume after a kill
-(rlhflow/training/hf_trainer.py); every logged statistic goes to `log_fn` as `align/<name>` at its step
-(`align_metrics`); fp32 on CPUs."""
+"""Policy optimisation with trl: GRPO, RLOO and DPO as drop-in alternatives to the project's PPO engine, chosen by
+`align.algorithm` (tasks/ppo.py dispatches here for every algorithm but `ppo`). GRPO and RLOO sample from the
+train split's prompts as PPO samples and optimise PPO's reward source (`ProxyReward`, with the missing-EOS
+penalty); DPO trains on its preference pairs against the frozen SFT model (`truncating_collator`). All three
+resume from Trainer checkpoints in `ppo.checkpoint_dir` and log `align/<name>` (`align_metrics`).
+The algorithms and their settings: docs/alignment.md.
+"""
 
 from __future__ import annotations
 
