@@ -125,7 +125,7 @@ STALE_AFTER_EDIT = {
     "tasks/reward_model.py": {"reward_model"},
     "rlhflow/data/validation.py": {"validate", "sft"},
     "rlhflow/models/policy.py": {"sft", "sft_answers", "ppo", "evaluate"},
-    "rlhflow/evaluation/metrics.py": {"sft", "sft_answers", "evaluate"},
+    "rlhflow/evaluation/metrics.py": {"sft", "evaluate"},  # sft_answers samples and scores, measures nothing
     "rlhflow/evaluation/judges.py": {"judge", "sft_answers", "evaluate"},
     "rlhflow/evaluation/plots.py": {"evaluate"},
     "rlhfops/serving/reward.py": {"reward_model", "judge"},
