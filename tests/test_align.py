@@ -448,7 +448,7 @@ def test_killed_grpo_stage_resumes_from_its_trainer_checkpoint(tmp_path, tiny_mo
         "tracking.log_models=false",
     ]
     killed_at = kill_training_once("tasks.ppo", overrides, tmp_path / "ckpt", every)
-    assert 2 * every <= killed_at < steps
+    assert every <= killed_at < steps  # the kill may cut the second checkpoint's state mid-write
     rerun_resumes(
         "tasks.ppo",
         overrides,

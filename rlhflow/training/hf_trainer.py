@@ -5,6 +5,7 @@ from __future__ import annotations
 
 # transformers is imported by the functions that build Trainer pieces: precision and checkpoint lookups need only torch.
 import contextlib
+import json
 import os
 import warnings
 from collections.abc import Callable
@@ -33,14 +34,17 @@ def checkpoint_args(checkpoint_every: int) -> dict[str, Any]:
 
 
 def last_complete_checkpoint(work_dir: str | os.PathLike) -> Path | None:
-    """The newest `checkpoint-<step>` dir the Trainer finished writing (trainer_state.json is written last, so a
-    checkpoint cut short by a kill has none and is skipped)."""
-    done = [
-        p
-        for p in Path(work_dir).glob("checkpoint-*")
-        if p.name.split("-")[-1].isdigit() and (p / "trainer_state.json").is_file()
-    ]
+    """The newest `checkpoint-<step>` dir the Trainer finished writing: trainer_state.json is written last, so a
+    checkpoint cut short by a kill has none, or one that is empty or cut mid-write, and is skipped."""
+    done = [p for p in Path(work_dir).glob("checkpoint-*") if p.name.split("-")[-1].isdigit() and _state_written(p)]
     return max(done, key=lambda p: int(p.name.split("-")[-1]), default=None)
+
+
+def _state_written(checkpoint: Path) -> bool:
+    try:
+        return isinstance(json.loads((checkpoint / "trainer_state.json").read_text()), dict)
+    except (OSError, ValueError):
+        return False
 
 
 def log_callback(log_fn: LogFn | None):
