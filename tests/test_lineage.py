@@ -179,7 +179,7 @@ def test_flow_run_is_dvcs_record_and_its_parent_run_restores(tmp_path, tiny_mode
     assert all(up for up, _ in agree["as run"].values())
     # a reward_model key the judge inherits (it sets no learning rate of its own): both reward models rerun
     assert [n for n, (up, _) in agree["param"].items() if not up] == ["reward_model", "judge"]
-    assert {n for n, (up, _) in agree["code"].items() if not up} == {"sft", "sft_answers", "evaluate"}  # metrics.py
+    assert {n for n, (up, _) in agree["code"].items() if not up} == {"sft", "evaluate"}  # metrics.py (not sft_answers)
     assert [n for n, (up, _) in agree["output"].items() if not up] == ["evaluate"]
     ok("dvc", "checkout", "evaluate")  # the deleted output back from the cache
 
