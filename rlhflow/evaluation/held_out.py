@@ -77,10 +77,6 @@ def sample(model, tokenizer, prompt_messages, sampling: Sampling, *, max_new_tok
     return sampling.sample(model, tokenizer, prompt_messages)
 
 
-def texts_of(outputs) -> list[str]:
-    return [t for o in outputs for t in o.texts]
-
-
 def repeated(items: list, k: int) -> list:
     """Each item k times in a row: the rows of k samples per prompt."""
     return [x for x in items for _ in range(k)]
