@@ -26,6 +26,7 @@ from rlhflow.config.params import Config, apply_overrides, config_from_dict, loa
 from rlhflow.evaluation import judges
 from rlhfops import launch, restore, run_record, stage_lock, tracking, workspace
 from rlhfops.stages import STAGE_NAMES, STAGES, get_stage
+from rlhfops.temporary_server import start_temporary_server
 from rlhfops.training_slot import reset_server_limit, training_slot
 
 StageName = Literal[tuple(STAGE_NAMES)]  # an enum in the parameter form
@@ -339,6 +340,7 @@ def main(argv: list[str] | None = None) -> None:
         parents=(pre,),
     )
     start = time.perf_counter()
+    start_temporary_server()
     stages = args.stages.split(",") if args.stages else None
     rlhf_pipeline(config=cfg, stages=stages, force=args.force, push=args.push, remote=args.remote)
     print(f"{'total wall time':44s} {time.perf_counter() - start:9.1f}s")

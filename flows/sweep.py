@@ -25,6 +25,7 @@ from flows import report
 from flows.pipeline import rlhf_pipeline, with_overrides
 from rlhflow.config.params import Config, parse_config_args
 from rlhfops import tracking, workspace
+from rlhfops.temporary_server import start_temporary_server
 
 DEFAULT_BEST_OF_N = [1, 2, 4, 8, 16]
 # what best-of-n reads: the validated test split, the SFT model, the proxy and the judge
@@ -529,6 +530,7 @@ def main(argv: list[str] | None = None) -> None:
         own.error(f"--seeds must be at least 1, got {args.seeds}")
     ns = parse_best_of_n(args.best_of_n)
     start = time.perf_counter()
+    start_temporary_server()
     rlhf_sweep(grid=parse_grid(args.grid), config=cfg, best_of_n=ns, seeds=args.seeds)
     print(f"{'sweep wall time':44s} {time.perf_counter() - start:9.1f}s")
 

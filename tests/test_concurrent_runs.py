@@ -24,13 +24,14 @@ def test_two_flow_runs_started_together_each_evaluate_their_own_policy(tmp_path,
     import mlflow
 
     base = tiny_pipeline_overrides(tmp_path, tiny_model_dir)
+    env = {**stage_env(), "PREFECT_HOME": str(tmp_path / "prefect")}  # a new home: both runs find no database
 
     def start(kl_coef: float) -> subprocess.Popen:
         args = [a for o in [*base, f"ppo.kl_coef={kl_coef}"] for a in ("--set", o)]
         return subprocess.Popen(
             [sys.executable, "-m", "flows.pipeline", *args],
             cwd=REPO,
-            env=stage_env(),
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -65,6 +66,34 @@ def test_two_flow_runs_started_together_each_evaluate_their_own_policy(tmp_path,
     assert set(policies) == {0.01, 0.5} and policies[0.01] != policies[0.5]
     versions = client.search_model_versions("name = 'rlhf-policy'")
     assert len(versions) == 2  # each run registered its own policy
+
+
+FLOW = """
+from prefect import flow
+from rlhfops.temporary_server import start_temporary_server
+
+@flow
+def one():
+    return 1
+
+start_temporary_server()
+print("result", one())
+"""
+
+
+@pytest.mark.system
+def test_runs_started_together_on_a_new_prefect_home_all_complete(tmp_path):
+    """The first temporary server of a Prefect home creates its database; started together, three runs would each
+    migrate it and two would fail ("database is locked"). They start their servers one at a time."""
+    env = {**stage_env(), "PREFECT_HOME": str(tmp_path / "prefect")}
+    cmd = [sys.executable, "-c", FLOW]
+    runs = [
+        subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(3)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in runs]
+    assert [p.returncode for p in runs] == [0, 0, 0], "\n".join(o[-2000:] for o in outputs)
+    assert all("result 1" in o for o in outputs)
 
 
 SETUP_WHEN_GO = """
