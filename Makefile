@@ -41,8 +41,10 @@ setup: $(STAMP)
 run: setup
 	$(BIN)/python -m flows.pipeline $(ARGS)
 
+# the suite in TEST_WORKERS processes, a module per worker at a time (tests/conftest.py); TEST_WORKERS=0: one process
+TEST_WORKERS ?= 2
 test: setup browser
-	$(BIN)/python -m pytest -q -m "not stack" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not stack" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-stack: setup postgres
 	$(BIN)/python -m pytest -q -m stack $(PYTEST_ARGS)

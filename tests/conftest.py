@@ -33,6 +33,50 @@ for _name in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "PREFECT_API_KEY"):
 
 REPO = Path(__file__).resolve().parents[1]
 
+# `make test` runs the suite in pytest-xdist workers (`--dist loadfile`). Each module runs on one worker, so its
+# module fixtures (a reproduced DVC repo, a Prefect server) are built once. The modules that run stages or flows
+# in the project's own workspace share one worker: a run holds the workspace (rlhfops/workspace.py), so two of them
+# on two workers would wait for each other, and a test that counts who waited would count a stranger.
+PROJECT_WORKSPACE_MODULES = {
+    "test_bad_input",
+    "test_bench_smoke",
+    "test_concurrent_runs",
+    "test_config",
+    "test_distributed",
+    "test_docs",
+    "test_faults",
+    "test_flow_skipping",
+    "test_mlflow_ui",
+    "test_pipeline_e2e",
+    "test_ppo_stage",
+    "test_prefect_server",
+    "test_quiet_logs",
+    "test_real_data",
+    "test_safe_paths",
+    "test_security",
+    "test_sft_train",
+    "test_stages",
+    "test_sweep",
+    "test_training_slot",
+}
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers share the cores: one thread each (and in the stages they start) instead of oversubscribing
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under `--dist loadfile`, the modules of PROJECT_WORKSPACE_MODULES count as one file."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ProjectWorkspaceTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "project workspace" if Path(path).stem in PROJECT_WORKSPACE_MODULES else path
+
+    return ProjectWorkspaceTogether(config, log)
+
 
 @pytest.fixture(scope="module")
 def prefect_server():
