@@ -2,14 +2,11 @@
 
     python -m flows.restore RUN_ID [--remote NAME] [--params params.yaml] [--set tracking.tracking_uri=...]
 
-RUN_ID is an MLflow parent run of the pipeline flow. Its artifact `dvc.lock` becomes the stages' entries in
-the repository's dvc.lock; what the local DVC cache lacks is pulled from the DVC remote (--remote, else DVC's
-default remote); DVC checks the cached outputs out, the metrics and plot data come from the run's artifacts,
-user data files the run read are put back where it read them; and each md5 is checked against the run's record
-(rlhfops/restore.py). Nothing is written unless every path of the record is one that the stage list and the
-config give its stage, inside the workspace, and every object holds its recorded md5; the restore holds the
-workspace (rlhfops/workspace.py) throughout, waiting for a run that holds it. Exits 1 when anything differs or
-cannot be restored. The Prefect deployment `restore-run/restore` (flows/serve.py) runs the same flow.
+RUN_ID is an MLflow parent run of the pipeline flow: its artifact `dvc.lock` becomes the stages' entries in
+dvc.lock, and what the DVC cache lacks is pulled from the remote (--remote, else DVC's default). Nothing is written
+unless every recorded path is one its stage writes, inside the workspace, and every object holds its recorded md5
+(rlhfops/restore.py; docs/lineage.md). Exits 1 when anything differs or cannot be restored. The Prefect deployment
+`restore-run/restore` runs the same flow.
 """
 
 from __future__ import annotations

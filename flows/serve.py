@@ -3,16 +3,10 @@
     python -m flows.serve                  # serve against the Prefect server in $PREFECT_API_URL
     python -m flows.serve --start-servers  # what `make ui` runs: a Prefect server and an MLflow server, then serve
 
-Deployments: `rlhf-pipeline/pipeline` (every stage), `rlhf-sweep/sweep` (a grid of pipeline runs),
-`restore-run/restore` and one per stage (`rlhf-ppo/ppo`, ...). Their parameter
-form is built from the typed config (rlhflow/config/params.py) with the values of params.yaml as defaults. Flow runs
-execute in subprocesses of this process, in the repository (so relative paths of params.yaml mean what they
-mean for `make run`). Ctrl-C stops the deployments and, with --start-servers, both servers.
-
-With --start-servers the Prefect server takes requests from its owner only: it requires an API auth string
-($PREFECT_API_AUTH_STRING, else the one $PREFECT_HOME/ui.env keeps, else a new one written there, mode 0600),
-checks CSRF tokens and lets only its own UI's origin call it from a browser. Other clients:
-`source ~/.prefect/ui.env`; the UI asks for the same string.
+Deployments: `rlhf-pipeline/pipeline`, `rlhf-sweep/sweep`, `restore-run/restore` and one per stage; their parameter
+forms come from the typed config with params.yaml's values as defaults. Flow runs execute in subprocesses of this
+process, in the repository. With --start-servers the Prefect server wants an API auth string, checks CSRF tokens and
+lets only its own UI's origin call it from a browser (docs/prefect.md, docs/security.md).
 """
 
 from __future__ import annotations

@@ -3,13 +3,10 @@ data-parallel stages (reward_model, judge, ppo), and what the flow runs for such
 
     python -m rlhfops.launch ppo [--params FILE] [--set key=value ...]
 
-One process: the stage's CLI, in this process (as `python -m tasks.<stage>`). N processes: this process becomes
-`accelerate launch --config_file <launch.accelerate_config> --num_processes N -m tasks.<stage>` with the same
-arguments; every process reads the same config and trains its share of each global batch, rank 0 alone logs,
-writes and records (rlhfops/stage_runner.py).
-
-Inside a flow run (`run_in_processes`) the processes get the run's config as a params file, the parent MLflow
-run's id and `FLOW_ENV`, which tells their CLI that the flow holds the workspace and records the stage itself.
+One process: the stage's CLI, in this process. N processes: `accelerate launch --config_file
+<launch.accelerate_config> --num_processes N -m tasks.<stage>` with the same arguments; each process trains its share
+of each global batch, rank 0 alone logs, writes and records. Inside a flow run the processes get the run's config as
+a params file, the parent MLflow run's id and `FLOW_ENV` (the flow holds the workspace and records). docs/scaling.md.
 """
 
 from __future__ import annotations

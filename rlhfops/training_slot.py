@@ -1,16 +1,12 @@
 """The training slot: at most N stages on the accelerator at once, across the workspaces of one machine and the
-machines that share a Prefect server.
+machines that share a Prefect server (docs/prefect.md#the-training-slot).
 
-- Every run holds one of N lock files, `$PREFECT_HOME/locks/<limit>.<i>.lock`, with an exclusive `flock`, N being
-  the slots of the Prefect global concurrency limit `<limit>` (`prefect gcl update` changes it). The kernel
-  releases a flock when its process ends in any way, SIGKILL and the OOM killer included, so a killed run never
-  leaves a slot taken on the machine it ran on.
-- A run against a Prefect server (PREFECT_API_URL set: `make ui`, `make stack`) also holds a slot of that global
-  concurrency limit, so runs on several machines that share the server wait for each other. The server gives
-  back a killed run's slot when its lease (`lease_s`, unrenewed) expires.
-- A run on Prefect's temporary server (no PREFECT_API_URL: `make run`, `dvc repro`) holds only the lock file:
-  that server keeps leases in memory and never revokes them, so a slot of its limit that a killed run held would
-  stay taken for good.
+- Every run holds one of N lock files, `$PREFECT_HOME/locks/<limit>.<i>.lock`, with an exclusive `flock` (N: the
+  slots of the Prefect global concurrency limit `<limit>`); the kernel frees it however the process ends.
+- Against a Prefect server (PREFECT_API_URL set) a run also holds a slot of that limit, so machines sharing the
+  server wait for each other; the server takes a killed run's slot back when its lease expires.
+- On Prefect's temporary server (`make run`, `dvc repro`) the lock file alone: that server never revokes a lease,
+  so a slot a killed run held would stay taken.
 """
 
 from __future__ import annotations

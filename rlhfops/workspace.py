@@ -1,17 +1,12 @@
-"""One pipeline run at a time per workspace.
+"""One pipeline run at a time per workspace (docs/prefect.md).
 
-The stages of a run read and write fixed paths of the workspace (data/validated, models/..., metrics/, dvc.lock),
-so two runs in one workspace would read each other's outputs. A pipeline run therefore holds the workspace for its
-whole length: an exclusive `flock` on `.dvc/tmp/rlhflow-run.lock` under the repository root (released by the
-kernel when the process ends, even on SIGKILL). A second flow run started meanwhile (CLI, Prefect UI, a sweep)
-waits for it and says so in its log, naming the run it waits for; so does a flow run started while `dvc repro`
-holds DVC's repository lock. A stage run from its CLI (`python -m tasks.<stage>`, as `dvc repro` runs them) holds
-the workspace for the stage; under `dvc repro` it does not wait (DVC's lock would be held all the while) but stops
-at once, before reading anything, naming the run that holds the workspace.
-
-Runs that should go side by side go to workspaces of their own: `dvc exp run --temp` / `--queue` (each a copy of
-the repository under .dvc/tmp/exps/, with its own lock; their MLflow runs go to the project's store, see
-rlhfops.tracking), or another clone per Prefect worker (docs/scaling.md).
+A run's stages read and write fixed paths of the workspace (data/validated, models/..., metrics/, dvc.lock), so a
+pipeline run holds the workspace for its whole length: an exclusive `flock` on `.dvc/tmp/rlhflow-run.lock` under the
+repository root, freed by the kernel however the process ends. A second flow run (CLI, Prefect UI, a sweep) waits,
+naming the run it waits for; so does one started while `dvc repro` holds DVC's lock. A stage's CLI holds the
+workspace for the stage; under `dvc repro` it does not wait but stops at once, naming the holder. Runs meant to go
+side by side use workspaces of their own: `dvc exp run --temp` / `--queue` (copies under .dvc/tmp/exps/, logging to
+the project's MLflow store), or a clone per Prefect worker (docs/scaling.md).
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """Stage evaluate: on one held-out prompt per test and dev conversation, sample the policy and compare its answers with
-the SFT model's (the sft_answers stage), scored by the proxy reward model (the one the policy optimised) and by the
-judge (never optimised against): the ended / cut / degenerate share of each side, win rates overall and where both
-answers ended, length-controlled win rates (flagged when unsupported), with 95% intervals over conversations, the
-proxy-judge gap; KL of the policy to the reference; perplexity of both on held-out reference responses; drift
-(length, EOS, distinct-n, repetition); reward-model accuracy beside the length rule, calibration and ranking
-agreement on held-out pairs (what each is: rlhflow/evaluation/compare.py). Every figure is reported on the test split
-(eval/...); the figures choices read are measured on the dev split (dev/...). Then the champion decisions for the
-registered reward model and policy (rlhflow/evaluation/champion.py: only against a champion of the same splits and
-judge, head to head on the dev split, with guards and a level that falls with each challenge).
+the SFT model's (the sft_answers stage), scored by the proxy reward model and by the judge (never optimised
+against): ended / cut / degenerate shares, win rates (overall, both ended, length-controlled) with intervals over
+conversations, the proxy-judge gap, KL to the reference, perplexity, drift, and the reward models on held-out pairs
+beside the length rule. Every figure on the test split (eval/...); what choices read, on the dev split (dev/...).
+Then the champion decisions for the registered reward model and policy (rlhflow/evaluation/champion.py).
 
 Metrics go to the stage run, the parent run and metrics/evaluate.json; plots and the samples table to the stage
-run; the report (reports/evaluate/report.md) says which version is champion and why."""
+run; reports/evaluate/report.md says which version is champion and why. Definitions: docs/evaluation.md.
+"""
 
 from __future__ import annotations
 

@@ -1,14 +1,12 @@
-"""Stage judge: the evaluation's independent judge (judge.kind, rlhflow/evaluation/judges.py).
+"""Stage judge: the evaluation's independent judge (judge.kind, rlhflow/evaluation/judges.py; docs/evaluation.md).
 
-- trained (the default): train a second Bradley-Terry reward model on the judge split, conversations disjoint from
-  the ones the proxy reward model and PPO train on. PPO never optimises against it, so evaluate's judge win rate is
-  a second opinion that reward hacking of the proxy does not inflate. It is registered as `rlhf-judge`.
+- trained (the default): a second Bradley-Terry reward model on the judge split, whose conversations the proxy
+  reward model and PPO never see; PPO never optimises against it, so reward hacking of the proxy does not inflate
+  its win rate. Registered as `rlhf-judge`.
 - reward_model or llm: a judge the user brings (a Hugging Face reward model, a chat model behind an
-  OpenAI-compatible endpoint). Nothing is trained or registered: the stage checks the judge can be used, writes
-  judge.json (what it is, and the basis the champion rule compares) into judge.out_dir and logs what it is as params.
-
-Either way the judge's accuracy on the held-out test pairs, beside the length rule, goes to the stage run and the
-parent run under the same names (judge/accuracy, judge/length_baseline_accuracy, ...)."""
+  OpenAI-compatible endpoint); the stage checks it, writes judge.json (what it is, the champion rule's basis).
+Either way its accuracy on the held-out test pairs, beside the length rule, is logged (judge/accuracy, ...).
+"""
 
 from __future__ import annotations
 

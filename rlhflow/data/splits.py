@@ -1,15 +1,12 @@
 """Train / judge / dev / test splits by conversation.
 
-A preference dataset can hold one conversation at several depths: hh-rlhf has a dialogue and its continuation
-as separate rows, and the rejected answer of one is often the next assistant turn of the other. Splitting by
-the exact prompt text would put branches of one conversation into different splits, so the test set would
-leak into training. Every row is therefore keyed by its conversation (`conversation_key`: the normalised first
-user turn; a prompt that is a message-prefix of another shares its first turn, so prefixes fall into the same
-group), and a conversation's rows all go to one split, decided by a hash of the key and `validate.split_seed`.
-The split seed is not the training seed: a seed sweep keeps the same test set and the same judge.
-
-`cross_split_prefix_pairs` counts, independently of the keys, the pairs of prompts in different splits where one
-is a message-prefix of the other (0 by construction); the validate stage logs it as a check.
+hh-rlhf holds one conversation at several depths, and the rejected answer of one row is often the next turn of
+another, so splitting by prompt text would leak the test set into training. Every row is keyed by its conversation
+(`conversation_key`: the normalised first user turn, which a prompt and its message-prefixes share), and a
+conversation's rows go to one split, chosen by a hash of the key and `validate.split_seed` (not the training seed:
+a seed sweep keeps the test set and the judge). `cross_split_prefix_pairs` counts prompt pairs in different splits
+where one is a message-prefix of the other, independently of the keys (0 by construction).
+See docs/data.md#splits-train-judge-dev-test.
 """
 
 from __future__ import annotations

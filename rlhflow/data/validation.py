@@ -1,19 +1,11 @@
-"""The data-validation suite for preference pairs, run with Great Expectations.
+"""The data-validation suite for preference pairs, run with Great Expectations (docs/data.md#validation).
 
-The splits themselves are made by `rlhflow.data.splits` (by conversation). `validate_preferences` runs one
-expectation suite on each split (an
-ephemeral GE context, a pandas dataframe batch), maps every failing row back to its `source_row` in
-the input, writes `validation.json` and `validation.html`, and raises `DataValidationError` naming the
-failed expectations and their rows.
-
-Blank and over-long rows are a policy, not a crash (`validate.blank`, `validate.overlong`): under
-`drop` the rows their expectations flag are dropped and counted per reason, and validation fails only
-when the dropped share exceeds `validate.max_dropped_fraction`. Every other failed expectation fails.
-
-Checks that GE has no single expectation for are expressed through helper columns or GE's
-multi-column expectations: token lengths go into `<column>_tokens` columns (computed with the
-tokenizer the models use), chosen != rejected is `expect_select_column_values_to_be_unique_within_record`,
-and a conversation leaking between splits is a boolean `conversation_in_other_split` column expected to be False.
+`validate_preferences` runs one expectation suite on each split (made by `rlhflow.data.splits`) in an ephemeral GE
+context, maps every failing row back to its `source_row` in the input, writes `validation.json` and
+`validation.html`, and raises `DataValidationError` naming the failed expectations and their rows. Blank and
+over-long rows are a policy (`validate.blank`, `validate.overlong`: `drop` within `validate.max_dropped_fraction`,
+or `fail`). Checks GE has no single expectation for use helper columns (`<column>_tokens`,
+`conversation_in_other_split`) or its multi-column expectations (chosen != rejected).
 """
 
 from __future__ import annotations

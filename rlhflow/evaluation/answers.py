@@ -1,15 +1,10 @@
 """Evaluation answers: what each model said on the held-out prompts, and whether each answer ended, was cut at the
-limit or is degenerate.
+limit or is degenerate (docs/evaluation.md#ended-cut-degenerate).
 
-Every answer gets one of three classes:
-- `degenerate`: a repetition loop ("You can buy it right here. You can buy it right here. ..."). Its share of
-  repeated token 4-grams (n-grams that already occurred earlier in the same answer) reaches the threshold
-  (`evaluate.degenerate_repetition`, 0.5 by default: half of the answer's 4-grams are copies). Answers shorter than
-  `MIN_TOKENS` tokens are never degenerate: they have too few 4-grams for the share to mean anything. A loop that
-  ends by itself is still degenerate;
-- `ended`: the model emitted EOS (or a stop string) within the limit and the answer is not degenerate;
-- `cut`: the answer ran into `max_new_tokens` without ending and is not degenerate (it may have been fine with more
-  room).
+- `degenerate`: a repetition loop; at least `MIN_TOKENS` tokens, and its share of repeated token 4-grams reaches
+  `evaluate.degenerate_repetition` (0.5: half of its 4-grams are copies). A loop that ends is still degenerate;
+- `ended`: EOS or a stop string within the limit, not degenerate;
+- `cut`: ran into `max_new_tokens` without ending, not degenerate.
 Token 4-grams, not word 4-grams: a run of one emoji or of punctuation has no spaces but repeats its tokens.
 """
 

@@ -1,16 +1,11 @@
-"""The reward-KL frontier: where a policy lands against best-of-n sampling from the SFT model.
+"""The reward-KL frontier: where a policy lands against best-of-n sampling from the SFT model (docs/evaluation.md).
 
-Best-of-n draws n responses from the SFT model and keeps the one with the highest reward PPO optimises: the proxy
-score minus `missing_eos_penalty` when the response never ended (no EOS, no stop string). PPO's KL penalty is left
-out because it is the same for every response of a best-of-n pick (the pick's KL is the analytic one below). Its
-KL to the SFT model is known in closed form, KL(n) = log n - (n - 1) / n (Stiennon et al. 2020; Gao et al. 2022),
-so it draws a free baseline curve: an RL policy should reach a higher judge reward than best-of-n at the same KL.
-Against sqrt(KL), RL's proxy reward grows roughly linearly (Bai et al. 2022) while the judge's (the "gold" reward
-model, never optimised) bends down as the proxy is over-optimised (Gao et al. 2022).
-
-Per prompt, N responses are sampled once; for every n <= N the expected score of best-of-n is computed exactly over
-all n-subsets of the N samples (the order-statistics estimator: the i-th lowest objective is the best of a random
-n-subset with probability C(i-1, n-1) / C(N, n)), for the objective and for the judge score of the objective's pick.
+Best-of-n keeps the highest of n SFT samples by the reward PPO optimises (the proxy score minus
+`missing_eos_penalty` for an answer that never ended); its KL to the SFT model is log n - (n - 1) / n (Stiennon et
+al. 2020), a free baseline curve: an RL policy should reach a higher judge reward at the same KL. Per prompt N
+answers are sampled once, and the expected best-of-n score for every n <= N is exact over all n-subsets (the i-th
+lowest objective is the best of a random n-subset with probability C(i-1, n-1) / C(N, n)), for the objective and
+for the judge score of the objective's pick.
 """
 
 from __future__ import annotations

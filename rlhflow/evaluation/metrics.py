@@ -1,15 +1,11 @@
-"""Evaluation metrics, each computed in exactly one place.
+"""Evaluation metrics, each computed in exactly one place (definitions: docs/evaluation.md).
 
-- perplexity of reference responses: exp(sum of token NLLs / number of response tokens), teacher-forced
-  after the chat-formatted prompt (temperature 1);
-- KL(policy || reference) per response: sum over the sampled response tokens of log pi(a_t) - log pi_ref(a_t)
-  (the k1 estimator, unbiased under samples from the policy), averaged over responses, in nats;
-- win rate: fraction of prompts where the policy's response outscores the SFT response (ties count half); its
-  interval, the length-controlled win rate and paired differences are in rlhflow.evaluation.stats;
-- pairwise accuracy (in rlhflow.training.reward_model): fraction of pairs where chosen outscores rejected;
-- drift and reward hacking: response length (words), distinct-n, repetition rate;
-- reward-model calibration: accuracy by confidence bucket, expected calibration error;
-- Kendall's tau between reward-model scores and the human ranking of a prompt's responses.
+- perplexity of reference responses, teacher-forced after the chat-formatted prompt;
+- KL(policy || reference): the k1 estimator summed over sampled response tokens, averaged over responses, in nats;
+- win rate against the SFT answers (ties count half); intervals and the length-controlled win rate: stats.py;
+- drift and reward hacking: length, distinct-n, repetition rate;
+- reward-model calibration (accuracy by confidence bucket, expected calibration error) and Kendall's tau against
+  the human ranking of a prompt's responses.
 """
 
 from __future__ import annotations

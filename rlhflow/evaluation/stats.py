@@ -1,17 +1,12 @@
-"""Intervals and paired comparisons for the evaluation's figures, each defined here once.
+"""Intervals and paired comparisons for the evaluation's figures, each defined here once (docs/evaluation.md).
 
-- `wilson_interval`: the Wilson score interval of a proportion (accuracy, a rule's hit rate); unlike a percentile
-  bootstrap it does not collapse to a point at 0 or 1;
-- `resample_weights` + `percentile_interval`: a paired, conversation-clustered percentile bootstrap. Row r of the
-  [R, n] weight matrix counts how often each item (prompt, pair, sample) is drawn when whole clusters
-  (conversations) are drawn with replacement, so items of one conversation, which are not independent, stay
-  together. Every statistic of a comparison is computed on the same weights, so differences (proxy minus judge,
-  model minus the length rule, challenger minus champion) get intervals of their own;
-- `expected_half_width`: the 95% half-width a proportion near p has on n independent items, for planning;
-- `across_seeds`: the mean of one figure over training seeds and its Student-t interval (the seed-to-seed spread);
-- `shorter_answer_correct`: the length rule ("the shorter answer is the preferred one"), per pair;
-- `length_controlled_win_rate`: AlpacaEval 2.0's length-controlled win rate (Dubois et al. 2024, arXiv 2404.04475),
-  with a check that the data support reading the model at zero length difference.
+- `wilson_interval`: a proportion's Wilson interval (no collapse to a point at 0 or 1);
+- `resample_weights` + `percentile_interval`: a paired, conversation-clustered percentile bootstrap; every statistic
+  of a comparison uses the same weights, so differences (model minus length rule, challenger minus champion) get
+  intervals of their own;
+- `expected_half_width` (planning), `across_seeds` (mean over training seeds, Student-t interval);
+- `shorter_answer_correct`: the length rule; `length_controlled_win_rate`: AlpacaEval 2.0's (arXiv 2404.04475),
+  with a check that the data support reading it at zero length difference.
 """
 
 from __future__ import annotations

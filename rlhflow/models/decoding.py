@@ -1,18 +1,11 @@
-"""Sampling that drops finished rows from the batch: the evaluation's decoder.
+"""Sampling that drops finished rows from the batch: the evaluation's decoder (docs/evaluation.md, benchmarks.md).
 
-`model.generate` keeps every row of a batch until the last one ends, so a batch of 48 answers runs all 256 decode
-steps at batch size 48 as soon as one answer loops. On a CPU a decode step's cost grows with the rows it carries
-(SmolLM2-135M in bf16, 2 cores: 218 ms at 48 rows, 106 ms at 16, 52 ms at 4), so most of that work is spent on
-answers that have already ended. `sample_dropping_finished` samples from the distribution `generate` samples from
-(softmax of the logits after the repetition penalty, temperature, top-k and top-p, in that order) and removes
-ended rows from the batch and the KV cache once they are a quarter of it.
-
-Each row's token is drawn by inverting its cumulative distribution at one uniform number (`inverse_cdf_draw`):
-`torch.multinomial`, which `generate` uses, draws an exponential variate for every vocabulary entry, 47 ms a step
-for 48 rows x 49,152 tokens on 2 CPU cores, a quarter of the step; the inverse CDF takes 0.7 ms and gives the
-same distribution (tests/test_decoding.py). Tokens therefore differ from `model.generate`'s at the same seed, and
-a row's tokens depend on the rows that share its batch (they share a random stream); the distribution of each
-answer is the same. Greedy decoding (temperature -> 0) gives the same tokens.
+`model.generate` carries every row until the last one ends, and a CPU decode step's cost grows with its rows, so one
+looping answer keeps a batch of 48 at full size. `sample_dropping_finished` samples from `generate`'s distribution
+(repetition penalty, temperature, top-k, top-p, in that order) and drops ended rows from the batch and the KV cache
+once they are a quarter of it. Each token is drawn by inverting its row's CDF at one uniform number
+(`inverse_cdf_draw`, 0.7 ms for 48 x 49,152 against `torch.multinomial`'s 47 ms): the same distribution
+(tests/test_decoding.py), other tokens than `generate` at the same seed, the same tokens when greedy.
 """
 
 from __future__ import annotations

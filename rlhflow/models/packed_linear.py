@@ -1,17 +1,11 @@
 """oneDNN-packed `nn.Linear` weights for no-grad inference on CPU (generation).
 
-On CPU a float32 `nn.Linear` runs MKL's sgemm on the plain [out, in] weight and pays for arranging the weight on
-every call. While decoding, a call multiplies only batch-size rows, so that cost dominates: a SmolLM2-135M decode
-step at batch 8 on a 2-core EPYC took 239 ms plain and 121 ms with the weights packed once into oneDNN's blocked
-layout (`torch.ops.mkldnn._reorder_linear_weight`) and multiplied by `_linear_pointwise`. Packing costs one
-pass over the weights (about 0.4 s for 135M parameters), so it pays off over a whole generation, not a single
-forward pass.
-
-`packed_linears(model)` packs on entry and restores the plain modules on exit; the packed copies exist only
-inside the block (one extra copy of the weights while generating). A peft LoRA layer is packed with its adapter
-merged in (W + scaling * B A), so a LoRA policy samples as fast as a plain one; with the adapter disabled (the
-reference) it runs peft's own forward. Outside CPU float32, without oneDNN, or with
-gradients enabled it changes nothing.
+A float32 `nn.Linear` on CPU rearranges its plain weight on every call, which dominates a decode step's small
+matmuls: a SmolLM2-135M step at batch 8 took 239 ms plain, 121 ms packed (docs/benchmarks.md). Packing costs one
+pass over the weights, so it pays over a generation, not one forward pass. `packed_linears(model)` packs on entry
+and restores the plain modules on exit (one extra copy of the weights meanwhile); a peft LoRA layer is packed with
+its adapter merged in, and with the adapter disabled (the reference) runs peft's forward. Outside CPU float32,
+without oneDNN, or with gradients enabled it changes nothing.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""Supervised fine-tuning on demonstrations with trl's SFTTrainer.
+"""Supervised fine-tuning on demonstrations with trl's SFTTrainer (docs/sft.md).
 
-Loss (completion-only negative log-likelihood), over a batch of demonstrations (x, y):
+Loss, completion tokens only (prompt tokens labelled -100):
     L = -(1 / sum |y|) * sum_(x, y) sum_t log pi(y_t | x, y_<t)
-Only completion tokens y_t carry loss: the prompt's tokens are labelled -100 (TRL's completion_only_loss on
-prompt/completion data). The prompt is rendered and cut exactly as the policy is prompted later (rlhflow.models.policy):
-the chat template with the generation prompt when the tokenizer has one, else the plain-text prompt, cut to its last
-`ppo.max_prompt_length` tokens. No completion is cut: a demonstration longer than `sft.max_length` is left out (and
-counted), since a completion without its end would teach the model to stop mid-answer.
-
-With LoRA (`sft.lora.enabled`) only an adapter is trained; it is merged into the weights before the model is
-returned, so the saved model is a plain one of the loaded model's architecture.
+The prompt is rendered and cut as the policy is prompted later (rlhflow.models.policy). No completion is cut: a
+demonstration longer than `sft.max_length` is left out and counted. With LoRA (`sft.lora.enabled`) the adapter is
+merged before the model is returned, so the saved model is a plain one of the loaded architecture.
 """
 
 from __future__ import annotations

@@ -5,10 +5,9 @@ policy.predict(pd.DataFrame({"prompt": ["How do I boil an egg?"]}))           # 
 rm = mlflow.pyfunc.load_model("models:/rlhf-reward-model@candidate")
 rm.predict(pd.DataFrame({"prompt": [...], "response": [...]}))                 # -> list of rewards
 
-Each wrapper carries the signature and input example it is logged with (`SIGNATURE`, `INPUT_EXAMPLE`). One module
-per wrapper (`rlhfops.serving.policy.PolicyPyfunc`, `rlhfops.serving.reward.RewardPyfunc`); a stage
-hands its wrapper class to `rlhfops.registry.log_model_dir`. This package imports neither, so the stage that logs a
-reward model does not load the policy code, nor the other way round.
+One module per wrapper (`serving.policy.PolicyPyfunc`, `serving.reward.RewardPyfunc`), each with its `SIGNATURE`
+and `INPUT_EXAMPLE`; a stage hands its class to `rlhfops.registry.log_model_dir`. This package imports neither, so
+logging a reward model does not load the policy code, nor the other way round.
 """
 
 from __future__ import annotations
