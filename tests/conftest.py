@@ -64,6 +64,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: without it, never called
 def pytest_xdist_make_scheduler(config, log):
     """Under `--dist loadfile`, the modules of PROJECT_WORKSPACE_MODULES count as one file."""
     if config.getvalue("dist") != "loadfile":
