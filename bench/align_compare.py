@@ -5,33 +5,10 @@
     .venv/bin/python -m bench.align_compare --dpo-equal-time              # and DPO again, given PPO's wall time
     .venv/bin/python -m bench.align_compare --table-only ...              # the table from the runs already in MLflow
     .venv/bin/python -m bench.align_compare --best-of-n 1,2,4,8,16 ...    # and the points against best-of-n
-    .venv/bin/python -m bench.align_compare --algorithms ppo,rloo --seeds 3 --set-for rloo:align.learning_rate=1e-5 \
+    .venv/bin/python -m bench.align_compare --algorithms ppo,rloo --seeds 3 --set-for rloo:align.learning_rate=1e-5 \\
         --paired                                                          # rloo's own lr; per-seed differences
 
-Equal budgets (`EQUAL_BUDGET`): PPO, GRPO and RLOO each generate 160 responses to 40 distinct prompts (4 per
-prompt) and take 40 optimiser steps of 4 responses: PPO 20 rollouts of 8 (`ppo.samples_per_prompt=4`, two
-minibatches each); GRPO and RLOO 20 generations of 8 split into 2 steps each (`align.steps_per_generation=2`). The
-budgets are computed from each point's settings (`rlhflow.config.align.training_budget`) and must be equal before
-anything runs. DPO generates nothing; it reads preference pairs, and `--dpo-equal-time` gives it PPO's wall time:
-the steps that PPO's mean stage time buys at DPO's seconds per step over all its finished runs
-(`dpo_equal_time_steps`; each DPO run at another step count sharpens the estimate).
-
-Each algorithm's KL weight is swept (`--betas`: multiples of its default, `BETA_KEYS`) since the three define the
-penalty differently (PPO k1 summed into the reward, GRPO k3 per token in the loss, RLOO k1 in the reward): the
-table compares judge win rate against KL to the SFT model, which the evaluate stage measures the same way for every
-policy. Every algorithm's points are one sweep (flows/sweep.py: upstream stages shared and run once, finished
-points reused, `--seeds N` training seeds per point with the splits and the judge fixed).
-
-The table (Markdown, on stdout and in `reports/align_compare.md`) gives per algorithm and beta the budget, the
-ppo stage's wall time and, on the test split, the judge's win rate against the SFT model (all answers and where
-both answers ended), the proxy reward, KL to the SFT model, the ended share and answer length: with one seed each
-with its 95% conversation-bootstrap interval, with several the mean over seeds and its 95% Student-t interval.
-`reports/align_compare.png` draws the online algorithms' points as curves of judge win rate against KL, with both
-intervals: the comparison at equal KL. `--paired` adds, per figure (dev split first), each point's value at each
-seed and its difference from the first point's at the same seed, where the proxy and the SFT answers are shared.
-With `--best-of-n`, `reports/align_frontier.{md,png}` put the points beside best-of-n from the SFT model
-(flows/sweep.py's baseline, at the base seed), on the optimised and the judge's reward against sqrt(KL), as a
-sweep's frontier does.
+How it measures: docs/benchmark-methods.md#align_compare.
 """
 
 from __future__ import annotations

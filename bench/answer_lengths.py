@@ -1,16 +1,12 @@
 """How long the models' answers are, and how many never end: the measurement behind `evaluate.max_new_tokens` and the
 evaluation's sampling settings (docs/evaluation.md).
 
-Samples each model on the first `--prompts` held-out prompts (one per test conversation, as evaluate picks them) up
-to `--max-new-tokens` tokens, with the evaluation's sampling settings and each `--variant`, and prints for each: the
-share of answers that ended within each limit in `--limits`, and at the largest limit the ended / cut / degenerate
-shares (rlhflow/evaluation/answers.py). Models are held in `--precision` (bf16 by default: the evaluation's own
-precision on a CPU that runs it natively).
-
     python -m bench.answer_lengths --model sft=models/sft --model policy=models/policy --prompts 48 \\
         --variant top_p=0.9 --variant repetition_penalty=1.2
-    python -m bench.answer_lengths --model sft=models/sft --prompts 96 --max-new-tokens 256 --limits 256 \
+    python -m bench.answer_lengths --model sft=models/sft --prompts 96 --max-new-tokens 256 --limits 256 \\
         --variant draw=multinomial          # the decoder's draw: its time against generate's own draw
+
+How it measures: docs/benchmark-methods.md#answer_lengths.
 """
 
 from __future__ import annotations

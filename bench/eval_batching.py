@@ -5,12 +5,7 @@ on the models and test split of a finished `make run` (params.yaml's paths), alt
     .venv/bin/python -m bench.eval_batching [--rounds 2] [--set KEY=VALUE ...]   # given order against by length
     .venv/bin/python -m bench.eval_batching --layouts [--rounds 2]                # how a batch's rows are padded
 
-Without `--layouts`: rows batched in the given order against by length, at batches of 8 and 16, models in fp32.
-With it: each row's prompt and response padded as one (what the evaluation does) against the prompts left-padded and
-the responses right-padded apart (`padded_apart` below, the earlier layout), at `evaluate.score_batch_size`, by
-length, the models in `evaluate.precision` as the evaluate stage holds them.
-
-Prints seconds per setting and what each figure comes to, so that the change in rounding shows beside the time.
+How it measures: docs/benchmark-methods.md#eval_batching.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """How close a workload comes to this machine's matmul rate: the FLOPs its linear layers do, and the rate of a
 plain matmul measured in the same process.
 
-- `LinearFlops`: while active, every nn.Linear call adds 2 * rows * in * out FLOPs for its forward pass, and twice
-  that again when autograd records it (the backward's input and weight gradients): 2N FLOPs per token of a
-  forward pass and 6N per trained token, N = the weights of the linear layers the token goes through (the LM head
-  included, on the positions it is applied to). Attention's score matmuls and elementwise work are not counted,
-  so the achieved rate is a lower bound. With gradient checkpointing the recomputed forward counts as trained work
-  too: measure without it.
-- `matmul_gflops`: GFLOP/s of a 512 x 576 @ 576 x 1536 matmul (one of SmolLM2-135M's MLP shapes at 512 tokens) in
-  a dtype, at the current torch thread count: the machine's limit the achieved rate is set against.
+How it measures: docs/benchmark-methods.md#flops.
 """
 
 from __future__ import annotations

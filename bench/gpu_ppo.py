@@ -4,21 +4,7 @@ policies of SmolLM2-135M's, Llama-3.2-1B's and Llama-3.1-8B's shapes.
     python -m bench.gpu_ppo --cap-gib 79.6 --out results.jsonl          # every run in RUNS, on an 80 GB budget
     python -m bench.gpu_ppo --runs smollm2-135m:bf16,llama-1b:bf16
 
-The models are randomly initialised Llamas of each shape (memory and time depend on the shape, not on the
-weights) with the tiny test tokenizer: prompts cut to `--prompt-tokens`, and responses that run to `--new-tokens`
-(a random model almost never samples EOS), so every row has the same length. The PPO settings are params.yaml's
-defaults otherwise: 8 responses per update, minibatches of 4, one epoch, AdamW.
-
-First the CUDA path as the pipeline's stages set it up (rlhflow.models.loading): the card and its capability, whether
-bf16 is native there, what `precision: auto` resolves to, whether TF32 is on after `enable_tf32`, and the
-attention kernel `attn_implementation_for` picks. Then each run (shape:setting) in a fresh process: two updates,
-the peak of PyTorch's allocator (`torch.cuda.max_memory_allocated`, and what it reserved), the memory the models
-and optimizer hold after the updates, the second update's time and split, the PPO epochs' achieved rate (the
-linear layers' FLOPs, bench.flops: 6N per trained token; not shown with checkpointing or LoRA, where that count
-includes recomputed and frozen work) against a bf16 matmul timed in the same process, and the first minibatch's
-max |pi / pi_old - 1|. `--cap-gib` caps each process's GPU memory at that many GiB
-(`torch.cuda.set_per_process_memory_fraction`): a run that needs more ends with out-of-memory, shown as "does not
-fit". An 80 GB H100 holds 79.6 GiB.
+How it measures: docs/benchmark-methods.md#gpu_ppo.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """How far PPO's bf16 log-probabilities are from fp32's, per response token, with the output layer in bf16 and in
 fp32 (`ppo.fp32_lm_head`), printed as a Markdown table.
 
-Responses are sampled as PPO samples them in bf16 (from a copy with bf16 linear weights, KV-cache decoding, at
-`--temperature`, `--max-new-tokens`, prompts cut to their last `ppo.max_prompt_length` tokens: params.yaml's ppo
-settings unless given), once per head setting from the same seed. For every response token, the log-probability
-of the sampled token under logits / temperature:
-
-- decode - full: the sampling pass's own (KV-cache decoding) against a full forward pass in the same precision,
-  the one PPO's old log-probs and training use: how far the sampler is from the policy PPO thinks it samples;
-- full - fp32: that full bf16 forward pass against the fp32 model's: the error of bf16 itself.
-
-Each as the mean difference (its bias) and the mean absolute difference, over every response token and over the
-EOS tokens that ended a response.
-
     .venv/bin/python -m bench.logprob_error --model models/sft --prompts data/validated/train.jsonl --prompts-n 64
+
+How it measures: docs/benchmark-methods.md#logprob_error.
 """
 
 from __future__ import annotations

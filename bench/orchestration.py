@@ -5,22 +5,7 @@ bodies called directly, on the same configuration.
     .venv/bin/python -m bench.orchestration --short    # the default shortened (see SHORTENED; ~15 min)
     .venv/bin/python -m bench.orchestration --tiny     # tiny models (a minute; the smoke test)
 
-Both paths run in a fresh process each (imports count), each writing under its own temporary root, so neither can
-reuse the other's outputs (no PPO resume, no cached splits):
-- flow: `python -m flows.pipeline` - the Prefect flow (its temporary local server included), one MLflow parent run
-  and a child run per stage (params, every metric, metrics files), the models logged and registered;
-- direct: `tasks.<stage>.run(cfg, ctx)` for the same stages in the same order in a plain loop, with model logging
-  off and metrics not logged. The bodies' own artifact calls (sample tables, reports, dataset inputs, the reward
-  trainer's MLflow callback) still run, inside one plain MLflow run on a throwaway store, so the overhead measured is
-  Prefect plus the per-stage runs, params, metrics and model logging: a lower bound of what tracking costs.
-Besides wall time it reports each path's CPU seconds (user + system, the process and the children it waited for,
-which includes the temporary Prefect server), so an overhead that is work can be told from one that is waiting.
-Two whole runs on a shared machine also differ by its drift (+-10% between runs here), more than the target, so
-the overhead is attributed within the runs too: the extra time the flow's process spends outside its stage bodies
-(process start, the Prefect server and flow, stage runs' set-up, up-to-date checks, metrics files), plus the
-tracking calls the flow makes inside the bodies (metrics, model logging and registration, the champion lookups),
-clocked as they happen. Both figures are printed; the last line is
-`orchestration_overhead=<attributed seconds / the flow's wall time>`.
+How it measures: docs/benchmark-methods.md#orchestration.
 """
 
 from __future__ import annotations

@@ -3,12 +3,7 @@
     .venv/bin/python -m bench.ppo_bench                       # tiny + smollm2 on CPU (+ the GPU shapes on a GPU)
     .venv/bin/python -m bench.ppo_bench --workloads tiny --rounds 2
 
-Each round runs one fresh process per engine (ours in .venv, TRL in bench/.venv-trl), each doing `warmup` + `updates`
-PPO updates; the per-update times of the measured updates are split into generation, scoring and training. The
-speedup of a round is TRL's median update time over ours; the last line is `ppo_speedup_vs_trl=<median>`, the
-median over the rounds of the real workloads run (every workload but the `tiny` smoke one, unless it is the only one).
-On a GPU the table also says how close decoding comes to the memory-bandwidth bound and training to peak bf16 FLOP/s
-(see README "Benchmarks").
+How it measures: docs/benchmark-methods.md#ppo_bench.
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
 """PPO update time and peak memory by precision and memory knob (ppo.precision, ppo.gradient_checkpointing,
 ppo.micro_batch_size) on the CPU, printed as Markdown tables.
 
-Every measurement uses the same batch: the rollout's responses are sampled once (fp32, seed 0) and every trainer's
-update reuses them, so the rollout's forward passes (old and reference log-probs, values) and the PPO epochs see
-identical shapes; sampling is timed on its own (same prompts and seed per precision). The PPO settings are the
-params.yaml defaults (8 prompts per rollout, minibatches of 4, one epoch, prompts cut to 192 tokens, 48 new tokens).
-
-- Time: fp32 and bf16 trainers live in one process and update alternately, `--rounds` times after a warm-up each,
-  at each thread count of `--threads` in turn, so other work on the machine weighs on all alike; medians, bests
-  and their ratios. (Where other processes share the cores, 2 threads spend much of their time waiting for each
-  other at OpenMP barriers: 1 thread then shows the arithmetic's cost more faithfully.)
-- FLOP/s: each phase's achieved rate (the FLOPs of its linear layers, bench.flops: 2N per forward token, 6N per
-  trained token) against the rate of a plain matmul measured before it in the same precision and process: how
-  close the rollout's forwards, the PPO epochs and sampling come to this machine's limit.
-- Memory: each setting runs one update in a fresh subprocess: its peak RSS (VmHWM, the whole process, model loading
-  included; getrusage's ru_maxrss would also count the parent's RSS at the fork, which Linux keeps across exec).
-  Its update time is printed too, from runs that are not interleaved: a rough figure.
-- First ratio: max |pi / pi_old - 1| at the first minibatch of the first update (real sampling), and how far
-  (max |delta log p|) the rollout's log-probs would be from training's with another row grouping (all rows in one
-  pass) or from the sampling pass's logits: why the engine computes them on the training micro-batches.
-
-The model: `--model` (a plain model dir such as the sft stage's models/sft), else a randomly initialised Llama of
-SmolLM2-135M's shape.
-
     .venv/bin/python -m bench.ppo_precision --model models/sft --prompts data/validated/train.jsonl --threads 2,1
+
+How it measures: docs/benchmark-methods.md#ppo_precision.
 """
 
 from __future__ import annotations

@@ -7,14 +7,7 @@ by SFT samples), each as the real `ppo` stage on the outputs of a default run.
     .venv/bin/python -m bench.ppo_settings --settings shared,lora --set ppo.steps=8
     .venv/bin/python -m bench.ppo_settings --settings shared,shared_detached,separate --seeds 3   # the critics
 
-Each setting runs `python -m tasks.ppo --set ...` in a fresh process, in turn, writing its policy, checkpoints and
-metrics under bench/.work/ppo_settings/<setting>/ (model logging off, MLflow experiment `ppo-settings`), so the
-default run's outputs are only read. Per setting it prints the process's peak RSS (`wait4`), the median update
-time and its split (from the stage's own timers), the final reward-model score and KL (means over the last quarter
-of updates, `ppo/score_mean_final` and `ppo/kl_final`), the first update's score, the last KL coefficient, and
-how well the value model predicts the returns (`ppo/explained_variance` and the value loss over the last quarter).
-With `--seeds N` each setting runs at training seeds 0..N-1 (`seed`; the data splits stay fixed) and the table gives
-each figure's mean over seeds with its 95% Student-t interval.
+How it measures: docs/benchmark-methods.md#ppo_settings.
 """
 
 from __future__ import annotations

@@ -2,16 +2,7 @@
 
     bench/.venv-trl/bin/python -m bench.ppo_worker_trl --workload-dir bench/.work/tiny --out trl.json --threads 2
 
-TRL's settings mirror ours (bench.ppo_worker_rlhflow): per_device_train_batch_size = batch size with
-gradient_accumulation_steps=1 and num_mini_batches = batch / minibatch, so each minibatch is one forward,
-backward and optimizer step as in ours; the same PPO epochs, response length, temperature, learning rate (constant),
-KL coefficient, gamma=lam=1, AdamW eps 1e-5, missing-EOS penalty 1; no gradient checkpointing (TRL's default is on,
-ours has none); fp32 on CPU, bf16 on GPU; no sample generations, no saving, no reporting. The reference model is
-TRL's own copy of the policy, the value model a sequence-classification head on the policy weights.
-
-TRL has no phase timers, so its module-level helpers are wrapped: generation is `batch_generation`; scoring runs
-from its end to the first forward pass with gradients (reference, value and reward passes, log-probs, GAE);
-training from there to the end of the update (`on_step_end`).
+How it measures: docs/benchmark-methods.md#ppo_worker_trl.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
-"""Every stage's wall time in fp32 against bf16, side by side: the default pipeline as `make run` runs it
-(`bench.profile_run`, each run in a process of its own), once with every stage's `precision` at fp32 and once at
-bf16, alternating over `--rounds`, so that other work on the machine weighs on both alike. Reports per stage the
-median wall seconds of each and bf16 / fp32, and which of the run's figures differ (bf16 changes the sampled tokens,
-so most do: how much is the seed comparison's question, docs/benchmarks.md "Precision and sampling speed").
+"""Every stage's wall time in fp32 against bf16, side by side: the default pipeline as `make run` runs it, once
+with every stage's `precision` at fp32 and once at bf16, alternating; per stage the median seconds, and which
+figures differ.
 
     .venv/bin/python -m bench.precision_stages                  # the default pipeline twice (~40 min on 2 cores)
     .venv/bin/python -m bench.precision_stages --tiny           # tiny models (a few minutes; the smoke test)
     .venv/bin/python -m bench.precision_stages --rounds 2 --set ppo.steps=10
 
-How close PPO's training and sampling come to the machine's matmul rate in each precision: bench.ppo_precision.
+How it measures: docs/benchmark-methods.md#precision_stages.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
-"""The stage profile of this tree against another commit's, side by side: the default pipeline as `make run` runs
-it, with the code of `--against` (a temporary git worktree) and with this tree's, alternating, each run in a
-process of its own (`bench.profile_run`). Reports per stage the wall seconds of both and their ratio, and which of
-the run's figures (`metrics/*.json`, the `time/` ones aside) differ, by how much; the JSON (--out) keeps every
-run's whole profile too.
+"""The stage profile of this tree against another commit's (`--against`, in a temporary git worktree), runs
+alternating: per stage the wall seconds of both and their ratio, and which figures differ, by how much.
 
     .venv/bin/python -m bench.profile_compare                      # against PREVIOUS_DEFAULT (~30 min on 2 cores)
     .venv/bin/python -m bench.profile_compare --against HEAD~3 --rounds 2
     .venv/bin/python -m bench.profile_compare --tiny               # tiny models (a few minutes; the smoke test)
 
-The commit compared against must have `bench/profile_run.py` (it profiles its own code with its own timers).
+How it measures: docs/benchmark-methods.md#profile_compare.
 """
 
 from __future__ import annotations

@@ -5,22 +5,7 @@ training, scoring, hashing and recording, logging to MLflow, and everything else
     .venv/bin/python -m bench.profile_run --tiny   # tiny models (about a minute; the smoke test)
     .venv/bin/python -m bench.profile_run --set ppo.steps=4 --out profile.json
 
-The pipeline runs as `make run` runs it (`flows.pipeline.main`: the Prefect flow with its temporary server, the
-MLflow parent and stage runs, DVC's up-to-date checks and records), in this process, with every output, the
-MLflow store and the DVC cache under a temporary root (bench/orchestration.py's `root_overrides`), removed
-afterwards.
-
-For the run, each function that TIMED names is replaced by a timer around it (and put back afterwards). Time is
-exclusive: a timed call made inside another one (a tokenizer call inside reward-model scoring, a hash inside model
-logging) counts for its own category only, the outer call keeps the rest. A stage's wall time is that of
-`flows.pipeline.run_or_skip` (its up-to-date check, the stage task with its MLflow run, its DVC record); `other` is
-the part of it that no timed call covers. What the flow does outside the stages (the temporary Prefect server,
-the parent run, lineage logging, the report) is a row of its own. The modules the timers patch are imported
-before the clock starts, so their import time is in no row.
-
-Prints a Markdown table (stages x categories, seconds) and writes the JSON (--out): per stage the wall time, the
-seconds and calls per category, and the calls and exclusive seconds of each timed function; and the run's
-metrics (`metrics/<stage>.json`), so that a faster run can be checked to measure the same.
+How it measures: docs/benchmark-methods.md#profile_run.
 """
 
 from __future__ import annotations

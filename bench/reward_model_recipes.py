@@ -1,19 +1,10 @@
 """Reward-model recipes on the pipeline's validated splits: chosen by dev accuracy, reported on the test split.
 
-    .venv/bin/python -m bench.reward_model_recipes '{"learning_rate": 1e-4, "epochs": 1}' \
+    .venv/bin/python -m bench.reward_model_recipes '{"learning_rate": 1e-4, "epochs": 1}' \\
         '{"learning_rate": 5e-5, "epochs": 2, "pooling": "mean"}' '{"data": "all", "prompt": "last_turn"}'
 
-Each argument is one recipe: `reward_model` params (see rlhflow/config/params.py) plus
-- `data`: "proxy" (the train split, as the pipeline's proxy reward model gets it) or "all" (train and judge splits);
-- `prompt`: what of the dialogue the model reads before the response: "dialogue" (all of it, as the pipeline
-  does), "last_turn" (the last user message only) or "none" (the response alone);
-- `backbone` (default: the pipeline's encoder; "models/sft" for the SFT model) and `seed` (default 0).
-Every recipe is scored on the dev split (the selection split, docs/evaluation.md): one line per recipe,
-`RESULT ... dev_acc=... +- s.e.`. The recipe with the best dev accuracy is chosen; only then are the chosen recipe
-and the first one (the baseline) scored on the test split the pipeline's `rm/accuracy` uses: `CHOSEN ...` and
-`BASELINE ...` with `test_acc=... +- s.e.`. No choice reads the test split. The splits are the `validate` stage's
-outputs for params.yaml: run `dvc repro validate` (or `make run`) first. About 2 minutes per epoch of MiniLM on 2
-CPU cores, 16 for the SFT model."""
+How it measures: docs/benchmark-methods.md#reward_model_recipes.
+"""
 
 from __future__ import annotations
 

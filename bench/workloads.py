@@ -1,16 +1,6 @@
 """The benchmark workloads, written to disk once so that both engines load exactly the same files.
 
-A prepared workload directory holds
-- `policy/`: the causal LM (also the reference and, with a fresh head, the value model) and its tokenizer,
-- `reward/`: a sequence-classification model on the policy's tokenizer (the policy's backbone plus a seeded
-  random score head): TRL's PPO needs one; our engine gets a score_fn that runs the same model,
-- `workload.json`: the settings both engines read, and the prompts (chat messages for ours, the same token ids
-  for TRL's dataset).
-
-Equal work in both engines: the tokenizer's EOS is a token id past the end of the model's vocabulary, so
-neither engine can sample it and every response runs to `max_new_tokens` (TRL's PPO would otherwise generate
-all `response_length` tokens while ours stops a batch once every row ended). There are exactly `batch_size`
-prompts, so every update of both engines sees the same prompt set and the same padded prompt length.
+How it measures: docs/benchmark-methods.md#workloads.
 """
 
 from __future__ import annotations
