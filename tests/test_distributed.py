@@ -1,16 +1,11 @@
 """Data parallelism: the reward_model and ppo stages under `accelerate launch` with 2 CPU processes (gloo) on
-tiny models, checked against a single process with the same global batch.
+tiny models, against in-process single-process runs of the same stage code with the same global batch.
 
-Both stages treat their params.yaml batch sizes as global, so the same params must give the same training in
-1 or N processes: the same number of optimisation steps over the same rows, gradients averaged over the
-global batch, statistics (reward whitening, advantage whitening, logged means) over the global batch. The
-2-process runs are compared with in-process single-process runs of the same stage code (`run_stage`):
-- reward model: the same weights after training (DDP over batch_size / 2 pairs per process);
-- PPO: top_k=1 makes the rollouts independent of how prompts are split across processes, so every update
-  is deterministic; the logged global statistics and the final weights must agree. Local whitening or
-  statistics, summed-but-not-scaled or missing gradient all-reduces, or per-process batches of the full
-  batch_size each make them differ.
-Only rank 0 may write: one MLflow run per stage, one metrics file, no stray output dirs.
+Batch sizes are global, so 1 or N processes must train alike: the reward model ends with the same weights (DDP over
+batch_size / 2 pairs per process); PPO with top_k=1 (rollouts independent of how prompts are split) logs the same
+global statistics and ends with the same weights. Local whitening, unscaled or missing gradient all-reduces, or
+per-process batches of the full batch_size each make them differ. Only rank 0 writes: one MLflow run per stage, one
+metrics file, no stray output dirs.
 """
 
 from __future__ import annotations
