@@ -77,10 +77,13 @@ def exclusive(run: str, *, wait: bool = True, root: Path = REPO_ROOT, log=print)
     try:
         started, noticed = time.monotonic(), -NOTICE_S
         while True:
-            dvc_busy = wait and dvc_is_busy(root)
-            if not dvc_busy and try_flock(fd):
-                break
-            busy = "a DVC command (dvc repro?) holding DVC's lock" if dvc_busy else describe(holder(root))
+            if try_flock(fd):
+                if not (wait and dvc_is_busy(root)):
+                    break
+                fcntl.flock(fd, fcntl.LOCK_UN)  # free, but a DVC command works in it: wait for that
+                busy = "a DVC command (dvc repro?) holding DVC's lock"
+            else:  # a run holds it (and may itself hold DVC's lock a moment): name the run
+                busy = describe(holder(root))
             if not wait:
                 raise WorkspaceBusy(
                     f"this workspace ({root}) is in use by {busy}: one pipeline run at a time per workspace. Start "
