@@ -41,9 +41,7 @@ PROJECT_WORKSPACE_MODULES = {
     "test_bad_input",
     "test_bench_smoke",
     "test_concurrent_runs",
-    "test_config",
     "test_distributed",
-    "test_docs",
     "test_faults",
     "test_flow_skipping",
     "test_mlflow_ui",
@@ -52,12 +50,9 @@ PROJECT_WORKSPACE_MODULES = {
     "test_prefect_server",
     "test_quiet_logs",
     "test_real_data",
-    "test_safe_paths",
     "test_security",
     "test_sft_train",
-    "test_stages",
     "test_sweep",
-    "test_training_slot",
 }
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # two workers share the cores: one thread each (and in the stages they start) instead of oversubscribing
