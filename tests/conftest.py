@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 # in the project's own workspace share one worker: a run holds the workspace (rlhfops/workspace.py), so two of them
 # on two workers would wait for each other, and a test that counts who waited would count a stranger.
 PROJECT_WORKSPACE_MODULES = {
+    "test_align",  # stage CLIs in this process (stage_runner.cli)
     "test_bad_input",
     "test_bench_smoke",
     "test_concurrent_runs",
