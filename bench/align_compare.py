@@ -3,7 +3,6 @@
     .venv/bin/python -m bench.align_compare --betas 0.4,1,2.5 --seeds 3   # each beta curve, 3 training seeds
     .venv/bin/python -m bench.align_compare --algorithms ppo,grpo         # one point each, default beta
     .venv/bin/python -m bench.align_compare --dpo-equal-time              # and DPO again, given PPO's wall time
-    .venv/bin/python -m bench.align_compare --table-only ...              # the table from the runs already in MLflow
     .venv/bin/python -m bench.align_compare --best-of-n 1,2,4,8,16 ...    # and the points against best-of-n
     .venv/bin/python -m bench.align_compare --algorithms ppo,rloo --seeds 3 --set-for rloo:align.learning_rate=1e-5 \\
         --paired                                                          # rloo's own lr; per-seed differences
