@@ -17,6 +17,7 @@ from prefect import flow
 
 from rlhflow.config.params import Config, load_config, parse_config_args
 from rlhfops import restore
+from rlhfops.temporary_server import start_temporary_server
 
 
 @flow(name="restore-run", log_prints=True)
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     known, rest = pre.parse_known_args(argv[1:])
     cfg, _ = parse_config_args(rest, "Restore a pipeline run's outputs (the tracking store is read from params).")
     try:
+        start_temporary_server()
         restore_run(argv[0], known.remote, cfg)
     except restore.RestoreError as err:
         print(f"restore failed: {err}", file=sys.stderr)
