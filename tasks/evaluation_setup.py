@@ -1,11 +1,19 @@
-"""The evaluation's settings read from params.yaml once, for the stages that evaluate (sft_answers, evaluate) and
-the sweep's best-of-n baseline: the library (rlhflow.evaluation) gets these values, never the configuration."""
+"""What the stages that evaluate (sft_answers, evaluate) and the sweep's best-of-n baseline read from params.yaml, once:
+the evaluation's settings as values, the models loaded and the held-out prompts read. The library
+(rlhflow.evaluation) gets these, never the configuration or a path to resolve."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rlhflow.config.params import Config
-from rlhflow.evaluation.setup import EvaluationSetup
+from rlhflow.evaluation.held_out import HeldOutPrompts, as_precision, held_out_files, reference_key
+from rlhflow.evaluation.judges import load_judge
+from rlhflow.evaluation.settings import EvaluationSettings
+from rlhflow.fsutil import dir_md5, file_md5
+from rlhflow.models.loading import load_causal_lm, load_tokenizer, resolve_precision
 from rlhflow.models.sampling import Sampling
+from rlhflow.training.reward_model import RewardModel
 
 
 def evaluation_sampling(cfg: Config) -> Sampling:
@@ -26,17 +34,9 @@ def evaluation_sampling(cfg: Config) -> Sampling:
     )
 
 
-def evaluation_setup(cfg: Config) -> EvaluationSetup:
+def evaluation_settings(cfg: Config) -> EvaluationSettings:
     e = cfg.evaluate
-    return EvaluationSetup(
-        sft_dir=cfg.path(cfg.sft.out_dir),
-        policy_dir=cfg.path(cfg.ppo.out_dir),
-        reward_model_dir=cfg.path(cfg.reward_model.out_dir),
-        judge=cfg.judge,
-        judge_dir=cfg.path(cfg.judge.out_dir),
-        device=cfg.device,
-        validated_dir=cfg.path(cfg.validate_.out_dir),
-        reference_dir=cfg.path(e.reference_dir),
+    return EvaluationSettings(
         sampling=evaluation_sampling(cfg),
         precision=e.precision,
         temperature=cfg.eval_temperature,
@@ -44,11 +44,47 @@ def evaluation_setup(cfg: Config) -> EvaluationSetup:
         samples_per_prompt=e.samples_per_prompt,
         degenerate_repetition=e.degenerate_repetition,
         score_batch_size=e.score_batch_size,
-        reward_model_batch_size=cfg.reward_model.eval_batch_size,
-        judge_batch_size=cfg.judge.eval_batch_size,
         perplexity_rows=e.perplexity_rows,
         missing_eos_penalty=cfg.ppo.missing_eos_penalty,
         champion=e.champion,
-        report_dir=cfg.path(e.report_dir),
-        metrics_dir=cfg.path(cfg.metrics_dir),
     )
+
+
+def load_language_model(model_dir: str | Path, device):
+    """A causal LM saved by a stage (or registered), with its own tokenizer, for sampling: (tokenizer, model)."""
+    tokenizer = load_tokenizer(str(model_dir))
+    model = load_causal_lm(str(model_dir), pad_token_id=tokenizer.pad_token_id).to(device).eval()
+    return tokenizer, model
+
+
+def load_proxy(model_dir: str | Path, cfg: Config, device) -> RewardModel:
+    """A proxy reward model (the reward_model stage's, or a registered one) as the evaluation scores with it."""
+    return RewardModel.load(model_dir, batch_size=cfg.reward_model.eval_batch_size, device=device)
+
+
+def load_evaluation_judge(cfg: Config, device):
+    """The judge (the judge section: a trained reward model, a scoring function or an LLM endpoint)."""
+    return load_judge(cfg.judge, cfg.path(cfg.judge.out_dir), batch_size=cfg.judge.eval_batch_size, device=device)
+
+
+def held_out_prompts(cfg: Config, settings: EvaluationSettings) -> HeldOutPrompts:
+    """The evaluation prompts of the held-out splits validate wrote."""
+    files = held_out_files(cfg.path(cfg.validate_.out_dir))
+    return HeldOutPrompts.load(files, settings.n_prompts, settings.samples_per_prompt)
+
+
+def sft_answers_key(cfg: Config, settings: EvaluationSettings, held_out: HeldOutPrompts) -> dict:
+    """What the sft_answers stage's answers to `held_out` are keyed by (rlhflow.evaluation.held_out.reference_key)."""
+    files = held_out_files(cfg.path(cfg.validate_.out_dir))
+    return reference_key(
+        settings,
+        sft_md5=dir_md5(cfg.path(cfg.sft.out_dir)),
+        held_out_md5={split: file_md5(path) for split, path in files.items()},
+        prompts=held_out.counts,
+    )
+
+
+def sft_in_precision(cfg: Config, precision: str, device):
+    """The SFT model and its tokenizer, the model in the sampling precision: (tokenizer, model)."""
+    tokenizer, sft = load_language_model(cfg.path(cfg.sft.out_dir), device)
+    return tokenizer, as_precision(sft, resolve_precision(precision, device))

@@ -6,19 +6,33 @@ SFT model, the test split, the sampling settings, the proxy or the judge (rlhflo
 from __future__ import annotations
 
 from rlhflow.config.params import Config
+from rlhflow.evaluation.held_out import REFERENCE_FILE, reference_record, sample_reference
+from rlhflow.fsutil import atomic_dir, write_json_atomic
+from rlhflow.models.loading import pick_device
 from rlhfops.stage_runner import StageContext, cli, stage_task
+from tasks.evaluation_setup import (
+    evaluation_settings,
+    held_out_prompts,
+    load_evaluation_judge,
+    load_proxy,
+    sft_answers_key,
+    sft_in_precision,
+)
 
 NAME = "sft_answers"
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
-    from rlhflow.evaluation.held_out import sample_reference
-    from rlhflow.fsutil import atomic_dir
-    from tasks.evaluation_setup import evaluation_setup
-
-    setup = evaluation_setup(cfg)
-    with atomic_dir(setup.reference_dir, setting="evaluate.reference_dir") as tmp:
-        metrics = sample_reference(setup, tmp)
+    settings = evaluation_settings(cfg)
+    device = pick_device(cfg.device)
+    held_out = held_out_prompts(cfg, settings)
+    tokenizer, sft = sft_in_precision(cfg, settings.precision, device)
+    answers = sample_reference(settings, sft, tokenizer, held_out)
+    del sft  # the scorers load next
+    rm, judge = load_proxy(cfg.path(cfg.reward_model.out_dir), cfg, device), load_evaluation_judge(cfg, device)
+    record, metrics = reference_record(answers, rm, judge, held_out, sft_answers_key(cfg, settings, held_out))
+    with atomic_dir(cfg.path(cfg.evaluate.reference_dir), setting="evaluate.reference_dir") as tmp:
+        write_json_atomic(tmp / REFERENCE_FILE, record)
     ctx.log_metrics(metrics)
     return metrics
 

@@ -119,15 +119,16 @@ def _outputs(texts: list[str], ended: list[bool]):
     return [SimpleNamespace(response=response, response_mask=torch.ones_like(response), ended=ended, texts=texts)]
 
 
-def test_the_policy_champion_comparison_reads_only_dev_prompts(monkeypatch):
+def test_the_policy_champion_comparison_reads_only_dev_prompts():
     """Whatever the challenger is compared with, the prompts sampled and judged are the dev split's."""
     import dataclasses
 
-    import rlhflow.models.loading
+    import torch
+
     from rlhflow.config.params import load_config
     from rlhflow.evaluation import compare
     from rlhflow.evaluation.answers import Answers
-    from tasks.evaluation_setup import evaluation_setup
+    from tasks.evaluation_setup import evaluation_settings
 
     dev_prompts = [[{"role": "user", "content": f"dev question {i}"}] for i in range(4)]
     sampled, judged = [], []
@@ -144,21 +145,13 @@ def test_the_policy_champion_comparison_reads_only_dev_prompts(monkeypatch):
             judged.extend(prompts)
             return np.array([1.0 if t.startswith("challenger") else 0.0 for t in texts])
 
-    class Model:
-        def to(self, device):
-            return self
-
-        def eval(self):
-            return self
-
-    monkeypatch.setattr(rlhflow.models.loading, "load_tokenizer", lambda path: SimpleNamespace(pad_token_id=0))
-    monkeypatch.setattr(rlhflow.models.loading, "load_causal_lm", lambda path, **kw: Model())
-    monkeypatch.setattr(compare, "as_precision", lambda model, dtype: model)
     mine = Answers.from_outputs(_outputs([f"challenger {i}" for i in range(4)], [True] * 4), 0.5)
     dev = compare.DevAnswers(dev_prompts, ["a", "b", "c", "d"], mine, kl=3.0, pair_rows=[], pairs=None)
-    result = compare.PolicyEvaluation({}, {}, [], None, dev, Judge(), "cpu")
-    setup = dataclasses.replace(evaluation_setup(load_config()), sampling=Sampling())
-    h2h = compare.policy_against(result, setup, "unused", challenge=1)
+    result = compare.PolicyEvaluation({}, {}, [], None, dev)
+    settings = dataclasses.replace(evaluation_settings(load_config()), sampling=Sampling())
+    models = compare.EvaluatedModels("cpu", torch.float32, None, None, None, None, Judge())
+    evaluator = compare.PolicyEvaluator(settings, models, data=None)
+    h2h = evaluator.policy_against(result, other=object(), tokenizer=None, challenge=1)
     assert sampled == dev_prompts
     assert judged and all(p in dev_prompts for p in judged)
     assert (h2h.test.wins, h2h.test.losses, h2h.test.ties) == (3, 0, 0)  # the pair where the champion was cut drops

@@ -99,31 +99,32 @@ def test_one_prompt_per_test_conversation(tmp_path):
 
 def test_answers_sampled_another_way_are_refused(tmp_path):
     from rlhflow.config.params import load_config
-    from rlhflow.evaluation.held_out import REFERENCE_FILE, load_reference
-    from tasks.evaluation_setup import evaluation_setup
+    from rlhflow.evaluation.held_out import REFERENCE_FILE, HeldOutPrompts, load_reference
+    from tasks.evaluate import read_held_out_data
+    from tasks.evaluation_setup import evaluation_settings, sft_answers_key
 
     test = tmp_path / "validated/test.jsonl"
     test.parent.mkdir()
     test.write_text(json.dumps({"prompt": "p", "prompt_messages": [{"role": "user", "content": "p"}]}) + "\n")
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft/model.safetensors").write_text("weights")
-    setup = evaluation_setup(
-        load_config(
-            overrides=[
-                f"validate.out_dir={tmp_path}/validated",
-                f"sft.out_dir={tmp_path}/sft",
-                f"evaluate.reference_dir={tmp_path}/answers",
-            ]
-        )
+    cfg = load_config(
+        overrides=[
+            f"validate.out_dir={tmp_path}/validated",
+            f"sft.out_dir={tmp_path}/sft",
+            f"evaluate.reference_dir={tmp_path}/answers",
+        ]
     )
+    settings = evaluation_settings(cfg)
     with pytest.raises(FileNotFoundError, match="run the sft_answers stage"):
-        load_reference(setup, prompts=1)
+        read_held_out_data(cfg, settings)
     (tmp_path / "answers").mkdir()
     record = {
         "key": {"sft_md5": "another model", "test_md5": "x", "prompts": 1, "sampling": {}, "precision": "auto"},
         "answers": answers(["ended"], [0.0]).to_json(),
     }
     (tmp_path / "answers" / REFERENCE_FILE).write_text(json.dumps(record))
+    held_out = HeldOutPrompts.load({"test": test}, None, 1)
     with pytest.raises(ValueError, match="sft_md5") as error:
-        load_reference(setup, prompts=1)
+        load_reference(tmp_path / "answers" / REFERENCE_FILE, sft_answers_key(cfg, settings, held_out))
     assert "sampling" in str(error.value) and "rerun the sft_answers stage" in str(error.value)

@@ -1,41 +1,40 @@
-"""What the evaluate stage measures (`evaluate`): the policy against the SFT model's answers on one prompt per held-out
-conversation (rlhflow.evaluation.held_out), by the proxy and the judge (rlhflow.evaluation.judges): win rates overall,
-where both answers ended and length-controlled, with intervals over conversations (rlhflow.evaluation.stats); the
-answers' classes and drift, KL and perplexity (rlhflow.evaluation.metrics); the proxy on held-out pairs
-(rlhflow.evaluation.pairs). Every figure on the test split (eval/...), the choosing ones on the dev split (dev/...);
-and the head-to-head comparisons the champion rule reads. What each figure is: docs/evaluation.md.
+"""What the evaluate stage measures (`PolicyEvaluator`): the policy against the SFT model's answers on one prompt per
+held-out conversation (rlhflow.evaluation.held_out), by the proxy and the judge (rlhflow.evaluation.judges): win
+rates overall, where both answers ended and length-controlled, with intervals over conversations
+(rlhflow.evaluation.stats); the answers' classes and drift, KL and perplexity (rlhflow.evaluation.metrics); the proxy
+on held-out pairs (rlhflow.evaluation.pairs). Every figure on the test split (eval/...), the choosing ones on the dev
+split (dev/...); and the head-to-head comparisons the champion rule reads. What each figure is: docs/evaluation.md.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+import pandas as pd
 
 from rlhflow.config.evaluate import ChampionConfig
+from rlhflow.data.splits import conversation_keys
 from rlhflow.evaluation import stats
 from rlhflow.evaluation.answers import Answers
 from rlhflow.evaluation.champion import HeadToHead, alpha_spent, guard_failures, sign_test
 from rlhflow.evaluation.frontier import objective_scores
-from rlhflow.evaluation.held_out import (
-    HeldOutPrompts,
-    as_precision,
-    held_out_files,
-    load_reference,
-)
+from rlhflow.evaluation.held_out import HeldOutData, as_precision
 from rlhflow.evaluation.judges import verdicts_from_scores
 from rlhflow.evaluation.metrics import (
     confidence_buckets,
     distinct_n,
     expected_calibration_error,
     mean_length,
+    perplexity,
     ranking_agreement,
     repetition_rate,
+    sampled_kl,
 )
-from rlhflow.evaluation.setup import EvaluationSetup
+from rlhflow.evaluation.pairs import LENGTH_AWARE_METRICS, evaluate_pairs
+from rlhflow.evaluation.settings import EvaluationSettings
 
 # the bootstrap's seed: fixed, so every run's intervals are drawn the same way whatever its training seed
 BOOTSTRAP_SEED = 0
@@ -163,8 +162,6 @@ def reward_model_metrics(pairs, rows: list[dict]) -> tuple[dict[str, float], lis
     accuracy and the length rule beside it, calibration, and agreement of its scores with the human ranking of
     each prompt's responses; and the confidence buckets (rlhflow.evaluation.metrics.ConfidenceBucket) behind the
     calibration."""
-    from rlhflow.evaluation.pairs import LENGTH_AWARE_METRICS
-
     buckets = confidence_buckets(pairs.chosen - pairs.rejected)  # raw scores: the Bradley-Terry probability
     scores = {}
     for row, c, r in zip(rows, pairs.chosen.tolist(), pairs.rejected.tolist()):
@@ -274,15 +271,14 @@ def reward_model_head_to_head(
 
 @dataclass
 class PolicyEvaluation:
-    """What `evaluate` measured, with what the champion comparisons need to measure more on the same items."""
+    """What `PolicyEvaluator.evaluate` measured, with what the champion comparisons need to measure more on the same
+    items."""
 
     metrics: dict[str, float]
     samples: dict[str, list]  # per answer: the prompt, both answers, their classes, proxy and judge figures, the KL
     buckets: list  # the reward model's confidence buckets (calibration)
     pairs: Any  # the proxy's verdict on each test pair (rlhflow.evaluation.pairs.evaluate_pairs)
     dev: DevAnswers | None  # the policy on the dev split (None: no dev split)
-    judge: Any  # the loaded judge (rlhflow.evaluation.judges.Judge)
-    device: Any
 
 
 def _verdicts(judge, prompts, policy: Answers, sft: Answers):
@@ -295,7 +291,7 @@ def _verdicts(judge, prompts, policy: Answers, sft: Answers):
 
 @dataclass
 class EvaluatedModels:
-    """The models the evaluate stage loads once: the policy, the SFT model, the proxy and the judge."""
+    """The models an evaluation compares and scores with, loaded once by its stage."""
 
     device: Any
     dtype: Any  # the sampling and KL precision (evaluate.precision)
@@ -306,134 +302,140 @@ class EvaluatedModels:
     judge: Any  # rlhflow.evaluation.judges.Judge
 
 
-def load_evaluated_models(setup: EvaluationSetup) -> EvaluatedModels:
-    from rlhflow.evaluation.judges import load_judge
-    from rlhflow.models.loading import load_causal_lm, load_tokenizer, pick_device, resolve_precision
-    from rlhflow.training.reward_model import RewardModel
+class PolicyEvaluator:
+    """The policy against the SFT model's answers (the sft_answers stage) on one prompt per held-out conversation,
+    scored by the proxy and the judge; then, for the champion rule, against another policy or reward model on the
+    dev split. It gets the settings, the loaded models and the held-out data (`HeldOutData`) from its stage."""
 
-    device = pick_device(setup.device)
-    sft_dir, policy_dir = str(setup.sft_dir), str(setup.policy_dir)
-    tokenizer = load_tokenizer(sft_dir)
-    return EvaluatedModels(
-        device=device,
-        dtype=resolve_precision(setup.precision, device),
-        tokenizer=tokenizer,
-        sft=load_causal_lm(sft_dir, pad_token_id=tokenizer.pad_token_id).to(device).eval(),
-        policy=load_causal_lm(policy_dir, pad_token_id=tokenizer.pad_token_id).to(device).eval(),
-        rm=RewardModel.load(setup.reward_model_dir, batch_size=setup.reward_model_batch_size, device=device),
-        judge=load_judge(setup.judge, setup.judge_dir, batch_size=setup.judge_batch_size, device=device),
-    )
+    def __init__(self, settings: EvaluationSettings, models: EvaluatedModels, data: HeldOutData):
+        self.settings = settings
+        self.models = models
+        self.data = data
 
-
-def evaluate(setup: EvaluationSetup) -> PolicyEvaluation:
-    """The policy (`setup.policy_dir`) against the SFT model's answers (the sft_answers stage) on one prompt per
-    held-out conversation, scored by the proxy and the judge: every figure on the test split (eval/...), the choosing
-    figures on the dev split (dev/...); the proxy's accuracy on every test pair; perplexities on the chosen responses
-    of the first `setup.perplexity_rows` test prompts. Figures that are NaN (no value) are left out."""
-    from rlhflow.data.readers import read_jsonl
-    from rlhflow.evaluation.pairs import evaluate_pairs
-
-    models = load_evaluated_models(setup)
-    files = held_out_files(setup.validated_dir)
-    held_out = HeldOutPrompts.of(setup)
-    references = load_reference(setup, prompts=held_out.counts)
-    parts, kl = answer_held_out(setup, models, held_out)
-    figures = {
-        split: split_figures(setup, models.judge, held_out, split, policy_answers, references[split])
-        for split, policy_answers in parts.items()
-    }
-    test_figures, judged, judge_scores = figures["test"]
-    metrics, pairs, buckets = test_metrics(setup, models, files["test"], kl["test"], held_out.conversations["test"])
-    metrics = {**test_figures, **metrics}
-    dev = None
-    if "dev" in parts:
-        metrics.update(dev_metrics(figures["dev"][0], float(kl["dev"].mean())))
-        dev_rows = read_jsonl(files["dev"]).to_dict("records")
-        dev = DevAnswers(
-            held_out.prompts["dev"],
-            held_out.conversations["dev"],
-            parts["dev"],
-            float(kl["dev"].mean()),
-            dev_rows,
-            evaluate_pairs(models.rm, dev_rows),
+    def evaluate(self) -> PolicyEvaluation:
+        """Every figure on the test split (eval/...), the choosing figures on the dev split (dev/...); the proxy's
+        accuracy on every test pair; perplexities on the chosen responses of the first `perplexity_rows` test
+        prompts. Figures that are NaN (no value) are left out."""
+        held_out, reference = self.data.prompts, self.data.reference
+        parts, kl = self.answer_held_out()
+        figures = {split: self.split_figures(split, answers, reference[split]) for split, answers in parts.items()}
+        test_figures, judged, judge_scores = figures["test"]
+        metrics, pairs, buckets = self.test_metrics(kl["test"])
+        metrics = {**test_figures, **metrics}
+        dev = None
+        if "dev" in parts:
+            dev_kl = float(kl["dev"].mean())
+            metrics.update(dev_metrics(figures["dev"][0], dev_kl))
+            dev_rows = self.data.dev_rows
+            dev_pairs = evaluate_pairs(self.models.rm, dev_rows)
+            dev = DevAnswers(
+                held_out.prompts["dev"], held_out.conversations["dev"], parts["dev"], dev_kl, dev_rows, dev_pairs
+            )
+        samples = answer_samples(held_out, parts["test"], reference["test"], judged, judge_scores, kl["test"])
+        return PolicyEvaluation(
+            metrics={k: v for k, v in metrics.items() if not math.isnan(v)},  # NaN: "no value", in MLflow and DVC alike
+            samples=samples,
+            buckets=buckets,
+            pairs=pairs,
+            dev=dev,
         )
-    samples = answer_samples(held_out, parts["test"], references["test"], judged, judge_scores, kl["test"])
-    return PolicyEvaluation(
-        metrics={k: v for k, v in metrics.items() if not math.isnan(v)},  # NaN: "no value", in MLflow and DVC alike
-        samples=samples,
-        buckets=buckets,
-        pairs=pairs,
-        dev=dev,
-        judge=models.judge,
-        device=models.device,
-    )
 
+    def answer_held_out(self):
+        """The policy's answers to both held-out splits' prompts, sampled at once (full batches, and the random
+        streams the SFT model's answers were drawn with), with the proxy's and a pointwise judge's scores and each
+        answer's KL to the SFT model in the sampling precision: (answers per split, KL per split)."""
+        settings, models, held_out = self.settings, self.models, self.data.prompts
+        everything = held_out.all()
+        policy_low = as_precision(models.policy, models.dtype)
+        policy_out = settings.sampling.sample(policy_low, models.tokenizer, everything)
+        answers = Answers.from_outputs(policy_out, settings.degenerate_repetition)
+        answers.extra["proxy"] = models.rm.score(everything, answers.texts).tolist()
+        if models.judge.pointwise:
+            answers.extra["judge"] = [float(x) for x in models.judge.score(everything, answers.texts)]
+        kl_all = sampled_kl(
+            policy_low,
+            as_precision(models.sft, models.dtype),
+            policy_out,
+            settings.temperature,
+            pad_token_id=models.tokenizer.pad_token_id,
+            batch_size=settings.score_batch_size,
+        )
+        parts = answers.split(held_out.sizes())
+        kl = dict(zip(parts, np.split(np.asarray(kl_all), np.cumsum(list(held_out.sizes().values()))[:-1])))
+        return parts, kl
 
-def answer_held_out(setup: EvaluationSetup, models: EvaluatedModels, held_out: HeldOutPrompts):
-    """The policy's answers to both held-out splits' prompts, sampled at once (full batches, and the random streams
-    the SFT model's answers were drawn with), with the proxy's and a pointwise judge's scores and each answer's KL
-    to the SFT model in the sampling precision: (answers per split, KL per split)."""
-    from rlhflow.evaluation.metrics import sampled_kl
+    def split_figures(self, split: str, policy_answers: Answers, sft_answers: Answers):
+        """One split's comparison of the policy's answers with the SFT model's: (figures, the judge's verdicts, a
+        pointwise judge's scores)."""
+        held_out = self.data.prompts
+        proxy = verdicts_from_scores(policy_answers.extra["proxy"], sft_answers.extra["proxy"])
+        judged, judge_scores = _verdicts(self.models.judge, held_out.prompts[split], policy_answers, sft_answers)
+        conversations = held_out.conversations[split]
+        metrics = comparison_metrics(
+            policy_answers, sft_answers, proxy, judged, conversations, judge_scores, self.settings.missing_eos_penalty
+        )
+        return metrics | text_metrics(policy_answers) | sft_side(text_metrics(sft_answers)), judged, judge_scores
 
-    everything = held_out.all()
-    policy_low = as_precision(models.policy, models.dtype)
-    policy_out = setup.sampling.sample(policy_low, models.tokenizer, everything)
-    answers = Answers.from_outputs(policy_out, setup.degenerate_repetition)
-    answers.extra["proxy"] = models.rm.score(everything, answers.texts).tolist()
-    if models.judge.pointwise:
-        answers.extra["judge"] = [float(x) for x in models.judge.score(everything, answers.texts)]
-    kl_all = sampled_kl(
-        policy_low,
-        as_precision(models.sft, models.dtype),
-        policy_out,
-        setup.temperature,
-        pad_token_id=models.tokenizer.pad_token_id,
-        batch_size=setup.score_batch_size,
-    )
-    parts = answers.split(held_out.sizes())
-    kl = dict(zip(parts, np.split(np.asarray(kl_all), np.cumsum(list(held_out.sizes().values()))[:-1])))
-    return parts, kl
+    def test_metrics(self, kl):
+        """The test split's KL with its interval, both perplexities, and the proxy on every test pair:
+        (figures, the pairs' verdicts, the calibration buckets)."""
+        models, data = self.models, self.data
+        batch = self.settings.score_batch_size
+        ref_rows = data.test_rows.drop_duplicates("prompt").head(self.settings.perplexity_rows)
+        ppl_args = (list(ref_rows["prompt_messages"]), list(ref_rows["chosen"]))
+        # the SFT model's figure as the sft stage measured it on the same rows; measured here when it has none
+        sft_perplexity = data.sft_perplexity
+        if sft_perplexity is None:
+            sft_perplexity = perplexity(models.sft, models.tokenizer, *ppl_args, batch_size=batch)
+        pair_rows = data.test_rows.to_dict("records")
+        # the proxy's scores of these pairs as its stage saved them (the same model, loaded the same way)
+        pairs = evaluate_pairs(models.rm, pair_rows, scores=data.test_pair_scores)
+        rm_metrics, buckets = reward_model_metrics(pairs, pair_rows)
+        conversations = data.prompts.conversations["test"]
+        kl_weights = stats.resample_weights(len(kl), clusters=conversations, seed=BOOTSTRAP_SEED)
+        metrics = {
+            **_with_interval("eval/kl", stats.mean_with_interval(kl, kl_weights)),  # by conversation
+            "eval/perplexity": perplexity(models.policy, models.tokenizer, *ppl_args, batch_size=batch),
+            "eval/perplexity_sft": sft_perplexity,
+            **rm_metrics,
+        }
+        return metrics, pairs, buckets
 
+    def policy_against(self, result: PolicyEvaluation, other, tokenizer, challenge: int) -> HeadToHead:
+        """The evaluated policy head to head with another one (the champion's model, with its own tokenizer: its
+        chat template and special tokens, as it would be served) on the dev prompts, sampled with the evaluation's
+        settings and judged by the same judge on the pairs where both answers ended, after the guards
+        (evaluate.champion)."""
+        settings, judge, dev = self.settings, self.models.judge, result.dev
+        other = as_precision(other, self.models.dtype)
+        other_answers = Answers.from_outputs(
+            settings.sampling.sample(other, tokenizer, dev.prompts), settings.degenerate_repetition
+        )
+        mine = dev.answers
+        both = np.flatnonzero(mine.is_class("ended") & other_answers.is_class("ended"))
+        prompts = [dev.prompts[i] for i in both]
+        texts, other_texts = [mine.texts[i] for i in both], [other_answers.texts[i] for i in both]
+        if judge.pointwise:
+            verdicts = verdicts_from_scores(judge.score(prompts, texts), judge.score(prompts, other_texts))
+        else:
+            verdicts = judge.compare(prompts, texts, other_texts)
+        rule = settings.champion
+        guards = guard_failures(
+            rule,
+            kl=dev.kl,
+            ended=mine.shares()["ended"],
+            length_ratio=float(np.mean(mine.tokens)) / max(float(np.mean(other_answers.tokens)), 1e-9),
+        )
+        return policy_head_to_head(verdicts, [dev.conversations[i] for i in both], rule, challenge, guards)
 
-def split_figures(setup: EvaluationSetup, judge, held_out: HeldOutPrompts, split: str, policy_answers, sft_answers):
-    """One split's comparison of the policy's answers with the SFT model's: (figures, the judge's verdicts, a
-    pointwise judge's scores)."""
-    proxy = verdicts_from_scores(policy_answers.extra["proxy"], sft_answers.extra["proxy"])
-    judged, judge_scores = _verdicts(judge, held_out.prompts[split], policy_answers, sft_answers)
-    conversations = held_out.conversations[split]
-    metrics = comparison_metrics(
-        policy_answers, sft_answers, proxy, judged, conversations, judge_scores, setup.missing_eos_penalty
-    )
-    return metrics | text_metrics(policy_answers) | sft_side(text_metrics(sft_answers)), judged, judge_scores
-
-
-def test_metrics(setup: EvaluationSetup, models: EvaluatedModels, test_file: Path, kl, conversations: list[str]):
-    """The test split's KL with its interval, both perplexities, and the proxy on every test pair:
-    (figures, the pairs' verdicts, the calibration buckets)."""
-    from rlhflow.data.readers import read_jsonl
-    from rlhflow.evaluation.metrics import perplexity, saved_held_out_perplexity
-    from rlhflow.evaluation.pairs import evaluate_pairs, saved_pair_scores
-
-    rows, batch = setup.perplexity_rows, setup.score_batch_size
-    test = read_jsonl(test_file)
-    ref_rows = test.drop_duplicates("prompt").head(rows)
-    ppl_args = (list(ref_rows["prompt_messages"]), list(ref_rows["chosen"]))
-    # the SFT model's figure as the sft stage measured it on the same rows; measured here when it has none for them
-    sft_perplexity = saved_held_out_perplexity(str(setup.sft_dir), rows=rows, data_file=test_file)
-    if sft_perplexity is None:
-        sft_perplexity = perplexity(models.sft, models.tokenizer, *ppl_args, batch_size=batch)
-    pair_rows = test.to_dict("records")
-    # the proxy's scores of these pairs as its stage saved them (the same model, loaded the same way)
-    pairs = evaluate_pairs(models.rm, pair_rows, scores=saved_pair_scores(setup.reward_model_dir, data_file=test_file))
-    rm_metrics, buckets = reward_model_metrics(pairs, pair_rows)
-    kl_weights = stats.resample_weights(len(kl), clusters=conversations, seed=BOOTSTRAP_SEED)
-    metrics = {
-        **_with_interval("eval/kl", stats.mean_with_interval(kl, kl_weights)),  # by conversation
-        "eval/perplexity": perplexity(models.policy, models.tokenizer, *ppl_args, batch_size=batch),
-        "eval/perplexity_sft": sft_perplexity,
-        **rm_metrics,
-    }
-    return metrics, pairs, buckets
+    def reward_model_against(self, result: PolicyEvaluation, other, challenge: int) -> HeadToHead:
+        """The proxy head to head with another reward model (the champion's, loaded) on the dev split's pairs."""
+        dev = result.dev
+        other_pairs = evaluate_pairs(other, dev.pair_rows)
+        conversations = list(conversation_keys(pd.DataFrame(dev.pair_rows)))
+        return reward_model_head_to_head(
+            dev.pairs.correct.tolist(), other_pairs.correct.tolist(), conversations, self.settings.champion, challenge
+        )
 
 
 def answer_samples(held_out, policy_answers: Answers, sft_answers: Answers, judged, judge_scores, kl) -> dict:
@@ -452,52 +454,3 @@ def answer_samples(held_out, policy_answers: Answers, sft_answers: Answers, judg
     if judge_scores is not None:
         samples["sft_judge"], samples["ppo_judge"] = judge_scores[1], judge_scores[0]
     return samples
-
-
-def policy_against(result: PolicyEvaluation, setup: EvaluationSetup, model_dir: str, challenge: int) -> HeadToHead:
-    """The evaluated policy head to head with another one (the champion's model dir) on the dev prompts, judged by
-    the same judge on the pairs where both answers ended, after the guards (evaluate.champion); the other policy
-    samples with its own tokenizer (its chat template and special tokens), as it would be served, with the
-    evaluation's settings."""
-    from rlhflow.models.loading import load_causal_lm, load_tokenizer, resolve_precision
-
-    dev = result.dev
-    tokenizer = load_tokenizer(model_dir)
-    other = load_causal_lm(model_dir, pad_token_id=tokenizer.pad_token_id).to(result.device).eval()
-    other = as_precision(other, resolve_precision(setup.precision, result.device))
-    other_answers = Answers.from_outputs(
-        setup.sampling.sample(other, tokenizer, dev.prompts), setup.degenerate_repetition
-    )
-    mine = dev.answers
-    both = np.flatnonzero(mine.is_class("ended") & other_answers.is_class("ended"))
-    prompts = [dev.prompts[i] for i in both]
-    texts, other_texts = [mine.texts[i] for i in both], [other_answers.texts[i] for i in both]
-    if result.judge.pointwise:
-        verdicts = verdicts_from_scores(result.judge.score(prompts, texts), result.judge.score(prompts, other_texts))
-    else:
-        verdicts = result.judge.compare(prompts, texts, other_texts)
-    rule = setup.champion
-    guards = guard_failures(
-        rule,
-        kl=dev.kl,
-        ended=mine.shares()["ended"],
-        length_ratio=float(np.mean(mine.tokens)) / max(float(np.mean(other_answers.tokens)), 1e-9),
-    )
-    return policy_head_to_head(verdicts, [dev.conversations[i] for i in both], rule, challenge, guards)
-
-
-def reward_model_against(result: PolicyEvaluation, setup: EvaluationSetup, model_dir, challenge: int) -> HeadToHead:
-    """The proxy head to head with another reward model (the champion's model dir) on the dev split's pairs."""
-    import pandas as pd
-
-    from rlhflow.data.splits import conversation_keys
-    from rlhflow.evaluation.pairs import evaluate_pairs
-    from rlhflow.training.reward_model import RewardModel
-
-    dev = result.dev
-    other = RewardModel.load(model_dir, batch_size=setup.reward_model_batch_size, device=result.device)
-    other_pairs = evaluate_pairs(other, dev.pair_rows)
-    conversations = list(conversation_keys(pd.DataFrame(dev.pair_rows)))
-    return reward_model_head_to_head(
-        dev.pairs.correct.tolist(), other_pairs.correct.tolist(), conversations, setup.champion, challenge
-    )

@@ -1,15 +1,22 @@
-"""The held-out prompts of an evaluation (one per test or dev conversation) and the SFT model's answers to them: the
-sft_answers stage samples and scores those once (`sample_reference`), for every evaluate and sweep point to read
-(`load_reference`)."""
+"""The held-out prompts of an evaluation (one per test or dev conversation), what else it reads from disk
+(`HeldOutData`), and the SFT model's answers to the prompts: the sft_answers stage samples and scores those once
+(`sample_reference`), for every evaluate and sweep point to read (`load_reference`)."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import torch
+
+from rlhflow.data.readers import read_jsonl
+from rlhflow.data.splits import conversation_keys
 from rlhflow.evaluation.answers import Answers
-from rlhflow.evaluation.setup import EvaluationSetup
+from rlhflow.evaluation.settings import EvaluationSettings
 from rlhflow.models.sampling import Sampling
 
 REFERENCE_FILE = "answers.json"
@@ -18,9 +25,6 @@ REFERENCE_FILE = "answers.json"
 def evaluation_prompts(test_file: Path, n_prompts: int | None):
     """One prompt per test conversation (its first row in the file: the conversation's shallowest branch there), in
     file order; the first `n_prompts` of them when set. Columns: prompt, prompt_messages, conversation."""
-    from rlhflow.data.readers import read_jsonl
-    from rlhflow.data.splits import conversation_keys
-
     test = read_jsonl(test_file)
     test = test.assign(conversation=conversation_keys(test).to_numpy())
     prompts = test.drop_duplicates("conversation")[["prompt", "prompt_messages", "conversation"]]
@@ -57,10 +61,6 @@ class HeldOutPrompts:
             {s: len(df) for s, df in frames.items()},
         )
 
-    @classmethod
-    def of(cls, setup: EvaluationSetup) -> HeldOutPrompts:
-        return cls.load(held_out_files(setup.validated_dir), setup.n_prompts, setup.samples_per_prompt)
-
     def all(self) -> list:
         return [p for split in self.prompts for p in self.prompts[split]]
 
@@ -70,8 +70,6 @@ class HeldOutPrompts:
 
 def sample(model, tokenizer, prompt_messages, sampling: Sampling, *, max_new_tokens: int | None = None):
     """Answers to `prompt_messages` with `sampling` (the evaluation's settings; `max_new_tokens`: another limit)."""
-    import dataclasses
-
     if max_new_tokens is not None:
         sampling = dataclasses.replace(sampling, max_new_tokens=max_new_tokens)
     return sampling.sample(model, tokenizer, prompt_messages)
@@ -85,77 +83,68 @@ def repeated(items: list, k: int) -> list:
 def as_precision(model, dtype):
     """The model in `dtype` for sampling and scoring (a copy when it differs: the fp32 weights stay for
     perplexity, which is compared with the sft stage's fp32 figure)."""
-    import copy
-
-    import torch
-
     return model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
 
 
-def sample_reference(setup: EvaluationSetup, out_dir: Path) -> dict[str, float]:
-    """The sft_answers stage: the SFT model's answers to the evaluation prompts of both held-out splits, classified,
-    with the proxy's scores (and the judge's, for a judge that scores answers one at a time), written to `out_dir`
-    with what they are keyed by (`reference_key`). Returns the answers' class shares per split."""
-    from rlhflow.evaluation.judges import load_judge
-    from rlhflow.fsutil import write_json_atomic
-    from rlhflow.models.loading import load_causal_lm, load_tokenizer, pick_device, resolve_precision
-    from rlhflow.training.reward_model import RewardModel
+@dataclass
+class HeldOutData:
+    """What an evaluation reads besides the models, read by its stage."""
 
-    device = pick_device(setup.device)
-    held_out = HeldOutPrompts.of(setup)
+    prompts: HeldOutPrompts
+    reference: dict[str, Answers]  # the SFT model's answers per split (the sft_answers stage, `load_reference`)
+    test_rows: Any  # the test split's pairs (a DataFrame)
+    dev_rows: list[dict] | None  # the dev split's pairs; None: no dev split
+    sft_perplexity: float | None  # the sft stage's perplexity on the same test rows; None: it measured none
+    test_pair_scores: Any  # the reward model stage's scores of the test pairs; None: it saved none for them
+
+
+def sample_reference(settings: EvaluationSettings, sft, tokenizer, held_out: HeldOutPrompts) -> Answers:
+    """The SFT model's answers (in the sampling precision) to the evaluation prompts of both held-out splits,
+    classified."""
+    outputs = settings.sampling.sample(sft, tokenizer, held_out.all())
+    return Answers.from_outputs(outputs, settings.degenerate_repetition)
+
+
+def reference_record(answers: Answers, rm, judge, held_out: HeldOutPrompts, key: dict) -> tuple[dict, dict]:
+    """The sft_answers stage's record: the SFT model's answers with the proxy's scores (and the judge's, for a judge
+    that scores answers one at a time) per split, under what they are keyed by (`reference_key`); and the answers'
+    class shares per split as metrics."""
     prompts = held_out.all()
-
-    tokenizer = load_tokenizer(str(setup.sft_dir))
-    sft = load_causal_lm(str(setup.sft_dir), pad_token_id=tokenizer.pad_token_id).to(device).eval()
-    sft = as_precision(sft, resolve_precision(setup.precision, device))
-    answers = Answers.from_outputs(setup.sampling.sample(sft, tokenizer, prompts), setup.degenerate_repetition)
-    del sft
-
-    rm = RewardModel.load(setup.reward_model_dir, batch_size=setup.reward_model_batch_size, device=device)
     answers.extra["proxy"] = rm.score(prompts, answers.texts).tolist()
-    judge = load_judge(setup.judge, setup.judge_dir, batch_size=setup.judge_batch_size, device=device)
     if judge.pointwise:
         answers.extra["judge"] = [float(x) for x in judge.score(prompts, answers.texts)]
     parts = answers.split(held_out.sizes())
-    record = {
-        "key": reference_key(setup, prompts=held_out.counts),
-        "answers": {split: part.to_json() for split, part in parts.items()},
-    }
-    write_json_atomic(Path(out_dir) / REFERENCE_FILE, record)
+    record = {"key": key, "answers": {split: part.to_json() for split, part in parts.items()}}
     metrics = {"sft_answers/answers": float(len(answers))}
     for split, part in parts.items():
         prefix = "sft_answers/" if split == "test" else f"sft_answers/{split}_"
         metrics.update({f"{prefix}{name}": share for name, share in part.shares().items()})
-    return metrics
+    return record, metrics
 
 
-def reference_key(setup: EvaluationSetup, *, prompts: dict[str, int]) -> dict:
+def reference_key(settings: EvaluationSettings, *, sft_md5: str, held_out_md5: dict, prompts: dict[str, int]) -> dict:
     """What the SFT answers depend on besides the code: the SFT model, the held-out split files, the number of
     evaluation prompts of each (`prompts`) and every sampling and classification setting. The sft_answers stage
     writes it with the answers; evaluate takes them only under the same key."""
-    from rlhflow.fsutil import dir_md5, file_md5
-
     return {
-        "sft_md5": dir_md5(setup.sft_dir),
-        "held_out_md5": {split: file_md5(path) for split, path in held_out_files(setup.validated_dir).items()},
+        "sft_md5": sft_md5,
+        "held_out_md5": held_out_md5,
         "prompts": prompts,
-        "samples_per_prompt": setup.samples_per_prompt,
-        "sampling": setup.sampling.key(),
-        "degenerate_repetition": setup.degenerate_repetition,
-        "precision": setup.precision,
+        "samples_per_prompt": settings.samples_per_prompt,
+        "sampling": settings.sampling.key(),
+        "degenerate_repetition": settings.degenerate_repetition,
+        "precision": settings.precision,
     }
 
 
-def load_reference(setup: EvaluationSetup, *, prompts: dict[str, int]) -> dict[str, Answers]:
-    """The sft_answers stage's output per held-out split, for `prompts` evaluation prompts of each; an error naming
-    what differs when it was sampled for another SFT model, other prompts or other settings (the flow reruns that
-    stage first; a stage run by hand may not have)."""
-    path = setup.reference_dir / REFERENCE_FILE
+def load_reference(path: Path, expected_key: dict) -> dict[str, Answers]:
+    """The sft_answers stage's output (`path`) per held-out split; an error naming what differs when it was sampled
+    under another key (another SFT model, other prompts or other settings: the flow reruns that stage first; a stage
+    run by hand may not have)."""
     if not path.exists():
         raise FileNotFoundError(f"{path}: the SFT model's evaluation answers are missing; run the sft_answers stage")
     record = json.loads(path.read_text())
-    expected = reference_key(setup, prompts=prompts)
-    differs = sorted(k for k in expected if record["key"].get(k) != expected[k])
+    differs = sorted(k for k in expected_key if record["key"].get(k) != expected_key[k])
     if differs:
         raise ValueError(
             f"{path} was sampled with other {', '.join(differs)} than this evaluation's; rerun the sft_answers stage "

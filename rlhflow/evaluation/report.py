@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlhflow.evaluation.setup import EvaluationSetup
+import pandas as pd
+
+from rlhflow.evaluation import plots
+from rlhflow.fsutil import atomic_dir, write_json_atomic, write_text_atomic
 from rlhflow.models.sampling import Sampling
 
 if TYPE_CHECKING:
@@ -18,8 +22,6 @@ CALIBRATION_CSV = "eval_calibration.csv"
 
 def reward_quantiles(sft_rewards: list[float], ppo_rewards: list[float]) -> Any:
     """Sorted rewards of both models against their quantile: the two reward distributions as DVC line plots."""
-    import pandas as pd
-
     n = len(sft_rewards)
     return pd.DataFrame(
         {
@@ -31,8 +33,6 @@ def reward_quantiles(sft_rewards: list[float], ppo_rewards: list[float]) -> Any:
 
 
 def calibration_table(buckets) -> Any:
-    import pandas as pd
-
     return pd.DataFrame(
         {
             "confidence": [b.confidence for b in buckets],
@@ -253,17 +253,16 @@ def sampling_description(s: Sampling) -> str:
 
 
 def write_outputs(
-    setup: EvaluationSetup, result: PolicyEvaluation, decisions: list, judge_metrics: dict | None = None
+    report_dir: Path,
+    metrics_dir: Path,
+    sampling: Sampling,
+    result: PolicyEvaluation,
+    decisions: list,
+    judge_metrics: dict | None = None,
 ) -> None:
-    """The plot data in metrics_dir (DVC plots) and, all at once, the report dir: samples, figures (the PPO
-    history's too, when there is one) and report.md with the champion decisions."""
-    import pandas as pd
-
-    from rlhflow.evaluation import plots
-    from rlhflow.fsutil import atomic_dir, write_json_atomic, write_text_atomic
-
+    """The plot data in `metrics_dir` (DVC plots) and, all at once, `report_dir`: samples, figures (the PPO
+    history's too, when there is one) and report.md with the champion decisions and the `sampling` settings."""
     samples, buckets = result.samples, result.buckets
-    metrics_dir = setup.metrics_dir
     history_csv = metrics_dir / "ppo_history.csv"
     history = pd.read_csv(history_csv) if history_csv.exists() else None
     write_text_atomic(
@@ -271,7 +270,7 @@ def write_outputs(
         reward_quantiles(samples["sft_reward"], samples["ppo_reward"]).to_csv(index=False),
     )
     write_text_atomic(metrics_dir / CALIBRATION_CSV, calibration_table(buckets).to_csv(index=False))
-    with atomic_dir(setup.report_dir, setting="evaluate.report_dir") as tmp:
+    with atomic_dir(report_dir, setting="evaluate.report_dir") as tmp:
         write_json_atomic(tmp / "samples.json", samples)
         figures = {
             "reward_distributions": plots.reward_distributions(samples["sft_reward"], samples["ppo_reward"]),
@@ -292,6 +291,6 @@ def write_outputs(
                 decisions,
                 sorted(figures),
                 judge_metrics=judge_metrics,
-                settings=sampling_description(setup.sampling),
+                settings=sampling_description(sampling),
             ),
         )
