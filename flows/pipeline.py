@@ -10,6 +10,7 @@ and accelerator stages hold a training slot. The whole behaviour: docs/prefect.m
 
 from __future__ import annotations
 
+import argparse
 import errno
 import importlib
 import json
@@ -17,8 +18,14 @@ import sys
 import time
 from typing import Literal
 
+import mlflow
 from prefect import flow, task
+from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
 from flows import report
@@ -115,9 +122,6 @@ def with_overrides(cfg: Config | None, overrides: list[str] | None) -> Config:
 def ensure_training_limit(limit: str = TRAINING_LIMIT) -> int:
     """Create the global concurrency limit `limit` with TRAINING_LIMIT_DEFAULT_SLOTS when it does not exist; a
     limit the user changed (`prefect gcl update`) is left as it is. Returns its slots."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
     with get_client(sync_client=True) as client:
         try:
@@ -154,7 +158,6 @@ def log_lineage(cfg: Config, names: list[str]) -> dict:
 @task(name="push-outputs", **TRANSIENT_RETRIES)
 def push_outputs(lock: dict, cfg: Config, remote: str | None) -> None:
     """The run's data and models to a DVC remote, for `flows.restore` on another machine."""
-    import mlflow
 
     sent = restore.push_run(lock, cfg, remote)
     mlflow.set_tag("dvc.remote", remote or "default")
@@ -163,8 +166,6 @@ def push_outputs(lock: dict, cfg: Config, remote: str | None) -> None:
 
 @task(name="publish-report", **TRANSIENT_RETRIES)
 def publish_report(markdown: str, run_url: str | None) -> None:
-    from prefect.artifacts import create_link_artifact, create_markdown_artifact
-
     create_markdown_artifact(
         markdown,
         key=report.REPORT_KEY,
@@ -233,7 +234,6 @@ def run_pipeline(
 
 def this_run_name() -> str:
     """How other runs waiting for the workspace name this one: the Prefect flow run, else the command."""
-    from prefect.runtime import flow_run
 
     name = flow_run.get_name() if flow_run.get_id() else None
     return f"pipeline flow run {name!r}" if name else f"pipeline run ({' '.join(sys.argv[:1] + sys.argv[1:4])})"
@@ -266,8 +266,6 @@ def _run_stages(
                 results.update(metrics)
             skipped = [o.name for o in outcomes if not o.ran]
             if skipped:
-                import mlflow
-
                 mlflow.set_tag("skipped_stages", ",".join(skipped))
             tracking.log_metrics({k: v for k, v in results.items() if k.startswith("time/")})
             lock = log_lineage(cfg, names)
@@ -313,8 +311,6 @@ def rlhf_pipeline(
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
-
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument(
         "--stages", default=None, help=f"comma-separated subset of stages to run: {', '.join(STAGE_NAMES)}"

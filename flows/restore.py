@@ -11,6 +11,7 @@ unless every recorded path is one its stage writes, inside the workspace, and ev
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from prefect import flow
@@ -44,7 +45,6 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0].startswith("-"):
         print(__doc__.strip(), file=sys.stderr)
         return 2
-    import argparse
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--remote", default=None, help="DVC remote to pull from (default: DVC's default remote)")

@@ -11,6 +11,7 @@ MLflow run and a Prefect artifact. How points share, fail and resume: docs/prefe
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import math
@@ -19,13 +20,34 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import mlflow
+import numpy as np
+import pandas as pd
 from prefect import flow
+from prefect.artifacts import create_markdown_artifact
 
 from flows import report
 from flows.pipeline import rlhf_pipeline, with_overrides
 from rlhflow.config.params import Config, parse_config_args
+from rlhflow.data.splits import conversation_key
+from rlhflow.evaluation import plots
+from rlhflow.evaluation.frontier import (
+    FrontierPoint,
+    best_of_n_frontier,
+    frontier_plot,
+    frontier_table,
+    objective_name,
+    sample_best_of_n_scores,
+)
+from rlhflow.evaluation.held_out import evaluation_prompts
+from rlhflow.evaluation.stats import across_seeds
+from rlhflow.fsutil import write_json_atomic, write_text_atomic
+from rlhflow.models.loading import load_causal_lm, load_tokenizer, pick_device
+from rlhflow.training.reward_model import RewardModel
 from rlhfops import tracking, workspace
+from rlhfops.hashing import dir_md5, file_md5, inputs_fingerprint
 from rlhfops.temporary_server import start_temporary_server
+from tasks.evaluation_setup import evaluation_sampling
 
 DEFAULT_BEST_OF_N = [1, 2, 4, 8, 16]
 # what best-of-n reads: the validated test split, the SFT model, the proxy and the judge
@@ -80,8 +102,6 @@ class SeedGroup:
         return [o for o in self.outcomes if not o.status.startswith("failed")]
 
     def figure(self, key: str) -> tuple[float, float, float]:
-        from rlhflow.evaluation.stats import across_seeds
-
         return across_seeds([o.metrics.get(key, float("nan")) for o in self.finished])
 
     def choice_value(self) -> float:
@@ -156,7 +176,6 @@ def grid_points(grid: dict[str, list[str]]) -> list[list[str]]:
 def finished_point(cfg: Config):
     """The newest FINISHED whole-pipeline run of exactly this config at a commit whose code is HEAD's
     (tracking.same_code: commits in between that change only docs, tests or benches do not count), or None."""
-    import mlflow
 
     client = mlflow.MlflowClient()
     experiment = client.get_experiment_by_name(cfg.tracking.experiment)
@@ -178,8 +197,6 @@ def finished_point(cfg: Config):
 
 
 def run_point(cfg: Config, overrides: list[str], sweep_run_id: str, seed: int | None = None) -> PointOutcome:
-    import mlflow
-
     label = ", ".join(overrides) + ("" if seed is None else f", seed={seed}")
     client = mlflow.MlflowClient()
     done = finished_point(cfg)
@@ -218,8 +235,6 @@ def best_of_n_baseline(cfg: Config, ns: list[int], missing_eos_penalty: float | 
     same. The workspace's upstream stages are first brought to `cfg` (BASELINE_STAGES: up to date, or run again):
     the last point may have left another seed's proxy, or another grid value's models. The caller holds the
     workspace."""
-    from rlhflow.fsutil import write_json_atomic
-    from rlhfops.hashing import dir_md5, file_md5, inputs_fingerprint
 
     rlhf_pipeline(config=cfg, stages=BASELINE_STAGES, parent_run=parent_run)
 
@@ -241,9 +256,6 @@ def best_of_n_baseline(cfg: Config, ns: list[int], missing_eos_penalty: float | 
     else:
         cached = {"key": key, **_sample_best_of_n(cfg, samples)}
         write_json_atomic(cache, cached)
-    import numpy as np
-
-    from rlhflow.evaluation.frontier import best_of_n_frontier
 
     return best_of_n_frontier(
         np.array(cached["proxy"]),
@@ -256,13 +268,6 @@ def best_of_n_baseline(cfg: Config, ns: list[int], missing_eos_penalty: float | 
 
 
 def _sample_best_of_n(cfg: Config, samples: int) -> dict[str, list]:
-    from rlhflow.data.splits import conversation_key
-    from rlhflow.evaluation.frontier import sample_best_of_n_scores
-    from rlhflow.evaluation.held_out import evaluation_prompts
-    from rlhflow.models.loading import load_causal_lm, load_tokenizer, pick_device
-    from rlhflow.training.reward_model import RewardModel
-    from tasks.evaluation_setup import evaluation_sampling
-
     start = time.perf_counter()
     device = pick_device(cfg.device)
     sft_dir = str(cfg.path(cfg.sft.out_dir))
@@ -292,7 +297,6 @@ def policy_point(outcome: PointOutcome, missing_eos_penalty: float | None = None
     """A finished point on the frontier. Its optimised reward is the frontier's objective, proxy -
     missing_eos_penalty * not_ended: `eval/objective_mean` where the evaluation logged it, otherwise the proxy's mean
     less missing_eos_penalty * (1 - eos_fraction) (exact for the mean; the interval is the proxy's, shifted)."""
-    from rlhflow.evaluation.frontier import FrontierPoint
 
     m = outcome.metrics
 
@@ -330,8 +334,6 @@ def policy_point(outcome: PointOutcome, missing_eos_penalty: float | None = None
 def group_point(group: SeedGroup, missing_eos_penalty: float | None = None):
     """A grid point on the frontier: its one run's point, or with several seeds the mean of each coordinate and the
     across-seed interval of each reward."""
-    from rlhflow.evaluation.frontier import FrontierPoint
-    from rlhflow.evaluation.stats import across_seeds
 
     per_seed = [policy_point(o, missing_eos_penalty) for o in group.finished if "eval/kl" in o.metrics]
     if len(group.outcomes) == 1:
@@ -353,11 +355,6 @@ def group_point(group: SeedGroup, missing_eos_penalty: float | None = None):
 def write_frontier(cfg: Config, outcomes: list[PointOutcome], baseline: list) -> tuple[str, list]:
     """The frontier's table, plot and CSV, on the objective proxy - cfg.ppo.missing_eos_penalty * not_ended;
     returns the markdown and the files written."""
-    import pandas as pd
-
-    from rlhflow.evaluation import plots
-    from rlhflow.evaluation.frontier import frontier_plot, objective_name
-    from rlhflow.fsutil import write_text_atomic
 
     penalty = cfg.ppo.missing_eos_penalty
     objective = objective_name(penalty)
@@ -378,7 +375,6 @@ def write_frontier(cfg: Config, outcomes: list[PointOutcome], baseline: list) ->
 def frontier_markdown(points: list, objective: str, groups: list, outcomes: list[PointOutcome]) -> str:
     """frontier.md: the frontier's table, each point over its seeds, the best point chosen on the dev split, and
     every run's status."""
-    from rlhflow.evaluation.frontier import frontier_table
 
     several_seeds = any(len(g.outcomes) > 1 for g in groups)
     failed = [o for o in outcomes if o.status.startswith("failed")]
@@ -425,7 +421,6 @@ def frontier_markdown(points: list, objective: str, groups: list, outcomes: list
 def log_sweep_results(base: Config, sweep, outcomes: list[PointOutcome], baseline: list) -> str:
     """The frontier's files, the points' run ids, the report as the run's note, the counts and the best point, on
     the sweep's MLflow run; returns the report."""
-    import mlflow
 
     markdown, files = write_frontier(base, outcomes, baseline)
     for path in files:
@@ -485,8 +480,6 @@ def rlhf_sweep(
             baseline = best_of_n_baseline(configs[0], ns, penalty, sweep.info.run_id) if ns and finished else []
             markdown = log_sweep_results(base, sweep, outcomes, baseline)
     try:
-        from prefect.artifacts import create_markdown_artifact
-
         create_markdown_artifact(markdown, key="rlhf-sweep", description="Sweep: the reward-KL frontier")
     except Exception as err:  # the sweep's results are on disk and in MLflow either way
         print(f"could not publish the sweep report: {err}")
@@ -504,8 +497,6 @@ def parse_best_of_n(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
-
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument(
         "--grid", action="append", default=[], help="key=v1,v2,... (repeat for a grid of several keys; required)"

@@ -11,16 +11,25 @@ How a run goes, and its faults: docs/scaling.md, A team's stack.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import socket
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import mlflow
 import yaml
 from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
+from prefect.runtime import flow_run
+from prefect.states import Crashed
+from prefect.utilities.callables import parameter_schema
 
 from flows.pipeline import (
     TRAINING_LIMIT,
@@ -60,7 +69,6 @@ class StageFailed(RuntimeError):
 def worker_name() -> str:
     """The worker running this flow run: $RLHF_WORKER (rlhfops/stack.py sets it), else the Prefect worker's name
     (the process worker exports it), else the host."""
-    import socket
 
     return os.environ.get("RLHF_WORKER") or os.environ.get("PREFECT__WORKER_NAME") or socket.gethostname()
 
@@ -83,7 +91,6 @@ def stage_on_worker(
         remote: the DVC remote to pull inputs from and push outputs to; empty: DVC's default remote
         force: run the stage even when it is up to date
     """
-    import mlflow
 
     os.chdir(REPO_ROOT)  # the worker starts flow runs in a temporary directory; DVC works from the clone
     cfg, worker = config, worker_name()
@@ -125,7 +132,6 @@ def stage_on_worker(
 
 def _run_stage(name: str, cfg: Config, parent_id: str, force: bool) -> bool:
     """Run the stage (unless DVC finds it up to date) and record it; whether it ran."""
-    import importlib
 
     reasons = ["forced"] if force else check_up_to_date(name, cfg)
     if not reasons:
@@ -157,8 +163,6 @@ def team_pipeline(
         overrides: params.yaml overrides applied on top of `config`, e.g. ["ppo.kl_coef=0.1"]
         remote: the DVC remote the workers share; empty: DVC's default remote
     """
-    import mlflow
-    from prefect.runtime import flow_run
 
     os.chdir(REPO_ROOT)
     cfg = with_overrides(config, overrides)
@@ -196,7 +200,6 @@ def team_pipeline(
 def dispatch_stage(name: str, stage_cfg: Config, lock: dict, parent_id: str, client, *, remote, force: bool) -> None:
     """Run stage `name` on a worker of its queue (given the lock entries of the stages before it) and wait for it;
     a stage that did not complete raises StageFailed naming the worker and the flow run's state."""
-    from prefect.deployments import run_deployment
 
     run = run_deployment(
         f"{STAGE_FLOW}/{queue_of(name)}",
@@ -235,10 +238,6 @@ MISSED_HEARTBEATS = 3
 def wait_for_stage(flow_run: Any, stage: str, parent_id: str, mlflow_client: Any, poll_s: float = 2.0) -> Any:
     """Wait for a stage's flow run to end. A run whose worker stops sending heartbeats (the machine or the worker
     died: no one is left to report the run) is marked Crashed, naming the worker, instead of being waited for."""
-    from datetime import datetime, timezone
-
-    from prefect.client.orchestration import get_client
-    from prefect.states import Crashed
 
     with get_client(sync_client=True) as prefect:
         while True:
@@ -283,8 +282,6 @@ def _stage_metrics(client: Any, run_id: str, cfg: Config, stage: str) -> dict[st
 def deploy(pool: str = POOL) -> list[str]:
     """Create (or update) the dispatcher's and the stage flow's deployments in the work pool `pool` of the server
     in $PREFECT_API_URL. Returns their names."""
-    from prefect.client.orchestration import get_client
-    from prefect.utilities.callables import parameter_schema
 
     made = []
     with get_client(sync_client=True) as client:
@@ -310,7 +307,6 @@ def deploy(pool: str = POOL) -> list[str]:
 def start_run(overrides: list[str] | None = None, stages: list[str] | None = None, timeout: float | None = None):
     """A team pipeline run through the Prefect API; waits `timeout` seconds for it (None: until it ends) and
     returns the flow run."""
-    from prefect.deployments import run_deployment
 
     return run_deployment(TEAM_DEPLOYMENT, parameters={"overrides": overrides or [], "stages": stages}, timeout=timeout)
 

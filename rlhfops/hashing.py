@@ -5,6 +5,7 @@ model directory with (`dir_md5`), and the cheap size-and-mtime stamps of large i
 
 from __future__ import annotations
 
+# dvc is heavy: it is imported inside the functions that hash with its cache.
 import contextlib
 import json
 import os

@@ -21,7 +21,10 @@ import tempfile
 from collections import deque
 from pathlib import Path
 
+import torch
+
 from rlhflow.config.params import REPO_ROOT, Config, parse_config_args, write_params
+from rlhfops.stage_runner import cli
 from rlhfops.stages import FLOW_ENV, get_stage, parent_run_option
 
 
@@ -33,7 +36,6 @@ def processes(stage: str, cfg: Config) -> int:
 def accelerate_config(cfg: Config) -> Path:
     if cfg.launch.accelerate_config:
         return cfg.path(cfg.launch.accelerate_config)
-    import torch
 
     return REPO_ROOT / "configs" / "accelerate" / ("ddp.yaml" if torch.cuda.is_available() else "cpu_2proc.yaml")
 
@@ -95,8 +97,6 @@ def main(argv: list[str] | None = None) -> None:
     cfg, _ = parse_config_args(args, f"Run the {stage} stage in launch.{stage} processes.", (parent_run_option(),))
     n = processes(stage, cfg)
     if n == 1:
-        from rlhfops.stage_runner import cli
-
         cli(stage, importlib.import_module(get_stage(stage).module).run, args)
         return
     cmd = command(stage, cfg, args)

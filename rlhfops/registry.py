@@ -12,6 +12,10 @@ import os
 import tempfile
 from pathlib import Path
 
+import mlflow
+import yaml
+from mlflow.exceptions import MlflowException
+
 from rlhflow.config.params import REPO_ROOT, Config
 from rlhfops.hashing import dir_md5
 
@@ -40,7 +44,6 @@ def log_model_dir(
     subclass: rlhfops.serving.policy.PolicyPyfunc or rlhfops.serving.reward.RewardPyfunc) logged as code, when
     `tracking.log_models` is on; register it (when `tracking.register_models` is on) and point `alias` at the
     new version. Call this only once the stage has succeeded: a failed run registers nothing."""
-    import mlflow
 
     if not cfg.tracking.log_models:
         return None
@@ -83,8 +86,6 @@ def model_code(wrapper: type, code_dir: Path) -> Path:
 
 
 def version_by_alias(client, name: str, alias: str):
-    from mlflow.exceptions import MlflowException
-
     try:
         return client.get_model_version_by_alias(name, alias)
     except MlflowException:
@@ -103,8 +104,6 @@ def version_of_model_dir(client, name: str, model_dir: str | os.PathLike):
 
 def registered_model_dir(client, name: str, version: str, dst: str | os.PathLike) -> Path:
     """Download a registered pyfunc model (logged by `log_model_dir`) and return its plain model dir."""
-    import mlflow
-    import yaml
 
     local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(dst)))
     flavor = yaml.safe_load((local / "MLmodel").read_text())["flavors"]["python_function"]

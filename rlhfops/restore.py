@@ -12,7 +12,7 @@ first write.
 
 from __future__ import annotations
 
-# dvc and mlflow are heavy: they are imported inside the functions that use them.
+# dvc and boto3 are heavy: they are imported inside the functions that use them (boto3 only for an S3 store).
 import json
 import os
 import re
@@ -21,6 +21,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import mlflow
+from mlflow.exceptions import MlflowException
 
 from rlhflow.config.params import REPO_ROOT, Config
 from rlhfops import tracking, workspace
@@ -62,8 +65,6 @@ class Restored:
 
 def run_lock(run_id: str, cfg: Config, dst: Path) -> tuple[dict[str, Any], Path | None]:
     """The run's `dvc.lock` artifact (parsed) and its downloaded `outputs/` folder (None when it has none)."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
 
     uri = tracking.tracking_uri(cfg)
     try:

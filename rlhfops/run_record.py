@@ -6,12 +6,14 @@
 
 from __future__ import annotations
 
-# dvc and mlflow are heavy: they are imported inside the functions that use them.
+# dvc is heavy: it is imported inside the function that reads its experiment refs.
 import os
+import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import mlflow
 import yaml
 
 from rlhflow.config.params import REPO_ROOT, Config, load_config, write_params
@@ -34,12 +36,9 @@ def log_run_lineage(cfg: Config, names: list[str]) -> dict[str, Any]:
     """On the active (parent) MLflow run: artifact `dvc.lock` (the lock entries of the run's stages),
     `params.yaml` (the fully resolved params) and `outputs/<path>` (the uncached outputs). A run with overrides
     that DVC recorded is also saved as a DVC experiment (tag `dvc.experiment`). Returns the lock."""
-    import mlflow
 
     run = mlflow.active_run()
     if names and has_overrides(cfg) and all(dvc_records(get_stage(n), cfg) for n in names):
-        import subprocess
-
         try:
             with dvc_repo() as repo, repo_lock(repo):  # dvc.lock as the last stage left it
                 ref = save_experiment(
@@ -90,7 +89,6 @@ def save_experiment(cfg: Config, name: str, message: str) -> str | None:
     workspace: a commit (parent HEAD) of the tracked files as they are in the workspace, with params.yaml holding
     the run's resolved params and the run's dvc.lock, metrics and plot data, under `refs/exps/...`. Returns the
     ref, or None where there is no git commit to hang it on."""
-    import subprocess
 
     from dvc.repo.experiments.refs import ExpRefInfo
 

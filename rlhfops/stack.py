@@ -12,8 +12,12 @@ What each service is, its secrets and ports: docs/scaling.md, A team's stack; do
 
 from __future__ import annotations
 
+# boto3 (requirements-team.txt) and psutil are imported where used: only the team stack's commands need them.
+import argparse
 import base64
 import contextlib
+import glob
+import hashlib
 import json
 import os
 import secrets
@@ -212,7 +216,6 @@ class Stack:
 
     def pg(self, tool: str) -> str:
         """A PostgreSQL server tool: from $RLHF_PG_BIN, else Debian's newest installed major version."""
-        import glob
 
         dirs = [os.environ["RLHF_PG_BIN"]] if os.environ.get("RLHF_PG_BIN") else glob.glob(PG_BINS)
         found = [Path(d) / tool for d in dirs if (Path(d) / tool).exists()]
@@ -275,8 +278,6 @@ class Stack:
             return data
         reach = subprocess.run(["runuser", "-u", "postgres", "--", "test", "-x", str(self.root)], capture_output=True)
         if reach.returncode != 0:
-            import hashlib
-
             data = Path("/tmp") / f"rlhf-stack-pg-{hashlib.md5(str(self.root).encode()).hexdigest()[:12]}"
             self.pg_outside = True
         data.mkdir(exist_ok=True)
@@ -506,8 +507,6 @@ def _stop_tree(proc: subprocess.Popen, timeout: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["up", "clone", "buckets", "pool"])
     parser.add_argument("dest", nargs="?", help="clone: the new clone's directory")

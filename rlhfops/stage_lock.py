@@ -13,12 +13,14 @@ from __future__ import annotations
 # dvc is heavy: it is imported inside the functions that use it, so importing the flow stays fast.
 import contextlib
 import os
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from ruamel.yaml.error import YAMLError
 
 from rlhflow.config.params import REPO_ROOT, Config
 from rlhflow.fsutil import atomic_file
@@ -98,8 +100,6 @@ def load_lock(text: str) -> dict[str, Any]:
 
 
 def _read_lock(path: Path) -> dict[str, Any]:
-    from ruamel.yaml.error import YAMLError
-
     try:
         return load_lock(path.read_text()).get("stages", {})
     except (OSError, YAMLError):
@@ -319,7 +319,6 @@ def _uncached(stage: Stage, cfg: Config, path: str) -> bool:
 def _tracked_bygit(path: Path) -> bool:
     """In the repository and in git. Without git (an exported tree) every file in the repository counts as the
     project's own: only files outside it are user data then."""
-    import subprocess
 
     try:
         rel = path.resolve().relative_to(REPO_ROOT).as_posix()
@@ -383,8 +382,6 @@ def uncached_outputs(stage: Stage) -> list[str]:
 
 
 def git(*args: str, env: dict[str, str] | None = None, stdin: bytes | None = None) -> str:
-    import subprocess
-
     return (
         subprocess.run(
             ["git", *args],

@@ -25,9 +25,9 @@ os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 from prefect import task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
-from rlhflow.config.params import Config, parse_config_args  # noqa: E402
+from rlhflow.config.params import REPO_ROOT, Config, parse_config_args  # noqa: E402
 from rlhflow.training import distributed  # noqa: E402
-from rlhfops import tracking, workspace  # noqa: E402
+from rlhfops import stage_lock, tracking, workspace  # noqa: E402
 from rlhfops.stages import FLOW_ENV, get_stage, parent_run_option  # noqa: E402
 
 
@@ -146,8 +146,6 @@ def record_by_hand(name: str, cfg: Config) -> None:
     to date; or a line saying why it is not recorded."""
     if not distributed.is_main_process() or "DVC_STAGE" in os.environ or FLOW_ENV in os.environ:
         return
-    from rlhflow.config.params import REPO_ROOT
-    from rlhfops import stage_lock
 
     stage = get_stage(name)
     outside = [

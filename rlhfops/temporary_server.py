@@ -5,6 +5,7 @@ starts the server before its flow, holding an exclusive flock in $PREFECT_HOME w
 
 from __future__ import annotations
 
+# Prefect's server app is imported only to start one: heavy, and a run on a server never needs it.
 import fcntl
 import os
 

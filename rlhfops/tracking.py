@@ -8,19 +8,28 @@ environment values never reach what is printed, logged or stored (`redact`).
 
 from __future__ import annotations
 
-# mlflow (and pandas) are imported inside the functions that use them: importing the flow and the stage modules
-# stays fast. Models are logged and registered by rlhfops/registry.py, champions moved by rlhfops/promotion.py:
-# only the stages that do so import them.
+# Models are logged and registered by rlhfops/registry.py, champions moved by rlhfops/promotion.py.
 import contextlib
 import copy
+import fcntl
 import functools
+import hashlib
+import json
 import os
 import re
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import mlflow
+import pandas as pd
+from mlflow.data.dataset_source_registry import get_registered_sources
+from mlflow.entities import Metric
+from mlflow.utils.credentials import get_default_host_creds
+from mlflow.utils.rest_utils import http_request
 
 from rlhflow.config.params import REPO_ROOT, Config, project_root
 from rlhflow.fsutil import write_json_atomic
@@ -64,8 +73,6 @@ def sqlite_path(uri: str) -> Path:
 
 
 def setup(cfg: Config):
-    import mlflow
-
     uri = tracking_uri(cfg)
     mlflow.set_tracking_uri(uri)
     if redact_url(uri) != uri:  # MLflow prints run links with the URI's credentials; the flows print theirs without
@@ -94,9 +101,6 @@ def setup(cfg: Config):
 def _create_sqlite_store_once(uri: str) -> None:
     """Make the sqlite store's tables under a file lock: MLflow creates them on first use, and two runs started
     at once on a new store would otherwise both create them ("table ... already exists")."""
-    import fcntl
-
-    import mlflow
 
     path = sqlite_path(uri)
     if str(path) in ("", ":memory:") or path.is_file() and path.stat().st_size > 0:
@@ -148,9 +152,6 @@ def preflight(cfg: Config, timeout: float = PREFLIGHT_TIMEOUT_S) -> None:
 
 
 def _check_server(uri: str, timeout: float) -> None:
-    from mlflow.utils.credentials import get_default_host_creds
-    from mlflow.utils.rest_utils import http_request
-
     shown = redact(uri)
     try:
         response = http_request(
@@ -198,8 +199,6 @@ def _check_server(uri: str, timeout: float) -> None:
 
 
 def _check_writable_dir(where: Path, uri: str) -> None:
-    import tempfile
-
     try:
         where.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=where):
@@ -305,8 +304,6 @@ DIGEST_NEUTRAL = {"ppo.fp32_lm_head": False, "judge.allow_plain_http": False}
 
 def params_digest(cfg: Config) -> str:
     """md5 of the run's fully resolved params: runs with the same digest were configured identically."""
-    import hashlib
-    import json
 
     params = copy.deepcopy(cfg.to_params())
     for key, neutral in DIGEST_NEUTRAL.items():
@@ -330,8 +327,6 @@ def stage_run(cfg: Config, stage: str, sections: list[str], parent_run_id: str |
 
 def log_metrics(metrics: dict[str, float], *, run_ids: list[str | None] = (), step: int | None = None) -> None:
     """Log to the active run and to any other given runs (the evaluate stage also logs on the parent)."""
-    import mlflow
-    from mlflow.entities import Metric
 
     clean = {k: float(v) for k, v in metrics.items() if v is not None}
     mlflow.log_metrics(clean, step=step)
@@ -344,8 +339,6 @@ def log_metrics(metrics: dict[str, float], *, run_ids: list[str | None] = (), st
 
 def log_dataset(path: str | os.PathLike, *, name: str, context: str) -> str:
     """Log a JSONL/Parquet dataset as a run input whose digest is its DVC md5."""
-    import mlflow
-    import pandas as pd
 
     path = Path(path)
     digest = file_md5(path)
@@ -363,7 +356,6 @@ def _local_dataset_source(path: Path):
     """MLflow's source for a local file. MLflow registers it twice (URI schemes "" and "file"), so resolving a
     plain path warns that it "can be interpreted in multiple ways"; both are the same class: take the one MLflow
     would (the last registered). A string (resolved by MLflow) when a later MLflow names it differently."""
-    from mlflow.data.dataset_source_registry import get_registered_sources
 
     local = [s for s in get_registered_sources() if s.__name__ == "LocalArtifactDatasetSource"]
     return local[-1](str(path)) if local else str(path)
@@ -376,7 +368,6 @@ def link_stage_runs(parent_run_id: str) -> list[str]:
     """The parent run lists what its stage runs used and made, so its page shows them: their datasets as its
     inputs, their logged models as its outputs, and the registry versions they created as the tag
     `registered_models` ("name/version, ..."). Returns those versions."""
-    import mlflow
 
     client = mlflow.MlflowClient()
     parent = client.get_run(parent_run_id)

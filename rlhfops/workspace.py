@@ -19,6 +19,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import zc.lockfile
+
 from rlhflow.config.params import REPO_ROOT
 from rlhfops.locks import read_holder, try_flock, write_holder
 
@@ -50,7 +52,6 @@ def describe(owner: dict) -> str:
 
 def dvc_is_busy(root: Path = REPO_ROOT) -> bool:
     """Whether another process holds DVC's repository lock (`dvc repro`, `dvc exp run` in this workspace)."""
-    import zc.lockfile
 
     path = root / ".dvc" / "tmp" / "lock"
     if not path.parent.is_dir():

@@ -4,10 +4,21 @@ here, not in a stage module, so that neither stage module imports the other."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Protocol
 
+import mlflow
+
 from rlhflow.config.params import Config, JudgeConfig, RewardModelConfig
+from rlhflow.data.readers import read_jsonl
+from rlhflow.evaluation.pairs import LENGTH_AWARE_METRICS, evaluate_pairs, save_pair_scores
+from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir, remove_made
+from rlhflow.training import distributed
+from rlhflow.training.reward_model import train_reward_model
+from rlhfops import registry, tracking
+from rlhfops.hashing import inputs_fingerprint
+from rlhfops.serving.reward import RewardPyfunc
 
 
 class StageLog(Protocol):
@@ -27,7 +38,6 @@ def held_out_metrics(prefix: str, held_out: dict[str, float]) -> dict[str, float
     """A model's figures on the held-out test pairs (`rlhflow.evaluation.pairs.evaluate_pairs` metrics, or a judge's
     `rlhflow.evaluation.judges.pair_metrics`), under the stage's names: `<prefix>/accuracy`, `<prefix>/accuracy_se`,
     the length rule and its intervals, `<prefix>/eval_pairs`, and `<prefix>/margin` where scores give one."""
-    from rlhflow.evaluation.pairs import LENGTH_AWARE_METRICS
 
     metrics = {
         f"{prefix}/accuracy": held_out["accuracy"],
@@ -43,8 +53,6 @@ def held_out_metrics(prefix: str, held_out: dict[str, float]) -> dict[str, float
 def checkpoint_fingerprint(cfg: Config, rm_cfg: RewardModelConfig, train_file: Path, seed: int) -> str:
     """What a Trainer checkpoint must have been made from to be resumed: the same reward-model settings (where
     checkpoints go and how often aside), seed, backbone, training data and number of processes."""
-    from rlhflow.training import distributed
-    from rlhfops.hashing import inputs_fingerprint
 
     backbone = backbone_spec(cfg, rm_cfg)
     files = [train_file]
@@ -68,8 +76,6 @@ def split_files(cfg: Config, split: str):
 def resumable_checkpoint_dir(cfg: Config, ctx: StageLog, rm_cfg: RewardModelConfig, section: str, train_file, seed):
     """Trainer checkpoints of an interrupted run with the same inputs are resumed from; others are dropped (by the
     main process, before any process reads them)."""
-    from rlhflow.fsutil import prepare_checkpoint_dir
-    from rlhflow.training import distributed
 
     checkpoint_dir = cfg.path(rm_cfg.checkpoint_dir)
     if ctx.main_process:
@@ -93,16 +99,6 @@ def train_pairwise_model(
     """Train a reward model (the proxy or the judge) on one validated split, score the test split, log and register
     it (as `model_name` in the run, `registered_name` in the registry). Metrics are named `<prefix>/accuracy`,
     `<prefix>/accuracy_se`, `<prefix>/margin`, ..."""
-    import tempfile
-
-    import mlflow
-
-    from rlhflow.data.readers import read_jsonl
-    from rlhflow.evaluation.pairs import evaluate_pairs, save_pair_scores
-    from rlhflow.fsutil import atomic_dir, remove_made
-    from rlhflow.training.reward_model import train_reward_model
-    from rlhfops import registry, tracking
-    from rlhfops.serving.reward import RewardPyfunc
 
     train_file, test_file = split_files(cfg, split)
     train_rows, test_rows = (read_jsonl(f).to_dict("records") for f in (train_file, test_file))

@@ -6,19 +6,15 @@ another one."""
 from __future__ import annotations
 
 from rlhflow.config.params import Config
-
-# Heavy imports (torch, transformers, mlflow, the library's model code) are deferred into the stage body, so
-# that importing the module (the flow does, to get its task; so does `--help`) stays fast.
 from rlhfops import registry
 from rlhfops.stage_runner import StageContext, cli, stage_task
+from tasks.pairwise_training import train_pairwise_model
 
 NAME = "reward_model"
 REGISTERED_NAME = registry.REWARD_MODEL
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
-    from tasks.pairwise_training import train_pairwise_model
-
     return train_pairwise_model(
         cfg,
         ctx,

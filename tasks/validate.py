@@ -12,11 +12,18 @@ failed report is written next to them (`<report_dir>.failed/`) and logged on the
 
 from __future__ import annotations
 
-# Heavy imports (torch, transformers, mlflow, the library's model code) are deferred into the stage body, so
-# that importing the module (the flow does, to get its task; so does `--help`) stays fast.
 import shutil
 
+import mlflow
+
 from rlhflow.config.params import Config
+from rlhflow.data.formats import load_preferences
+from rlhflow.data.readers import write_jsonl
+from rlhflow.data.splits import assign_splits, cross_split_prefix_pairs
+from rlhflow.data.validation import DataValidationError, validate_preferences
+from rlhflow.fsutil import atomic_dir, remove_made
+from rlhflow.models.loading import load_tokenizer
+from rlhfops import tracking
 from rlhfops.stage_runner import StageContext, cli, stage_task
 
 NAME = "validate"
@@ -29,14 +36,6 @@ def _source(cfg: Config, value: str) -> str:
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
-    import mlflow
-
-    from rlhflow.data.splits import cross_split_prefix_pairs
-    from rlhflow.data.validation import DataValidationError
-    from rlhflow.fsutil import remove_made
-    from rlhflow.models.loading import load_tokenizer
-    from rlhfops import tracking
-
     splits, shared_with_test = read_splits(cfg)
     tokenizer = load_tokenizer(cfg.sft.model, trust_remote_code=cfg.sft.trust_remote_code)
     out_dir, report_dir = cfg.path(cfg.validate_.out_dir), cfg.path(cfg.validate_.report_dir)
@@ -68,8 +67,6 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
 def read_splits(cfg: Config):
     """The preference data split by conversation (with `data.test_preferences`, that file is the test split), and
     how many training rows were left out for sharing a conversation with it."""
-    from rlhflow.data.formats import load_preferences
-    from rlhflow.data.splits import assign_splits
 
     v = cfg.validate_
     data = load_preferences(_source(cfg, cfg.data.preferences), hf_split=cfg.data.hf_split, max_rows=v.max_rows)
@@ -101,9 +98,6 @@ def read_splits(cfg: Config):
 def validate_and_write(cfg: Config, splits: dict, tokenizer, failed_dir):
     """The suite on every split; the kept rows written as the splits and the report beside them, each replaced
     whole. On a failed expectation nothing is replaced and the report goes to `failed_dir`."""
-    from rlhflow.data.readers import write_jsonl
-    from rlhflow.data.validation import DataValidationError, validate_preferences
-    from rlhflow.fsutil import atomic_dir, remove_made
 
     out_dir, report_dir = cfg.path(cfg.validate_.out_dir), cfg.path(cfg.validate_.report_dir)
     with atomic_dir(report_dir, setting="validate.report_dir") as tmp_report:

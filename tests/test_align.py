@@ -312,7 +312,6 @@ def test_bad_settings_fail_naming_the_key(overrides, named):
 def test_settings_the_data_rules_out_fail_before_any_model_loads(
     tmp_path, tiny_model_dir, monkeypatch, algorithm, extra, named
 ):
-    import rlhflow.models.loading
     from rlhfops.stage_runner import run_stage
     from tasks import ppo
 
@@ -324,7 +323,7 @@ def test_settings_the_data_rules_out_fail_before_any_model_loads(
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(rlhflow.models.loading, "load_causal_lm", no_model)
+    monkeypatch.setattr(ppo, "load_causal_lm", no_model)
     cfg = load_config(
         overrides=[
             f"align.algorithm={algorithm}",

@@ -120,7 +120,6 @@ def test_evaluation_samples_as_ppo_samples(monkeypatch, evaluate_temperature, ex
     temperature; the SFT stage's samples are drawn the same way (tasks/evaluation_setup.py, tasks/sft.py)."""
     import rlhflow.models.sampling
     from rlhflow.config.params import load_config
-    from rlhflow.evaluation.held_out import sample
     from tasks.evaluation_setup import evaluation_sampling
     from tasks.sft import sample_settings
 
@@ -135,7 +134,7 @@ def test_evaluation_samples_as_ppo_samples(monkeypatch, evaluate_temperature, ex
             f"evaluate.temperature={'null' if evaluate_temperature is None else evaluate_temperature}",
         ]
     )
-    sample(None, None, [], evaluation_sampling(cfg))
+    evaluation_sampling(cfg).sample(None, None, [])  # as the evaluation samples
     sample_settings(cfg).sample(None, None, [])  # as the SFT stage samples
     assert len(calls) == 2
     for call in calls:

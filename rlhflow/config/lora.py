@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+# peft is imported only to build an adapter's config: heavy, and optional (lora.enabled).
 from pydantic import Field
 
 from rlhflow.config.section import Section

@@ -10,6 +10,7 @@ for the judge score of the objective's pick.
 
 from __future__ import annotations
 
+# matplotlib is imported by the plot alone: heavy, and only a sweep draws the frontier.
 import math
 from dataclasses import dataclass
 

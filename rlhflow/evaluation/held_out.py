@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,6 @@ from rlhflow.data.readers import read_jsonl
 from rlhflow.data.splits import conversation_keys
 from rlhflow.evaluation.answers import Answers
 from rlhflow.evaluation.settings import EvaluationSettings
-from rlhflow.models.sampling import Sampling
 
 REFERENCE_FILE = "answers.json"
 
@@ -66,13 +64,6 @@ class HeldOutPrompts:
 
     def sizes(self) -> dict[str, int]:
         return {split: len(p) for split, p in self.prompts.items()}
-
-
-def sample(model, tokenizer, prompt_messages, sampling: Sampling, *, max_new_tokens: int | None = None):
-    """Answers to `prompt_messages` with `sampling` (the evaluation's settings; `max_new_tokens`: another limit)."""
-    if max_new_tokens is not None:
-        sampling = dataclasses.replace(sampling, max_new_tokens=max_new_tokens)
-    return sampling.sample(model, tokenizer, prompt_messages)
 
 
 def repeated(items: list, k: int) -> list:

@@ -20,19 +20,22 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import httpx
 import numpy as np
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from scipy.special import expit
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from rlhflow.config.params import REPO_ROOT, JudgeConfig
+from rlhflow.data.sources import SourceNotFoundError, resolve_source
+from rlhflow.evaluation.pairs import accuracy_standard_error, evaluate_pairs, length_aware_pair_metrics
 from rlhflow.fsutil import dir_md5
+from rlhflow.models.loading import disable_dropout, resolve_model
 from rlhflow.redaction import REDACTED, redact_urls, user_info_removed
-
-if TYPE_CHECKING:
-    import httpx
-
-    from rlhflow.training.reward_model import RewardModel
+from rlhflow.training.reward_model import NORM_FILE, RewardModel, apply_pooling, prepare_reward_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +113,6 @@ class PointwiseJudge(Judge):
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
-    from scipy.special import expit
-
     return expit(np.asarray(x, dtype=float))
 
 
@@ -125,23 +126,18 @@ def verdicts_from_scores(a_scores, b_scores) -> Verdicts:
 def check_reward_model(spec: str) -> None:
     """`judge.model` for kind=reward_model: an existing local dir (or packaged model) whose config has one label, or
     a Hub id of valid form. Reads only the config, never the weights or the network."""
-    from rlhflow.data.sources import SourceNotFoundError, resolve_source
 
     try:
         source = resolve_source(spec)
     except SourceNotFoundError:
         raise JudgeUnavailableError(f"judge.model={spec}: no such file or directory") from None
     if source.kind == "hub":
-        from huggingface_hub.utils import HFValidationError, validate_repo_id
-
         try:
             validate_repo_id(spec)
         except HFValidationError as err:
             raise JudgeUnavailableError(f"judge.model={spec} is neither a local dir nor a Hub id: {err}") from None
         return
     if source.kind == "package":
-        from rlhflow.models.loading import resolve_model
-
         try:
             location = Path(resolve_model(spec).location)
         except FileNotFoundError as err:
@@ -167,11 +163,6 @@ def load_reward_model_judge(spec: str, *, max_length: int, batch_size: int, devi
     """A Hugging Face one-label sequence classifier as a judge. A reward model this project trained (its dir holds
     reward_normalization.json) keeps its normalisation and max_length; any other gives raw scores, read at most
     `max_length` tokens (and no more than its position embeddings)."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    from rlhflow.data.sources import resolve_source
-    from rlhflow.models.loading import disable_dropout, resolve_model
-    from rlhflow.training.reward_model import NORM_FILE, RewardModel, apply_pooling, prepare_reward_tokenizer
 
     check_reward_model(spec)
     source = resolve_source(spec)
@@ -319,8 +310,6 @@ class LLMJudge(Judge):
         return text.replace(key, REDACTED) if key else text
 
     def client(self, timeout: float | None = None) -> httpx.Client:
-        import httpx
-
         key = self._api_key()
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         return httpx.Client(headers=headers, timeout=timeout or self.timeout)
@@ -329,7 +318,6 @@ class LLMJudge(Judge):
         """The reply to one user message ("" when the answer has no text). Timeouts, refused connections, HTTP 429
         and 5xx are retried with backoff (`retries`, default judge.max_retries); HTTP 401/403 and other 4xx are not.
         Failing for good raises JudgeUnavailableError naming judge.endpoint."""
-        import httpx
 
         retries = self.max_retries if retries is None else retries
         parts = urlsplit(self.endpoint)  # a query (e.g. ?api-version=...) stays after the path
@@ -442,8 +430,6 @@ def load_judge(settings: JudgeConfig, judge_dir: str | os.PathLike, *, batch_siz
     """The judge `settings.kind` names. `judge_dir`: where the judge stage wrote the trained judge (read only for
     kind=trained)."""
     if settings.kind == "trained":
-        from rlhflow.training.reward_model import RewardModel
-
         judge_dir = Path(judge_dir)
         rm = RewardModel.load(judge_dir, batch_size=batch_size, device=device)
         return PointwiseJudge(rm, kind="trained", model=str(judge_dir), basis=dir_md5(judge_dir))
@@ -472,7 +458,6 @@ def pair_metrics(judge: Judge, rows: list[dict]) -> tuple[dict[str, float], Verd
     (rlhflow.evaluation.pairs.evaluate_pairs): `accuracy` (ties and split verdicts count half), `accuracy_se`, the
     length rule beside it with intervals (LENGTH_AWARE_METRICS) and `pairs`; a pointwise judge adds its score
     margins, the llm judge `malformed_replies`."""
-    from rlhflow.evaluation.pairs import accuracy_standard_error, evaluate_pairs, length_aware_pair_metrics
 
     prompts = [r["prompt_messages"] for r in rows]
     chosen, rejected = [r["chosen"] for r in rows], [r["rejected"] for r in rows]

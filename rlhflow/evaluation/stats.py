@@ -11,20 +11,21 @@
 
 from __future__ import annotations
 
+# scikit-learn is imported by the length-controlled win rate alone: heavy, and no other figure needs it.
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 from scipy.special import expit
+from scipy.stats import t
 
 RESAMPLES = 2000
 CONFIDENCE = 0.95
 
 
 def _z(confidence: float) -> float:
-    from statistics import NormalDist
-
     return NormalDist().inv_cdf(0.5 + confidence / 2)
 
 
@@ -49,7 +50,6 @@ def expected_half_width(n: int, p: float = 0.5, confidence: float = CONFIDENCE) 
 def across_seeds(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
     """Mean of a figure over training seeds, with the Student-t interval mean +- t * sd / sqrt(n) of the seed
     distribution's mean (NaN bounds for one seed; NaN values, e.g. a failed run's, left out)."""
-    from scipy.stats import t
 
     x = np.asarray([v for v in values if not math.isnan(v)], dtype=float)
     if not len(x):

@@ -12,6 +12,7 @@ Weights are read from safetensors (or GGUF); `trust_remote_code` is passed throu
 
 from __future__ import annotations
 
+# peft is imported only to add an adapter: heavy, and optional (lora.enabled).
 import contextlib
 import functools
 import importlib.util

@@ -19,6 +19,7 @@ from rlhflow.config.params import REPO_ROOT
 from rlhflow.fsutil import ForeignPathError, fsync_dir, fsync_tree, is_made, mark_made, remove_made
 from rlhflow.models.loading import is_peft, save_plain
 from rlhflow.models.policy import Critic
+from rlhflow.training import distributed
 
 CHECKPOINT_PREFIX = "step-"
 KEPT_CHECKPOINTS = 2  # the newest and the one before it, to fall back to
@@ -111,7 +112,6 @@ class Checkpoints:
         With several processes the main process alone reads the checkpoint and sends it to the others (weights by
         broadcast, the rest as one pickled object), so ranks on machines that do not share the checkpoint
         directory resume from the main process's state, never from their own."""
-        from rlhflow.training import distributed
 
         state = self._read_checkpoint(path) if distributed.is_main_process() else None
         if distributed.world_size() > 1:  # all but the weights, which follow as tensors

@@ -8,7 +8,7 @@ The algorithms and their settings: docs/alignment.md.
 
 from __future__ import annotations
 
-# trl, datasets and pandas are imported by the functions that need them: `import rlhflow.training.align` stays light.
+# trl and datasets are imported by the functions that need them: `import rlhflow.training.align` stays light.
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
+from transformers import GenerationConfig, TrainerCallback
 
 from rlhflow.config.align import AlignConfig
 from rlhflow.config.ppo import PPOConfig
@@ -166,8 +168,6 @@ class ProxyReward:
             log_extra("score", scores)
             log_extra("ended", ended)
         if self.record_dir is not None and distributed.is_main_process():
-            import pandas as pd
-
             self.record_dir.mkdir(parents=True, exist_ok=True)
             table = {
                 "step": [step] * len(texts),
@@ -364,7 +364,6 @@ def history_of(log_history: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
 def log_callback(log_fn: LogFn | None):
     """A TrainerCallback: each step's log as `align_metrics` to `log_fn`; a resumed run first replays the steps its
     checkpoint holds, so its curves start at step 1 (as PPO's do)."""
-    from transformers import TrainerCallback
 
     class AlignLogCallback(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
@@ -389,7 +388,6 @@ def neutral_generation_config(model, eos_ids: Sequence[int]) -> Iterator[None]:
     own defaults (repetition penalties, typical-p, ...) never reach trl's sampling, as PPO ignores them
     (rlhflow.models.generation.generate). The model's own config is put back afterwards, so the saved policy keeps
     it."""
-    from transformers import GenerationConfig
 
     saved = model.generation_config
     model.generation_config = GenerationConfig(
@@ -493,7 +491,6 @@ def completions_table(work_dir: str | Path, algorithm: str):
     (output_dir/completions/*.parquet: prompt, completion, reward, advantage, score, ended), what ProxyReward scored
     for RLOO (prompt, completion, score, reward, ended);
     None for DPO (it samples nothing) or when nothing was written."""
-    import pandas as pd
 
     work_dir = Path(work_dir)
     files = sorted((work_dir / ("completions" if algorithm == "grpo" else SCORED_DIR)).glob("*.parquet"))

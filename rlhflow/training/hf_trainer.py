@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import TrainerCallback
 
 LogFn = Callable[[dict, int], None]  # (metrics, step)
 
@@ -49,7 +50,6 @@ def _state_written(checkpoint: Path) -> bool:
 
 def log_callback(log_fn: LogFn | None):
     """A TrainerCallback passing each of the Trainer's numeric logs to `log_fn` as `train_<name>` at its step."""
-    from transformers import TrainerCallback
 
     class _LogCallback(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):

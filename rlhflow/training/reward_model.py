@@ -15,7 +15,9 @@ from __future__ import annotations
 # trl, datasets and the trainer callbacks are imported by train_reward_model and pair_dataset only: scoring with a
 # trained reward model (PPO, evaluation, serving) never loads them.
 import json
+import logging
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -142,8 +144,6 @@ def _classifier_from_pretrained(location, expected: Callable[[object, str], bool
     """AutoModelForSequenceClassification.from_pretrained, whose load report (a warning listing missing, unexpected
     and mismatched weights) is logged only when it lists a weight not `expected(model, key)`: one this code creates
     or drops on purpose says nothing about the checkpoint."""
-    import logging
-    import threading
 
     report_log, held, info = logging.getLogger("transformers.modeling_utils"), [], None
 

@@ -9,6 +9,8 @@ import pandas as pd
 from mlflow.models import ModelSignature
 from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
+from rlhflow.models.loading import load_causal_lm, load_tokenizer
+from rlhflow.models.sampling import sample_responses
 from rlhfops.serving import EXAMPLE_PROMPT, chat_messages
 
 
@@ -32,15 +34,11 @@ class PolicyPyfunc(mlflow.pyfunc.PythonModel):
     INPUT_EXAMPLE = (pd.DataFrame({"prompt": [EXAMPLE_PROMPT]}), {"max_new_tokens": 4})
 
     def load_context(self, context):
-        from rlhflow.models.loading import load_causal_lm, load_tokenizer
-
         self.tokenizer = load_tokenizer(context.artifacts["model_dir"])
         self.model = load_causal_lm(context.artifacts["model_dir"], pad_token_id=self.tokenizer.pad_token_id).eval()
 
     # a DataFrame hint: MLflow neither warns (no hint) nor infers a schema from it (the signature is SIGNATURE)
     def predict(self, context, model_input: pd.DataFrame, params=None):
-        from rlhflow.models.sampling import sample_responses
-
         params = {**{p.name: p.default for p in self.PARAMS.params}, **(params or {})}
         prompts = [chat_messages(p) for p in model_input["prompt"]]
         outs = sample_responses(

@@ -9,6 +9,7 @@ import pandas as pd
 from mlflow.models import ModelSignature
 from mlflow.types import ColSpec, Schema
 
+from rlhflow.training.reward_model import RewardModel
 from rlhfops.serving import EXAMPLE_PROMPT, EXAMPLE_RESPONSE, chat_messages
 
 
@@ -22,8 +23,6 @@ class RewardPyfunc(mlflow.pyfunc.PythonModel):
     INPUT_EXAMPLE = pd.DataFrame({"prompt": [EXAMPLE_PROMPT], "response": [EXAMPLE_RESPONSE]})
 
     def load_context(self, context):
-        from rlhflow.training.reward_model import RewardModel
-
         self.rm = RewardModel.load(context.artifacts["model_dir"])
 
     # a DataFrame hint: MLflow neither warns (no hint) nor infers a schema from it (the signature is SIGNATURE)
