@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from rlhflow.data.readers import read_jsonl
-    from rlhflow.evaluation.held_out import as_precision, sample
+    from rlhflow.evaluation.held_out import as_precision
     from rlhflow.evaluation.metrics import response_nll, sampled_kl
     from rlhflow.models.loading import load_causal_lm, load_tokenizer, resolve_precision
     from tasks.evaluation_setup import evaluation_sampling
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     test = read_jsonl(cfg.path(cfg.validate_.out_dir) / "test.jsonl").drop_duplicates("prompt")
     ref_rows = test.head(e.perplexity_rows)
     prompts, answers = list(ref_rows["prompt_messages"]), list(ref_rows["chosen"])
-    outputs = sample(policy, tokenizer, list(test.head(e.n_prompts)["prompt_messages"]), evaluation_sampling(cfg))
+    outputs = evaluation_sampling(cfg).sample(policy, tokenizer, list(test.head(e.n_prompts)["prompt_messages"]))
 
     def perplexity(batch_size: int, by_length: bool) -> float:
         nll, tokens = response_nll(sft, tokenizer, prompts, answers, batch_size=batch_size, by_length=by_length)

@@ -7,7 +7,8 @@ level or inside a function), and no file grows past 600 lines.
     rlhflow/                the ML library: nothing of the project above it
 
 Inside rlhflow, rooms by job, each importing only the rooms before it in ROOMS (and the base modules below them all),
-and no circle of imports anywhere in the project; no function longer than a screen (60 lines).
+and no circle of imports anywhere in the project; no function longer than a screen (60 lines); imports at the top of
+their module, except heavy optional ones (DEFERRED_IMPORTS).
 """
 
 from __future__ import annotations
@@ -105,6 +106,55 @@ def test_no_function_longer_than_a_screen():
         and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
     ]
     assert not long, long
+
+
+# Imported inside the functions that use them: heavy, and needed by few runs. Each module that defers one names it
+# (as spelled here, or as the package it belongs to) in a comment.
+DEFERRED_IMPORTS = {
+    "accelerate": "accelerate",
+    "boto3": "boto3",
+    "botocore": "boto3",
+    "datasets": "datasets",
+    "dvc": "dvc",
+    "dvc_data": "dvc",
+    "dvc_objects": "dvc",
+    "great_expectations": "great_expectations",
+    "matplotlib": "matplotlib",
+    "peft": "peft",
+    "prefect.server": "Prefect's server",
+    "psutil": "psutil",
+    "pyarrow": "pyarrow",
+    "sklearn": "scikit-learn",
+    "trl": "trl",
+}
+
+
+def deferred_as(name: str) -> str | None:
+    """How a module's comment names `name` when it may be imported inside a function, else None."""
+    for prefix, named in DEFERRED_IMPORTS.items():
+        if name == prefix or name.startswith(prefix + "."):
+            return named
+    return None
+
+
+def test_imports_sit_at_the_top_of_their_module():
+    """Every import at the top of its module, where a reader sees what the module depends on, except the heavy
+    optional ones (DEFERRED_IMPORTS), which its comments name."""
+    wrong = []
+    for path in project_files("rlhflow", "rlhfops", "tasks", "flows"):
+        text = path.read_text()
+        comments = " ".join(line for line in text.splitlines() if line.lstrip().startswith("#"))
+        for function in ast.walk(ast.parse(text, str(path))):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.Import | ast.ImportFrom):
+                    module = node.names[0].name if isinstance(node, ast.Import) else node.module or ""
+                    name = "." * getattr(node, "level", 0) + module
+                    named = deferred_as(name)
+                    if named is None or named not in comments:
+                        wrong.append(f"{path.relative_to(REPO)}:{node.lineno} {function.name} imports {name}")
+    assert not wrong, wrong
 
 
 def test_no_library_function_takes_the_whole_config():
