@@ -98,11 +98,13 @@ $(TRL_STAMP): bench/requirements-trl.txt
 	touch $(TRL_STAMP)
 
 # BENCH_ARGS go to bench.ppo_bench (e.g. "--workloads tiny --rounds 1"), ORCH_ARGS to bench.orchestration (e.g. --short),
-# PROFILE_ARGS to bench.profile_compare (e.g. --tiny, --against REF, --rounds 2)
+# PROFILE_ARGS to bench.profile_compare (e.g. --tiny, --against REF, --rounds 2), ROOFLINE_ARGS to bench.decode_roofline
+# (e.g. --rows 8 --settings dynamic,preallocated)
 bench: setup $(TRL_STAMP)
 	$(BIN)/python -m bench.orchestration $(ORCH_ARGS)
 	$(BIN)/python -m bench.profile_compare $(PROFILE_ARGS)
 	$(BIN)/python -m bench.ppo_bench $(BENCH_ARGS)
+	$(BIN)/python -m bench.decode_roofline $(ROOFLINE_ARGS)
 
 # Both servers bind to UI_HOST (127.0.0.1: this machine only); e.g. `make ui PREFECT_PORT=4300 MLFLOW_PORT=5001`.
 # Prefect's API wants the auth string in $PREFECT_HOME/ui.env (~/.prefect/ui.env): other clients source it

@@ -118,6 +118,7 @@ STAGES: list[Stage] = [
             "ppo.top_k",
             "ppo.top_p",
             "ppo.stop_strings",
+            "ppo.kv_cache",
             "evaluate.temperature",
         ],
         # the demonstrations: by default the validated train split (inside VALIDATED), else the user's file
@@ -180,6 +181,7 @@ STAGES: list[Stage] = [
             "evaluate.reference_dir",
             "ppo.max_prompt_length",
             "ppo.stop_strings",
+            "ppo.kv_cache",
             "ppo.temperature",
             "ppo.top_k",
             "ppo.top_p",
@@ -233,6 +235,7 @@ STAGES: list[Stage] = [
             "align.algorithm",
             "ppo.max_prompt_length",
             "ppo.stop_strings",
+            "ppo.kv_cache",
             "ppo.temperature",
             "ppo.top_k",
             "ppo.top_p",

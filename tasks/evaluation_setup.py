@@ -18,8 +18,8 @@ from rlhflow.training.reward_model import RewardModel
 
 def evaluation_sampling(cfg: Config) -> Sampling:
     """evaluate's temperature (default: PPO's), top-p (default: PPO's), repetition penalty and its own seed
-    (`evaluate.seed`), PPO's prompt cut, top-k and stop strings. Every model compared samples on the same random
-    streams; a training-seed sweep keeps the same streams."""
+    (`evaluate.seed`), PPO's prompt cut, top-k, stop strings and KV cache. Every model compared samples on the same
+    random streams; a training-seed sweep keeps the same streams."""
     e, p = cfg.evaluate, cfg.ppo
     return Sampling(
         temperature=cfg.eval_temperature,
@@ -31,6 +31,7 @@ def evaluation_sampling(cfg: Config) -> Sampling:
         stop_strings=tuple(p.stop_strings),
         seed=e.seed,
         batch_size=e.batch_size,
+        kv_cache=p.kv_cache,
     )
 
 

@@ -196,6 +196,7 @@ def sample_settings(cfg: Config):
         stop_strings=tuple(cfg.ppo.stop_strings),
         seed=cfg.seed,
         batch_size=cfg.sft.batch_size,
+        kv_cache=cfg.ppo.kv_cache,
     )
 
 

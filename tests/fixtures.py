@@ -79,6 +79,17 @@ def tiny_llama(
     return model.eval()
 
 
+def varied_tiny_llama(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    """Weights large enough that greedy answers differ from row to row (a fresh tiny model repeats one token)."""
+    model = tiny_llama(tokenizer, hidden=48)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for weight in model.parameters():
+            if weight.dim() > 1:
+                weight.copy_(torch.randn(weight.shape, generator=generator) * 0.3)
+    return model
+
+
 def write_tiny_model(out_dir: str | Path, *, hidden: int = 32, layers: int = 2, seed: int = 0) -> Path:
     """A tiny model dir usable anywhere a model spec is expected (`sft.model`, `reward_model.backbone`)."""
     tok = tiny_tokenizer()

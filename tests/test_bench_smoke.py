@@ -308,3 +308,32 @@ def test_gpu_ppo_runs_its_settings_and_reports_what_does_not_fit(tmp_path):
     assert lora["fits"] and lora["first_ratio"] == 0.0 and 0 < lora["response_tokens"] <= 8 * 8
     assert lora["generation_s"] + lora["forward_s"] + lora["training_s"] <= lora["update_s"]
     assert not runs[1]["fits"] and "| failed: KeyError: 'nonesuch' |" in proc.stdout
+
+
+def test_decode_roofline_prints_a_row_per_cache_and_rows(tiny_model_dir, capsys):
+    """bench.decode_roofline on the tiny model: one table row per KV cache and row count, then the limits; a step's
+    FLOPs and bytes as counted by hand (2 per linear weight and row, attention 4 * layers * heads * head_dim per row
+    and context token; the weights once, keys and values per row and context token)."""
+    import torch
+
+    from bench.decode_roofline import Shape, main
+    from rlhflow.models.loading import load_causal_lm
+
+    settings = ["--settings", "dynamic,preallocated", "--context", "8", "--steps", "2", "--precisions", "fp32"]
+    main(["--model", str(tiny_model_dir), "--rows", "1,2", "--threads", "1", *settings])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [r.split(" | ")[:3] for r in rows[1:5]] == [
+        ["| dynamic", "fp32", "1"],
+        ["| preallocated", "fp32", "1"],
+        ["| dynamic", "fp32", "2"],
+        ["| preallocated", "fp32", "2"],
+    ]
+    assert rows[5].startswith("| fp32 limits: matmul ") and len(rows) == 6
+    model = load_causal_lm(str(tiny_model_dir))
+    shape = Shape.of(model)
+    c = model.config
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    head_dim = c.hidden_size // c.num_attention_heads
+    assert shape.flops(3, 10) == 3 * (2 * linear + 4 * c.num_hidden_layers * c.num_attention_heads * head_dim * 10)
+    kv = 3 * c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 10 * 4
+    assert shape.bytes_read(3, 10, 4) == (linear * 4, kv)

@@ -7,7 +7,7 @@ import torch
 from rlhflow.models import decoding
 from rlhflow.models.decoding import inverse_cdf_draw, logits_processors, multinomial_draw, sample_dropping_finished
 from rlhflow.models.policy import encode_prompts
-from tests.fixtures import tiny_llama
+from tests.fixtures import varied_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -23,14 +23,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def model(tok):
-    """Weights large enough that greedy answers differ from row to row (a fresh tiny model repeats one token)."""
-    model = tiny_llama(tok, hidden=48).eval()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for weight in model.parameters():
-            if weight.dim() > 1:
-                weight.copy_(torch.randn(weight.shape, generator=generator) * 0.3)
-    return model
+    return varied_tiny_llama(tok)
 
 
 def _hf(model, ids, mask, *, stop_ids, max_new_tokens, pad_id, **sampling):

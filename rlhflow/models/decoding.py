@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 from transformers.generation import (
     LogitsProcessorList,
     RepetitionPenaltyLogitsProcessor,
@@ -23,6 +22,8 @@ from transformers.generation import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+from rlhflow.models.kv_cache import KVCache, new_kv_cache
 
 # evict ended rows once they are this share of the rows in the batch: each eviction copies the KV cache once
 EVICT_SHARE = 0.25
@@ -86,7 +87,7 @@ DRAWS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def _prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache):
+def _prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache):
     """The prompts' forward pass, filling `cache`; the LM head on the last position only where the model can."""
     positions = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
     prefill = dict(
@@ -114,6 +115,7 @@ def sample_dropping_finished(
     pad_id: int,
     stop_criterion: StoppingCriteria | None = None,
     draw: Callable[[torch.Tensor], torch.Tensor] = inverse_cdf_draw,
+    kv_cache: KVCache = "preallocated",
 ) -> tuple[torch.Tensor, list[int | None]]:
     """Sample up to `max_new_tokens` tokens after each left-padded prompt.
 
@@ -121,7 +123,7 @@ def sample_dropping_finished(
     row's length; like `generate(...).sequences`) and, per row, the number of tokens generated when
     `stop_criterion` (e.g. transformers' StopStringCriteria) stopped it, or None. A row ends on a token of
     `stop_ids` (kept) or when `stop_criterion` fires. `draw` picks one token per row from the processed
-    probabilities (`multinomial_draw`: generate's own draws)."""
+    probabilities (`multinomial_draw`: generate's own draws); `kv_cache` names the cache (rlhflow.models.kv_cache)."""
     B, P = input_ids.shape
     device = input_ids.device
     stop_ids_t = torch.tensor(list(stop_ids), device=device, dtype=torch.long)
@@ -130,7 +132,7 @@ def sample_dropping_finished(
     rows = torch.arange(B, device=device)  # each batch row's index in the caller's batch
     done = torch.zeros(B, dtype=torch.bool, device=device)
     seq, mask = input_ids, attention_mask
-    cache = DynamicCache()
+    cache = new_kv_cache(kv_cache, P + max_new_tokens)
     out = _prefill(model, seq, mask, cache)
     generated = 0
     for step in range(max_new_tokens):

@@ -21,6 +21,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 from transformers.generation import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
 from rlhflow.models.decoding import DRAWS, logits_processors, sample_dropping_finished
+from rlhflow.models.kv_cache import KVCache, new_kv_cache
 from rlhflow.models.loading import autocast, unwrap_peft
 from rlhflow.models.packed_linear import packed_linears
 
@@ -185,15 +186,15 @@ def generate(
     compute_dtype: torch.dtype = torch.float32,
     drop_finished: bool = False,
     draw: str = "inverse_cdf",
+    kv_cache: KVCache = "preallocated",
 ) -> GenerationOutput:
-    """Sample one response per prompt (do_sample, KV cache) from logits / temperature, then top-k / top-p, with
-    only the settings given here (the model's own generation processors would change the distribution PPO's ratios
-    assume). `generator_seed` makes the sampling reproducible without touching the global RNG.
-    return_logits / return_hidden keep the sampling pass's raw logits and last hidden states (PPO's old
-    log-probs and shared-head values without a second forward pass). compute_dtype bf16: sampling under autocast.
-    drop_finished: ended rows leave the batch (`rlhflow.models.decoding`; not with return_logits / return_hidden), each
-    token drawn by `draw` (a name in `rlhflow.models.decoding.DRAWS`).
-    On CPU in float32 the linear layers run on oneDNN-packed weights while sampling (`rlhflow.models.packed_linear`)."""
+    """Sample one response per prompt from logits / temperature, then top-k / top-p, with only the settings given
+    here (the model's own generation processors would change the distribution PPO's ratios assume).
+    `generator_seed`: reproducible, the global RNG untouched. return_logits / return_hidden keep the sampling pass's
+    raw logits and last hidden states (PPO's old log-probs and values without a second forward pass).
+    compute_dtype bf16: under autocast. drop_finished: ended rows leave the batch (`rlhflow.models.decoding`; not
+    with return_logits / return_hidden), each token drawn by `draw` (`rlhflow.models.decoding.DRAWS`). kv_cache:
+    `rlhflow.models.kv_cache`. In float32 on CPU the linear layers sample on oneDNN-packed weights (`packed_linear`)."""
     stop_strings = [s for s in stop_strings if s]
     eos_ids = stop_token_ids(tokenizer, model, stop_strings)  # before the model's generation_config is set aside
     # only what we set: the model's own generation defaults must not change the sampling distribution
@@ -211,8 +212,7 @@ def generate(
         output_logits=return_logits,
         output_hidden_states=return_hidden,
     )
-    context_length = input_ids.shape[1]
-    stops = _RecordStops(StopStringCriteria(tokenizer, stop_strings), context_length) if stop_strings else None
+    stops = _RecordStops(StopStringCriteria(tokenizer, stop_strings), input_ids.shape[1]) if stop_strings else None
     out, gen_out = _sample_sequences(
         model,
         input_ids,
@@ -224,6 +224,7 @@ def generate(
         compute_dtype=compute_dtype,
         drop_finished=drop_finished,
         draw=draw,
+        kv_cache=kv_cache,
     )
     kept = gen_out if return_logits or return_hidden else None
     return _generation_output(tokenizer, input_ids, attention_mask, out, kept, stops, eos_ids, stop_strings)
@@ -233,7 +234,8 @@ def _sample_sequences(
     model, input_ids, attention_mask, gen_config: GenerationConfig, stops, eos_ids: list[int], **how
 ) -> tuple[torch.Tensor, Any]:
     """The prompt and response token ids of each row, sampled as `gen_config` says, and transformers' output (None
-    when ended rows left the batch). `how`: generate's generator_seed, compute_dtype, drop_finished and draw."""
+    when ended rows left the batch). `how`: generate's generator_seed, compute_dtype, drop_finished, draw and
+    kv_cache."""
     was_training = model.training
     model.eval()
     cuda = [input_ids.device.index or 0] if input_ids.device.type == "cuda" else []
@@ -264,6 +266,7 @@ def _sample_sequences(
                 pad_id=c.pad_token_id,
                 stop_criterion=stops.criterion if stops else None,
                 draw=DRAWS[how["draw"]],
+                kv_cache=how["kv_cache"],
             )
             if stops:
                 stops.stopped_after = stopped
@@ -273,6 +276,7 @@ def _sample_sequences(
                 attention_mask=attention_mask,
                 generation_config=gen_config,
                 stopping_criteria=StoppingCriteriaList([stops] if stops else []),
+                past_key_values=new_kv_cache(how["kv_cache"], input_ids.shape[1] + gen_config.max_new_tokens),
             )
             out = gen_out.sequences
     model.train(was_training)

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Literal
 
 from rlhflow.models.generation import GenerationOutput, generate
+from rlhflow.models.kv_cache import KVCache
 from rlhflow.models.policy import Messages, encode_prompts
 
 if TYPE_CHECKING:
@@ -38,11 +39,12 @@ def sample_responses(
     repetition_penalty: float = 1.0,
     drop_finished: bool = True,
     draw: str = "inverse_cdf",
+    kv_cache: KVCache = "preallocated",
 ) -> list[GenerationOutput]:
     """`generate` over all prompts in batches of `batch_size`, on the model's device. Batch i samples with seed
     `seed + i`, so two models given the same prompts and seed are compared on the same random streams.
     drop_finished False: transformers' own `generate`, which keeps ended rows until the batch's last one ends;
-    True: `draw` picks each token (rlhflow.models.decoding.DRAWS)."""
+    True: `draw` picks each token (rlhflow.models.decoding.DRAWS). kv_cache: rlhflow.models.kv_cache."""
     device = next(model.parameters()).device
     outs = []
     for start in range(0, len(prompt_messages), batch_size):
@@ -62,6 +64,7 @@ def sample_responses(
                 repetition_penalty=repetition_penalty,
                 drop_finished=drop_finished,
                 draw=draw,
+                kv_cache=kv_cache,
             )
         )
     return outs
@@ -82,6 +85,8 @@ class Sampling:
     decoder: Literal["drop_finished", "generate"] = "drop_finished"
     # how drop_finished draws each token (rlhflow.models.decoding.DRAWS): the same distribution, different tokens
     draw: Literal["inverse_cdf", "multinomial"] = "inverse_cdf"
+    # written in place or transformers' DynamicCache (rlhflow.models.kv_cache, ppo.kv_cache): the same tokens
+    kv_cache: KVCache = "preallocated"
 
     def key(self) -> dict:
         """What the sampled answers depend on, besides the model and the prompts (batch_size too: a batch's rows
@@ -104,4 +109,5 @@ class Sampling:
             repetition_penalty=self.repetition_penalty,
             drop_finished=self.decoder == "drop_finished",
             draw=self.draw,
+            kv_cache=self.kv_cache,
         )

@@ -301,6 +301,7 @@ class PPOTrainer(Checkpoints):
             stop_strings=cfg.stop_strings,
             generator_seed=(self.seed * 1_000_003 + stream) * self.world_size + self.rank,
             compute_dtype=self.dtype,
+            kv_cache=cfg.kv_cache,
             **outputs,
         )
 

