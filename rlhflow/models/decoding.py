@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
 from transformers.generation import (
     LogitsProcessorList,
     RepetitionPenaltyLogitsProcessor,
@@ -87,7 +88,7 @@ DRAWS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def _prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache):
+def _prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: Cache):
     """The prompts' forward pass, filling `cache`; the LM head on the last position only where the model can."""
     positions = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
     prefill = dict(

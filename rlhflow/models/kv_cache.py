@@ -9,14 +9,14 @@ hands attention a view of the filled part: attention reads the same values, the 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-KV_CACHES = ("preallocated", "dynamic")
 KVCache = Literal["preallocated", "dynamic"]
+KV_CACHES = get_args(KVCache)
 
 
 class PreallocatedLayer(DynamicLayer):
