@@ -97,6 +97,9 @@ STAGES: list[Stage] = [
         params=["data", "validate", "sft.model"],
         deps=[
             "${data.preferences}",
+            "${feedback.pairs_file}",
+            "${feedback.labels_file}",
+            "rlhflow/data/feedback.py",
             "rlhflow/data/formats.py",
             "rlhflow/data/splits.py",
             "rlhflow/data/validation.py",
@@ -137,7 +140,7 @@ STAGES: list[Stage] = [
     Stage(
         name="reward_model",
         description="train the Bradley-Terry reward model with trl's RewardTrainer",
-        params=["seed", "reward_model", *launch_params("reward_model")],
+        params=["seed", "reward_model", "feedback.labelled_repeats", *launch_params("reward_model")],
         deps=[VALIDATED, "${sft.out_dir}", "rlhflow/training/reward_model.py", "tasks/reward_model.py"],
         outs=["${reward_model.out_dir}"],
         metrics=[_metrics("reward_model")],

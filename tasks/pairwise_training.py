@@ -50,12 +50,12 @@ def held_out_metrics(prefix: str, held_out: dict[str, float]) -> dict[str, float
     return metrics
 
 
-def checkpoint_fingerprint(cfg: Config, rm_cfg: RewardModelConfig, train_file: Path, seed: int) -> str:
+def checkpoint_fingerprint(cfg: Config, rm_cfg: RewardModelConfig, train_files: list[Path], seed: int) -> str:
     """What a Trainer checkpoint must have been made from to be resumed: the same reward-model settings (where
     checkpoints go and how often aside), seed, backbone, training data and number of processes."""
 
     backbone = backbone_spec(cfg, rm_cfg)
-    files = [train_file]
+    files = list(train_files)
     if Path(backbone).is_dir():
         files += sorted(Path(backbone).glob("*.safetensors"))
     settings = rm_cfg.model_dump(exclude={"out_dir", "checkpoint_dir", "checkpoint_every", "eval_batch_size"})
@@ -73,16 +73,31 @@ def split_files(cfg: Config, split: str):
     return train_file, validated / "test.jsonl"
 
 
-def resumable_checkpoint_dir(cfg: Config, ctx: StageLog, rm_cfg: RewardModelConfig, section: str, train_file, seed):
+def resumable_checkpoint_dir(cfg: Config, ctx: StageLog, rm_cfg: RewardModelConfig, section: str, train_files, seed):
     """Trainer checkpoints of an interrupted run with the same inputs are resumed from; others are dropped (by the
     main process, before any process reads them)."""
 
     checkpoint_dir = cfg.path(rm_cfg.checkpoint_dir)
     if ctx.main_process:
-        fingerprint = checkpoint_fingerprint(cfg, rm_cfg, train_file, seed)
+        fingerprint = checkpoint_fingerprint(cfg, rm_cfg, train_files, seed)
         prepare_checkpoint_dir(checkpoint_dir, fingerprint, setting=f"{section}.checkpoint_dir")
     distributed.barrier()
     return checkpoint_dir
+
+
+def training_rows(train_file: Path, labelled_repeats: int, main_process: bool) -> tuple[list[dict], list[Path], int]:
+    """The split's rows, and beside them the labelled pairs validate wrote (labelled.jsonl, from people's labels)
+    `labelled_repeats` times each; the files they come from (logged as the run's datasets); the labelled count."""
+    rows, files = read_jsonl(train_file).to_dict("records"), [train_file]
+    labelled_file = train_file.with_name("labelled.jsonl")
+    labelled = read_jsonl(labelled_file).to_dict("records") if labelled_repeats and labelled_file.exists() else []
+    if labelled:
+        rows, files = rows + labelled * labelled_repeats, files + [labelled_file]
+    if main_process:
+        tracking.log_dataset(train_file, name=f"preferences-{train_file.stem}", context="training")
+        if labelled:
+            tracking.log_dataset(labelled_file, name="preferences-labelled", context="training")
+    return rows, files, len(labelled)
 
 
 def train_pairwise_model(
@@ -95,20 +110,20 @@ def train_pairwise_model(
     model_name: str,
     registered_name: str,
     seed: int,
+    labelled_repeats: int = 0,
 ) -> dict[str, float]:
-    """Train a reward model (the proxy or the judge) on one validated split, score the test split, log and register
-    it (as `model_name` in the run, `registered_name` in the registry). Metrics are named `<prefix>/accuracy`,
-    `<prefix>/accuracy_se`, `<prefix>/margin`, ..."""
+    """Train a reward model (the proxy or the judge) on one validated split (and, `labelled_repeats` > 0, the
+    labelled pairs), score the test split, log and register it (as `model_name` in the run, `registered_name` in the
+    registry). Metrics are named `<prefix>/accuracy`, `<prefix>/accuracy_se`, `<prefix>/margin`, ..."""
 
     train_file, test_file = split_files(cfg, split)
-    train_rows, test_rows = (read_jsonl(f).to_dict("records") for f in (train_file, test_file))
-    if ctx.main_process:
-        tracking.log_dataset(train_file, name=f"preferences-{split}", context="training")
+    train_rows, train_files, labelled = training_rows(train_file, labelled_repeats, ctx.main_process)
+    test_rows = read_jsonl(test_file).to_dict("records")
     out_dir = cfg.path(rm_cfg.out_dir)
     # the other processes of a multi-process run write only into a scratch dir, which is thrown away
     section = "judge" if isinstance(rm_cfg, JudgeConfig) else "reward_model"  # the params keys named in errors
     output = atomic_dir(out_dir, setting=f"{section}.out_dir") if ctx.main_process else tempfile.TemporaryDirectory()
-    checkpoint_dir = resumable_checkpoint_dir(cfg, ctx, rm_cfg, section, train_file, seed)
+    checkpoint_dir = resumable_checkpoint_dir(cfg, ctx, rm_cfg, section, train_files, seed)
     with output as tmp:
         rm = train_reward_model(
             rm_cfg,
@@ -127,6 +142,7 @@ def train_pairwise_model(
         metrics = {
             **held_out_metrics(prefix, pairs.metrics),
             f"{prefix}/train_pairs": float(len(train_rows)),
+            **({f"{prefix}/labelled_pairs": float(labelled)} if labelled else {}),
             f"{prefix}/score_mean": rm.mean,
             f"{prefix}/score_std": rm.std,
         }

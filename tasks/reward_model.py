@@ -24,6 +24,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
         model_name=NAME,
         registered_name=REGISTERED_NAME,
         seed=cfg.seed,
+        labelled_repeats=cfg.feedback.labelled_repeats,
     )
 
 

@@ -17,9 +17,10 @@ import shutil
 import mlflow
 
 from rlhflow.config.params import Config
+from rlhflow.data.feedback import LABEL_FIELDS, PAIR_FIELDS, FeedbackError, labelled_preferences, read_records
 from rlhflow.data.formats import load_preferences
 from rlhflow.data.readers import write_jsonl
-from rlhflow.data.splits import assign_splits, cross_split_prefix_pairs
+from rlhflow.data.splits import assign_splits, conversation_keys, cross_split_prefix_pairs
 from rlhflow.data.validation import DataValidationError, validate_preferences
 from rlhflow.fsutil import atomic_dir, remove_made
 from rlhflow.models.loading import load_tokenizer
@@ -37,6 +38,9 @@ def _source(cfg: Config, value: str) -> str:
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     splits, shared_with_test = read_splits(cfg)
+    labelled, label_counts = read_labelled(cfg, splits)
+    if len(labelled):
+        splits["labelled"] = labelled
     tokenizer = load_tokenizer(cfg.sft.model, trust_remote_code=cfg.sft.trust_remote_code)
     out_dir, report_dir = cfg.path(cfg.validate_.out_dir), cfg.path(cfg.validate_.report_dir)
     failed_dir = report_dir.with_name(report_dir.name + ".failed")
@@ -51,7 +55,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     mlflow.log_artifacts(str(report_dir), artifact_path="validation")
     tracking.log_dataset(out_dir / "train.jsonl", name="preferences-train", context="training")
     tracking.log_dataset(out_dir / "test.jsonl", name="preferences-test", context="evaluation")
-    for split, context in (("judge", "judge"), ("dev", "selection")):
+    for split, context in (("judge", "judge"), ("dev", "selection"), ("labelled", "feedback")):
         if (out_dir / f"{split}.jsonl").exists():
             tracking.log_dataset(out_dir / f"{split}.jsonl", name=f"preferences-{split}", context=context)
     for reason, count in sorted(result.dropped_per_reason.items()):
@@ -59,6 +63,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     summary = result.summary() | {
         "validate/cross_split_prefix_pairs": float(cross_split_prefix_pairs(written)),
         "validate/rows_shared_with_test_file": float(shared_with_test),
+        **{f"validate/feedback_{name}": count for name, count in label_counts.items()},
     }
     ctx.log_metrics(summary)
     return summary
@@ -80,6 +85,7 @@ def read_splits(cfg: Config):
         test_fraction=v.test_fraction,
         dev_fraction=v.dev_fraction,
         judge_fraction=v.judge_fraction,
+        feedback_fraction=v.feedback_fraction,
         seed=v.split_seed,
         test=test,
     )
@@ -93,6 +99,31 @@ def read_splits(cfg: Config):
             flush=True,
         )
     return splits, shared_with_test
+
+
+def read_labelled(cfg: Config, splits: dict):
+    """The labelled pairs of feedback.labels_file as preference rows (rlhflow/data/feedback.py), and the counts of
+    what the labels settled. A labelled prompt from a held-out conversation (judge, dev, test) fails: people's
+    labels on it would leak into training."""
+    f = cfg.feedback
+    pairs = read_records(cfg.path(f.pairs_file), PAIR_FIELDS)
+    labels = read_records(cfg.path(f.labels_file), LABEL_FIELDS)
+    if not labels:
+        return [], {}
+    labelled, counts = labelled_preferences(pairs, labels)
+    held_out = set().union(*(set(conversation_keys(splits[s])) for s in ("judge", "dev", "test") if s in splits))
+    leaked = [int(r) for r, key in zip(labelled["source_row"], conversation_keys(labelled)) if key in held_out]
+    if leaked:
+        raise FeedbackError(
+            f"{f.pairs_file}: {len(leaked)} labelled pair(s) from a held-out conversation (judge, dev or test), "
+            f"pairs file rows {leaked[:10]}: labels come from the feedback split only"
+        )
+    print(
+        f"validate: {len(labelled)} labelled pair(s) from {f.labels_file}; "
+        + ", ".join(f"{int(v)} {k}" for k, v in counts.items() if k in ("tie", "skip", "conflict", "unlabelled") and v),
+        flush=True,
+    )
+    return labelled, counts
 
 
 def validate_and_write(cfg: Config, splits: dict, tokenizer, failed_dir):

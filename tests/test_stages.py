@@ -56,8 +56,10 @@ def test_every_code_dependency_exists():
 
 def test_each_stage_reads_the_outputs_of_earlier_stages_only():
     cfg = load_config()
-    # the preference data is the one input given before any stage runs (the user's, or demo_data's output)
-    produced = {STAGES[0].resolve(cfg, "${data.preferences}")}
+    # the inputs given before any stage runs: the preference data (the user's, or demo_data's output) and the pairs
+    # and labels of a feedback round (docs/feedback.md)
+    given = ("${data.preferences}", "${feedback.pairs_file}", "${feedback.labels_file}")
+    produced = {STAGES[0].resolve(cfg, g) for g in given}
     for s in STAGES:
         for dep in s.deps:
             if dep.startswith("${"):

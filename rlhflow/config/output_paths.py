@@ -35,7 +35,7 @@ OUTPUT_SETTINGS = (
 FILEWISE_SETTINGS = frozenset({"metrics_dir"})
 # The data the repository ships (data/README.md), protected where git cannot list the tracked files (an image
 # without .git); tests/test_safe_paths.py checks it covers every file git tracks under data/.
-SHIPPED_DATA = ("data/README.md", "data/hh-rlhf-harmless", "data/llamafactory-dpo-en")
+SHIPPED_DATA = ("data/README.md", "data/feedback", "data/hh-rlhf-harmless", "data/llamafactory-dpo-en")
 
 
 @functools.cache

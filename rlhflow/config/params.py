@@ -21,6 +21,7 @@ from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from rlhflow.config.align import AlignConfig
 from rlhflow.config.evaluate import EvaluateConfig
+from rlhflow.config.feedback import FeedbackConfig
 from rlhflow.config.help import params_epilog
 from rlhflow.config.lora import LoraConfig, LoraSettings
 from rlhflow.config.output_paths import check_output_paths
@@ -96,6 +97,13 @@ class ValidateConfig(Section):
         description="share of conversations held out to train the judge reward model, disjoint from "
         "the proxy reward model's and PPO's (with data.test_preferences: the share of the training file)",
     )
+    feedback_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="share of conversations set aside (from the training side) for labelling the policy's answers "
+        "(the feedback split, docs/feedback.md): neither PPO nor the reward models see them; 0: no feedback split",
+    )
     split_seed: int = Field(
         0,
         ge=0,
@@ -123,10 +131,11 @@ class ValidateConfig(Section):
 
     @model_validator(mode="after")
     def _splits_leave_training_data(self) -> ValidateConfig:
-        if self.test_fraction + self.dev_fraction + self.judge_fraction >= 1:
+        if self.test_fraction + self.dev_fraction + self.judge_fraction + self.feedback_fraction >= 1:
             raise ValueError(
                 f"validate.test_fraction ({self.test_fraction}) + validate.dev_fraction ({self.dev_fraction}) + "
-                f"validate.judge_fraction ({self.judge_fraction}) must leave prompts for training (sum < 1)"
+                f"validate.judge_fraction ({self.judge_fraction}) + validate.feedback_fraction "
+                f"({self.feedback_fraction}) must leave prompts for training (sum < 1)"
             )
         return self
 
@@ -366,6 +375,9 @@ class Config(Section):
     ppo: PPOConfig = PPOConfig()
     align: AlignConfig = AlignConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
+    feedback: FeedbackConfig = Field(
+        FeedbackConfig(), description="labels on the policy's own answers, fed back as preference pairs"
+    )
     tracking: TrackingConfig = TrackingConfig()
     launch: LaunchConfig = LaunchConfig()
 

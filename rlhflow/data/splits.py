@@ -83,15 +83,17 @@ def assign_splits(
     judge_fraction: float,
     seed: int,
     dev_fraction: float = 0.0,
+    feedback_fraction: float = 0.0,
     test: pd.DataFrame | None = None,
 ) -> dict[str, pd.DataFrame]:
     """train / judge / dev / test splits by conversation. The held-out conversations (a share test_fraction +
     dev_fraction) are cut from the rest by one hash and divided into dev (for choosing: champion decisions, a
     sweep's best point) and test (for the report only) by a second; the judge's share is split off the training
     conversations by a third, so the judge reward model never sees a conversation the proxy or PPO trains on. With
-    dev_fraction 0 there is no dev split. With `test` given (a held-out file), `df` is split into train, judge and
-    dev only, each fraction a share of `df`, and rows of `df` in a conversation the test file holds are left out
-    (see `outside_conversations`)."""
+    dev_fraction 0 there is no dev split. The feedback split (feedback_fraction > 0: prompts whose answers people
+    label, docs/feedback.md) is cut from the training conversations by a fourth hash. With `test` given (a held-out
+    file), `df` is split into train, judge and dev only, each fraction a share of `df`, and rows of `df` in a
+    conversation the test file holds are left out (see `outside_conversations`)."""
     if test is None:
         train, held_out = split_by_conversation(df, test_fraction + dev_fraction, seed)
         if dev_fraction > 0:
@@ -107,6 +109,11 @@ def assign_splits(
     splits = {"train": train}
     if judge_fraction > 0:
         splits["train"], splits["judge"] = split_by_conversation(train, judge_fraction / rest, seed + 1)
+    if feedback_fraction > 0:
+        train_share = rest - judge_fraction if judge_fraction > 0 else rest
+        splits["train"], splits["feedback"] = split_by_conversation(
+            splits["train"], feedback_fraction / train_share, seed + 3
+        )
     if dev is not None:
         splits["dev"] = dev
     splits["test"] = test

@@ -30,6 +30,8 @@ os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
 TEXT_COLUMNS = ("prompt", "chosen", "rejected")
 DEMONSTRATION_TEXT_COLUMNS = ("prompt", "completion")  # demonstrations for supervised fine-tuning: the same checks
 SPLITS = ("train", "judge", "test")
+# labelled pairs are people's labels on answers to the feedback split's prompts: the same conversations by design
+SAME_CONVERSATIONS = {"labelled": {"feedback"}, "feedback": {"labelled"}}
 SNIPPET_CHARS = 60
 
 
@@ -297,7 +299,8 @@ def _mark_shared_conversations(frames: dict[str, pd.DataFrame]) -> None:
         return
     keys = {split: conversation_keys(df) for split, df in frames.items()}
     for split, df in frames.items():
-        elsewhere = set().union(*(set(k) for other, k in keys.items() if other != split))
+        own = {split} | SAME_CONVERSATIONS.get(split, set())
+        elsewhere = set().union(*(set(k) for other, k in keys.items() if other not in own))
         df["conversation_in_other_split"] = keys[split].isin(elsewhere).to_numpy(dtype=bool)
 
 
