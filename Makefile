@@ -7,12 +7,15 @@
 # make test-stack - the team stack's tests (tests/test_team_stack.py: they start and stop their own stack)
 # make bench - set up (first time), build the peer venv (trl 1.12, once), then the benchmarks (docs/benchmarks.md)
 # make docs  - set up (first time), then the documentation site (MkDocs) in site/
+# make label - set up (first time), then Label Studio on 127.0.0.1:8080 for a feedback round (docs/feedback.md)
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+LABEL_VENV := .venv-label
+LABEL_STAMP := $(LABEL_VENV)/.installed
 PIP := $(BIN)/python -m pip install --disable-pip-version-check -q
 # pip's find-links notices are noise here; real errors still fail the pipe
 QUIET := 2>&1 | { grep -v "^WARNING: Location" || true; }
@@ -23,7 +26,7 @@ export GX_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-e2e test-stack stack lint format bench ui docs dvc-yaml clean
+.PHONY: setup run test test-e2e test-stack stack lint format bench ui docs dvc-yaml clean label
 
 $(STAMP): requirements.txt requirements-team.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,7 +46,7 @@ run: setup
 
 # the suite in TEST_WORKERS processes, a module per worker at a time (tests/conftest.py); TEST_WORKERS=0: one process
 TEST_WORKERS ?= 2
-test: setup browser
+test: setup browser $(LABEL_STAMP)
 	$(BIN)/python -m pytest -q -m "not stack" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-stack: setup postgres
@@ -85,6 +88,17 @@ format: setup
 
 test-e2e: setup
 	$(BIN)/python -m pytest -q -m e2e $(PYTEST_ARGS)
+
+# The labeling tool, Label Studio, in its own venv (requirements-label.txt): tests/test_feedback_browser.py uses it
+$(LABEL_STAMP): requirements-label.txt
+	test -x $(LABEL_VENV)/bin/python || $(PYTHON) -m venv $(LABEL_VENV)
+	$(LABEL_VENV)/bin/python -m pip install --disable-pip-version-check -q -r requirements-label.txt $(QUIET)
+	$(LABEL_VENV)/bin/python -c "import label_studio"
+	touch $(LABEL_STAMP)
+
+# LABEL_ARGS go to rlhfops.labeling serve (e.g. "--port 8081 --root .label-studio")
+label: setup $(LABEL_STAMP)
+	$(BIN)/python -m rlhfops.labeling serve $(LABEL_ARGS)
 
 # The peer for `make bench`: TRL 1.12's PPOTrainer in its own venv (the project's venv has trl 1.16, which has no PPO)
 TRL_VENV := bench/.venv-trl

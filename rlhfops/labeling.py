@@ -1,0 +1,240 @@
+"""The labeling tool: Label Studio, talked to over its REST API, and started on this machine by `make label`.
+
+    python -m rlhfops.labeling serve [--root .label-studio] [--port 8080]   # `make label`; Ctrl-C stops it
+
+Label Studio runs in its own venv (.venv-label: its Django stack pins versions the pipeline's packages do not
+share), binds 127.0.0.1 only, has sign-up switched off, and has one admin whose password and API token are made on
+the first start and kept in ROOT/secrets.json (mode 0600); clients read the token from $LABEL_STUDIO_API_KEY
+(`source ROOT/label.env`). The project shows the prompt and two answers and asks which is better (A, B, a tie), or Skip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhflow.config.params import REPO_ROOT
+from rlhfops.stack_access import write_private
+
+HOST = "127.0.0.1"
+LABEL_VENV = REPO_ROOT / ".venv-label"
+ADMIN = "admin@rlhflow.local"  # Label Studio's users are e-mail addresses; no mail is ever sent
+CHOICES = {"A is better": "a", "B is better": "b", "Tie": "tie"}  # and Label Studio's own Skip button: "skip"
+LABEL_CONFIG = """<View>
+  <Header value="Conversation"/>
+  <Text name="prompt" value="$prompt_text"/>
+  <Header value="Answer A"/>
+  <Text name="answer_a" value="$answer_a"/>
+  <Header value="Answer B"/>
+  <Text name="answer_b" value="$answer_b"/>
+  <Header value="Which answer is better?"/>
+  <Choices name="preference" toName="prompt" choice="single" showInline="true" required="true">
+    <Choice value="A is better" hotkey="1"/>
+    <Choice value="B is better" hotkey="2"/>
+    <Choice value="Tie" hotkey="3"/>
+  </Choices>
+  <TextArea name="comment" toName="prompt" placeholder="Comment (optional)" maxSubmissions="1"/>
+</View>"""
+
+
+class LabelingError(RuntimeError):
+    """The labeling tool is down, refuses the token, or answers what the pipeline cannot read."""
+
+
+def prompt_text(messages: Sequence[dict]) -> str:
+    """A conversation as the annotator reads it: one paragraph per turn, led by the speaker."""
+    return "\n\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in messages if m.get("role") != "system")
+
+
+@dataclass
+class LabelStudio:
+    """One Label Studio server, as the pipeline uses it: a project, the pairs sent to it, the labels read back."""
+
+    url: str
+    token: str
+    timeout: float = 30.0
+
+    def request(self, method: str, path: str, body: object = None) -> object:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"{self.url.rstrip('/')}{path}", data=data, method=method)
+        req.add_header("Authorization", f"Token {self.token}")
+        req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as response:
+                return json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as e:
+            if e.code in (401, 403):
+                raise LabelingError(f"Label Studio at {self.url} refused the API token (HTTP {e.code})") from None
+            detail = e.read()[:500].decode(errors="replace")
+            raise LabelingError(f"Label Studio at {self.url}: {method} {path}: HTTP {e.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise LabelingError(
+                f"Label Studio at {self.url} is not reachable ({getattr(e, 'reason', e)}): start it with `make label`"
+            ) from None
+
+    def project(self, title: str) -> int:
+        """The id of the project called `title`, made with the pairwise interface if there is none."""
+        listing = self.request("GET", f"/api/projects/?title={urllib.request.quote(title)}&page_size=100")
+        for project in listing.get("results", []) if isinstance(listing, dict) else []:
+            if project.get("title") == title:
+                return int(project["id"])
+        made = self.request("POST", "/api/projects/", {"title": title, "label_config": LABEL_CONFIG})
+        return int(made["id"])
+
+    def tasks(self, project: int) -> list[dict]:
+        """Every task of the project with its annotations (Label Studio's JSON export)."""
+        tasks = self.request("GET", f"/api/projects/{project}/export?exportType=JSON&download_all_tasks=true")
+        if not isinstance(tasks, list):
+            raise LabelingError(f"Label Studio at {self.url}: the export of project {project} is not a list")
+        return tasks
+
+    def send(self, project: int, pairs: Sequence[dict]) -> int:
+        """Import the pairs the project does not hold yet (by pair_id); returns how many were sent."""
+        held = {t.get("data", {}).get("pair_id") for t in self.tasks(project)}
+        new = [
+            {
+                "data": {
+                    "pair_id": p["pair_id"],
+                    "prompt_text": prompt_text(p["prompt_messages"]),
+                    "answer_a": p["answer_a"],
+                    "answer_b": p["answer_b"],
+                }
+            }
+            for p in pairs
+            if p["pair_id"] not in held
+        ]
+        if new:
+            self.request("POST", f"/api/projects/{project}/import", new)
+        return len(new)
+
+
+def annotation_label(pair: str, annotation: dict) -> dict | None:
+    """One Label Studio annotation as a label record (None for a draft without a choice). A cancelled (skipped)
+    annotation is a skip; the annotator is Label Studio's user id, nothing more about the person."""
+    choice, comment = None, ""
+    for result in annotation.get("result", []):
+        value = result.get("value", {})
+        if result.get("from_name") == "preference" and value.get("choices"):
+            choice = CHOICES.get(value["choices"][0], value["choices"][0])
+        elif result.get("from_name") == "comment" and value.get("text"):
+            comment = " ".join(value["text"])
+    if annotation.get("was_cancelled"):
+        choice = "skip"
+    if choice is None:
+        return None
+    return {
+        "pair_id": pair,
+        "label": choice,
+        "annotator": f"label-studio-user-{annotation.get('completed_by')}",
+        "labelled_at": annotation.get("updated_at") or annotation.get("created_at"),
+        "source": "human",
+        "comment": comment,
+    }
+
+
+def read_labels(tasks: Sequence[dict]) -> tuple[list[dict], list[str]]:
+    """The labels in an export, and the pair ids still waiting for one."""
+    labels, waiting = [], []
+    for task in tasks:
+        pair = task.get("data", {}).get("pair_id")
+        own = [x for x in (annotation_label(pair, a) for a in task.get("annotations", [])) if x is not None]
+        labels += own
+        if not own:
+            waiting.append(pair)
+    return labels, waiting
+
+
+# ---- the server --------------------------------------------------------------------------------------------------
+
+
+def load_secrets(root: Path) -> dict[str, str]:
+    """ROOT/secrets.json: the admin's password and API token, made on the first start."""
+    path = root / "secrets.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    root.mkdir(parents=True, exist_ok=True)
+    made = {"password": secrets.token_urlsafe(18), "token": secrets.token_hex(20)}
+    write_private(path, json.dumps(made))
+    return made
+
+
+def server_env(root: Path, made: dict[str, str]) -> dict[str, str]:
+    """Label Studio's settings: its data in ROOT, no sign-up, the admin and token of ROOT/secrets.json (in the
+    environment, not on the command line, where `ps` would show them)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LABEL_STUDIO_", "DJANGO_"))}
+    return env | {
+        "LABEL_STUDIO_BASE_DATA_DIR": str(root),
+        "LABEL_STUDIO_USERNAME": ADMIN,
+        "LABEL_STUDIO_PASSWORD": made["password"],
+        "LABEL_STUDIO_USER_TOKEN": made["token"],
+        "LABEL_STUDIO_DISABLE_SIGNUP_WITHOUT_LINK": "true",
+    }
+
+
+def wait_until_up(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise LabelingError(f"Label Studio exited with status {proc.returncode}:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            if response.status == 200:
+                return
+        time.sleep(1)
+    raise LabelingError(f"Label Studio did not answer within {timeout:.0f} s (log: {log})")
+
+
+@contextlib.contextmanager
+def label_studio(root: Path, port: int, venv: Path = LABEL_VENV, timeout: float = 300) -> Iterator[LabelStudio]:
+    """A Label Studio server on 127.0.0.1:`port` with its data in `root`, stopped on exit."""
+    executable = venv / "bin" / "label-studio"
+    if not executable.exists():
+        raise LabelingError(f"{executable} is missing: `make label` builds the labeling venv")
+    root = root.resolve()
+    made = load_secrets(root)
+    log = root / "label-studio.log"
+    cmd = [str(executable), "start", "--no-browser", "--internal-host", HOST, "--port", str(port)]
+    cmd += ["--data-dir", str(root / "data"), "--enable-legacy-api-token"]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, env=server_env(root, made), stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://{HOST}:{port}"
+    try:
+        wait_until_up(url, proc, log, timeout)
+        yield LabelStudio(url, made["token"])
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def serve(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m rlhfops.labeling serve", description=__doc__)
+    parser.add_argument("--root", type=Path, default=REPO_ROOT / ".label-studio")
+    parser.add_argument("--port", type=int, default=8080)
+    args = parser.parse_args(argv)
+    with label_studio(args.root, args.port) as server:
+        env_file = write_private(args.root / "label.env", f"export LABEL_STUDIO_API_KEY={server.token}\n")
+        print(f"Label Studio at {server.url} (user {ADMIN}, password in {args.root / 'secrets.json'})", flush=True)
+        print(f"clients: source {env_file}; Ctrl-C stops it", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            while True:
+                time.sleep(3600)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["serve"]:
+        sys.exit("usage: python -m rlhfops.labeling serve [--root DIR] [--port PORT]")
+    serve(sys.argv[2:])

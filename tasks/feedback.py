@@ -1,0 +1,196 @@
+"""The steps of a feedback round around people (docs/feedback.md), each a Prefect task and an MLflow run:
+
+    python -m tasks.feedback sample    # the policy's and the SFT model's answers to feedback-split prompts, as pairs
+    python -m tasks.feedback send      # the pairs Label Studio does not hold yet, to its project
+    python -m tasks.feedback collect   # the labels back into feedback.labels_file; what the people say
+    python -m tasks.feedback ai_label  # or the judge labels the pairs (RLAIF), marked as such
+
+Pairs and labels are appended, never rewritten, so every step can be rerun: sample adds only new pairs, send only
+the pairs the project lacks, collect only new labels. After collect, validate turns the labels into preference pairs
+(`dvc repro`, or flows.pipeline), and reward_model trains on them beside the shipped pairs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from datetime import datetime, timezone
+
+import mlflow
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from rlhflow.config.params import Config, parse_config_args
+from rlhflow.data.feedback import (
+    LABEL_FIELDS,
+    PAIR_FIELDS,
+    FeedbackError,
+    append_records,
+    check_labels,
+    label_key,
+    new_pairs,
+    read_records,
+)
+from rlhflow.evaluation.answers import Answers
+from rlhflow.evaluation.held_out import HeldOutPrompts
+from rlhflow.evaluation.human import agreement_metrics, human_win_metrics, judged_pairs
+from rlhflow.fsutil import dir_md5
+from rlhflow.models.loading import pick_device
+from rlhfops import registry, tracking
+from rlhfops.labeling import LabelingError, LabelStudio, read_labels
+from tasks.evaluation_setup import evaluation_sampling, load_evaluation_judge, load_language_model
+
+STEPS = ("sample", "send", "collect", "ai_label")
+
+
+def policy_run_id(cfg: Config) -> str:
+    """The MLflow run that registered the policy in ppo.out_dir (by its weights' md5), else `unregistered:<md5>`."""
+    version = registry.version_of_model_dir(mlflow.MlflowClient(), registry.POLICY, cfg.path(cfg.ppo.out_dir))
+    return version.run_id if version is not None else f"unregistered:{dir_md5(cfg.path(cfg.ppo.out_dir))}"
+
+
+def answer(sampling, model_dir, prompts: HeldOutPrompts, device, *, stream: int, degenerate: float) -> Answers:
+    """A model's answers on random stream `stream` (added to the sampling seed): on one shared stream a policy near
+    the SFT model repeats its answers word for word, and such a pair tells nothing."""
+    tokenizer, model = load_language_model(model_dir, device)
+    outputs = dataclasses.replace(sampling, seed=sampling.seed + stream).sample(model, tokenizer, prompts.all())
+    return Answers.from_outputs(outputs, degenerate)
+
+
+def sample(cfg: Config) -> dict[str, float]:
+    """New pairs on the feedback split: the policy's answer and the SFT model's, sampled with the evaluation's
+    settings at feedback.max_new_tokens, appended to feedback.pairs_file."""
+    split_file = cfg.path(cfg.validate_.out_dir) / "feedback.jsonl"
+    if not split_file.exists():
+        raise FeedbackError(f"{split_file}: no feedback split; validate with validate.feedback_fraction > 0 first")
+    sampling = dataclasses.replace(evaluation_sampling(cfg), max_new_tokens=cfg.feedback.max_new_tokens)
+    prompts = HeldOutPrompts.load({"feedback": split_file}, cfg.feedback.n_pairs, 1)
+    device, degenerate = pick_device(cfg.device), cfg.evaluate.degenerate_repetition
+    policy = answer(sampling, cfg.path(cfg.ppo.out_dir), prompts, device, stream=0, degenerate=degenerate)
+    sft = answer(sampling, cfg.path(cfg.sft.out_dir), prompts, device, stream=1, degenerate=degenerate)
+    rows = [{"prompt": t, "prompt_messages": m} for t, m in zip(prompts.texts["feedback"], prompts.all())]
+    pairs = new_pairs(
+        rows,
+        policy.texts,
+        sft.texts,
+        seed=cfg.evaluate.seed,
+        policy_run_id=policy_run_id(cfg),
+        both_ended=policy.is_class("ended") & sft.is_class("ended"),
+    )
+    added = append_records(cfg.path(cfg.feedback.pairs_file), pairs, key=lambda p: p["pair_id"])
+    return {"feedback/pairs_sampled": float(len(pairs)), "feedback/pairs_added": float(added)}
+
+
+def label_studio(cfg: Config) -> LabelStudio:
+    token = os.environ.get(cfg.feedback.token_env)
+    if not token:
+        raise LabelingError(
+            f"${cfg.feedback.token_env} is not set: the Label Studio API token (`make label` says where)"
+        )
+    return LabelStudio(cfg.feedback.label_studio_url, token)
+
+
+def send(cfg: Config) -> dict[str, float]:
+    """The pairs of feedback.pairs_file that the Label Studio project does not hold yet."""
+    pairs = read_records(cfg.path(cfg.feedback.pairs_file), PAIR_FIELDS)
+    server = label_studio(cfg)
+    sent = server.send(server.project(cfg.feedback.project), pairs)
+    return {"feedback/pairs_sent": float(sent), "feedback/pairs": float(len(pairs))}
+
+
+def judge_pairs(judge, pairs: list[dict]):
+    """The judge's verdicts on answer a against answer b of each pair."""
+    return judge.compare(
+        [p["prompt_messages"] for p in pairs], [p["answer_a"] for p in pairs], [p["answer_b"] for p in pairs]
+    )
+
+
+def judge_prefers_a(cfg: Config, judged: list[tuple[dict, str]]):
+    """The judge's preference for answer a on each judged pair (None without a judge to load)."""
+    if not judged or (cfg.judge.kind == "trained" and not cfg.path(cfg.judge.out_dir).exists()):
+        return None
+    judge = load_evaluation_judge(cfg, pick_device(cfg.device))
+    return judge_pairs(judge, [p for p, _ in judged]).preference
+
+
+def collect(cfg: Config) -> dict[str, float]:
+    """The project's labels appended to feedback.labels_file (each label once), and what all labels so far say: the
+    policy's win rate over the SFT model by people, and how often the judge and the length rule agree with them.
+    A label for a pair the pipeline never sent fails the step before anything is written."""
+    pairs = read_records(cfg.path(cfg.feedback.pairs_file), PAIR_FIELDS)
+    server = label_studio(cfg)
+    new, waiting = read_labels(server.tasks(server.project(cfg.feedback.project)))
+    labels_file = cfg.path(cfg.feedback.labels_file)
+    known = read_records(labels_file, LABEL_FIELDS)
+    check_labels(known + new, pairs)
+    added = append_records(labels_file, new, key=label_key)
+    labels = read_records(labels_file, LABEL_FIELDS)
+    judged = judged_pairs(pairs, labels)
+    metrics = {
+        "feedback/labels_added": float(added),
+        "feedback/labels": float(len(labels)),
+        "feedback/pairs_waiting": float(len(waiting)),
+        **human_win_metrics(judged),
+        **agreement_metrics(judged, judge_prefers_a(cfg, judged)),
+    }
+    if added:
+        tracking.log_dataset(labels_file, name="feedback-labels", context="feedback")
+    return metrics
+
+
+def ai_label(cfg: Config) -> dict[str, float]:
+    """The judge's labels on the pairs no AI label covers yet (RLAIF: the judge section's model, an LLM endpoint
+    included), appended to feedback.labels_file marked source `ai`; validate takes them as it takes people's."""
+    pairs = read_records(cfg.path(cfg.feedback.pairs_file), PAIR_FIELDS)
+    labels_file = cfg.path(cfg.feedback.labels_file)
+    done = {x["pair_id"] for x in read_records(labels_file, LABEL_FIELDS) if x["source"] == "ai"}
+    todo = [p for p in pairs if p["pair_id"] not in done]
+    if not todo:
+        return {"feedback/ai_labels_added": 0.0}
+    judge = load_evaluation_judge(cfg, pick_device(cfg.device))
+    verdicts = judge_pairs(judge, todo)
+    annotator = "judge:" + ":".join(str(v) for k, v in judge.describe().items() if k in ("kind", "model") and v)
+    now = datetime.now(timezone.utc).isoformat()
+    side = {1.0: "a", 0.0: "b"}  # a split verdict (0.5) is a tie
+    labels = [
+        {"pair_id": p["pair_id"], "label": side.get(float(w), "tie"), "annotator": annotator, "labelled_at": now}
+        | {"source": "ai"}
+        for p, w in zip(todo, verdicts.wins)
+    ]
+    return {"feedback/ai_labels_added": float(append_records(labels_file, labels, key=label_key))}
+
+
+BODIES = {"sample": sample, "send": send, "collect": collect, "ai_label": ai_label}
+
+
+def run_step(step: str, cfg: Config, parent_run_id: str | None = None) -> dict[str, float]:
+    """One step in its MLflow run (`feedback_<step>`), its metrics logged there."""
+    name = f"feedback_{step}"
+    params = {"feedback": cfg.section("feedback")}
+    with tracking.start_run(cfg, name=name, params=params, tags={"stage": name}, parent_run_id=parent_run_id):
+        metrics = BODIES[step](cfg)
+        tracking.log_metrics(metrics)
+    return metrics
+
+
+@task(name="feedback", retries=0, cache_policy=NO_CACHE)
+def feedback_task(step: str, cfg: Config, parent_run_id: str | None = None) -> dict[str, float]:
+    return run_step(step, cfg, parent_run_id)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in STEPS:
+        sys.exit(f"usage: python -m tasks.feedback {{{','.join(STEPS)}}} [--set key=value ...]")
+    cfg, _ = parse_config_args(argv[1:], f"feedback step {argv[0]}: {BODIES[argv[0]].__doc__.splitlines()[0]}")
+    try:
+        metrics = run_step(argv[0], cfg)
+    except (FeedbackError, LabelingError, FileNotFoundError) as err:
+        sys.exit(f"\nfeedback {argv[0]} failed: {err}")
+    for key, value in sorted(metrics.items()):
+        print(f"{key:40s} {value:.4f}")
+
+
+if __name__ == "__main__":
+    main()
