@@ -1,0 +1,225 @@
+"""A feedback round's data (rlhflow/data/feedback.py), what people's labels say (rlhflow/evaluation/human.py), the
+Label Studio client's reading of an export and its errors (rlhfops/labeling.py), and how labelled pairs enter
+validate and the reward model's training. The round in a real Label Studio and browser: test_feedback_browser.py."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import free_port
+
+from rlhflow.config.params import load_config
+from rlhflow.data.feedback import (
+    LABEL_FIELDS,
+    PAIR_FIELDS,
+    FeedbackError,
+    append_records,
+    check_labels,
+    label_key,
+    labelled_preferences,
+    new_pairs,
+    read_records,
+    settled,
+)
+from rlhflow.data.splits import assign_splits
+from rlhflow.evaluation.human import agreement_metrics, human_win_metrics, judged_pairs
+from rlhfops.labeling import LabelingError, LabelStudio, read_labels
+from tasks.pairwise_training import training_rows
+
+
+def prompts(n: int) -> list[dict]:
+    return [
+        {"prompt": f"question {i}?", "prompt_messages": [{"role": "user", "content": f"question {i}?"}]}
+        for i in range(n)
+    ]
+
+
+def pairs_of(n: int, seed: int = 0) -> list[dict]:
+    policy = [f"a short answer {i}" for i in range(n)]
+    sft = [f"a much longer answer, with many more words in it, {i}" for i in range(n)]
+    return new_pairs(prompts(n), policy, sft, seed=seed, policy_run_id="run1", both_ended=[True] * n)
+
+
+def label(pair: str, side: str, who: str = "ann1", at: str = "2026-01-01T00:00:00", source: str = "human") -> dict:
+    return {"pair_id": pair, "label": side, "annotator": who, "labelled_at": at, "source": source}
+
+
+def test_pairs_hide_the_policys_side_and_leave_out_equal_answers():
+    pairs = pairs_of(40)
+    assert {p["policy_side"] for p in pairs} == {"a", "b"}  # both orders occur
+    for p in pairs:
+        assert p[f"answer_{p['policy_side']}"].startswith("a short answer")
+    assert [p["pair_id"] for p in pairs] == [p["pair_id"] for p in pairs_of(40)]  # ids from the texts alone
+    assert [p["policy_side"] for p in pairs] == [p["policy_side"] for p in pairs_of(40)]  # order from the seed
+    same = new_pairs(prompts(2), ["x", "y"], ["x", "z"], seed=0, policy_run_id="r")
+    assert [p["prompt"] for p in same] == ["question 1?"]
+
+
+def test_appending_keeps_every_row_adds_each_once_and_survives_a_restart(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    first = pairs_of(3)
+    assert append_records(path, first, key=lambda p: p["pair_id"]) == 3
+    assert append_records(path, pairs_of(5), key=lambda p: p["pair_id"]) == 2  # a rerun resends nothing
+    assert [p["pair_id"] for p in read_records(path, PAIR_FIELDS)] == [p["pair_id"] for p in pairs_of(5)]
+    labels = tmp_path / "labels.jsonl"
+    append_records(labels, [label(first[0]["pair_id"], "a")], key=label_key)
+    assert append_records(labels, [label(first[0]["pair_id"], "a")], key=label_key) == 0
+    assert append_records(labels, [label(first[0]["pair_id"], "b", at="2026-01-02")], key=label_key) == 1
+    assert len(read_records(labels, LABEL_FIELDS)) == 2
+
+
+def test_unreadable_rows_and_foreign_labels_are_named(tmp_path):
+    path = tmp_path / "labels.jsonl"
+    path.write_text(json.dumps(label("p", "a")) + "\nnot json\n" + json.dumps({"pair_id": "p"}) + "\n")
+    with pytest.raises(FeedbackError, match=r"line 2: not JSON; line 3: no label, annotator, labelled_at, source"):
+        read_records(path, LABEL_FIELDS)
+    assert read_records(tmp_path / "missing.jsonl", LABEL_FIELDS) == []
+    pairs = pairs_of(2)
+    with pytest.raises(FeedbackError, match=r"row 2: pair 'forged' was never sent"):
+        check_labels([label(pairs[0]["pair_id"], "a"), label("forged", "a")], pairs)
+    with pytest.raises(FeedbackError, match=r"row 1: label 'better' is not one of a, b, tie, skip"):
+        check_labels([label(pairs[0]["pair_id"], "better")], pairs)
+
+
+def test_what_labels_settle_ties_skips_conflicts_and_relabelling():
+    labels = [
+        label("p1", "a"),
+        label("p1", "tie", who="ann2"),  # a tie does not oppose a side
+        label("p2", "a"),
+        label("p2", "b", who="ann2"),  # two annotators, two sides: a conflict
+        label("p3", "tie"),
+        label("p3", "skip", who="ann2"),
+        label("p4", "skip"),
+        label("p5", "a", at="2026-01-01"),
+        label("p5", "b", at="2026-01-02"),  # the same annotator changed their mind: the latest counts
+    ]
+    assert settled(labels) == {"p1": "a", "p2": "conflict", "p3": "tie", "p4": "skip", "p5": "b"}
+
+
+def test_labelled_pairs_become_preferences_with_their_provenance():
+    pairs = pairs_of(4)
+    ids = [p["pair_id"] for p in pairs]
+    labels = [label(ids[0], "a"), label(ids[1], "b", source="ai"), label(ids[2], "tie")]
+    rows, counts = labelled_preferences(pairs, labels)
+    assert list(rows["pair_id"]) == ids[:2]
+    assert list(rows["chosen"]) == [pairs[0]["answer_a"], pairs[1]["answer_b"]]
+    assert list(rows["rejected"]) == [pairs[0]["answer_b"], pairs[1]["answer_a"]]
+    assert list(rows["source_row"]) == [1, 2] and list(rows["label_source"]) == ["human", "ai"]
+    assert counts == {
+        "tie": 1.0,
+        "skip": 0.0,
+        "conflict": 0.0,
+        "pairs_sent": 4.0,
+        "labels": 3.0,
+        "labelled_pairs": 2.0,
+        "unlabelled": 1.0,
+    }
+
+
+def test_people_as_the_judge_win_rate_and_the_instruments_agreement():
+    pairs = pairs_of(60)
+    # people prefer the policy's (shorter) answer on 45 pairs, the SFT model's on 10, and call 5 a tie
+    verdicts = ["policy"] * 45 + ["sft"] * 10 + ["tie"] * 5
+    labels = []
+    for p, v in zip(pairs, verdicts):
+        other = "b" if p["policy_side"] == "a" else "a"
+        labels.append(label(p["pair_id"], {"policy": p["policy_side"], "sft": other, "tie": "tie"}[v]))
+    judged = judged_pairs(pairs, labels)
+    metrics = human_win_metrics(judged)
+    assert metrics["feedback/human_win_rate_vs_sft"] == pytest.approx((45 + 2.5) / 60)
+    assert metrics["feedback/human_win_rate_ci_low"] < metrics["feedback/human_win_rate_vs_sft"]
+    assert metrics["feedback/human_win_rate_both_ended"] == pytest.approx((45 + 2.5) / 60)
+    assert metrics["feedback/human_judged_pairs"] == 60 and metrics["feedback/human_ties"] == 5
+    assert "feedback/human_win_rate_lc" in metrics
+    # the shorter answer is the policy's every time: the length rule agrees with people on the 45 of 55 decided
+    judge_prefers_a = np.array([1.0 if p["policy_side"] == "a" else 0.0 for p, _ in judged])  # the policy, always
+    agree = agreement_metrics(judged, judge_prefers_a)
+    assert agree["feedback/decided_pairs"] == 55
+    assert agree["feedback/length_rule_agreement"] == pytest.approx(45 / 55)
+    assert agree["feedback/judge_agreement"] == pytest.approx(45 / 55)
+    assert agree["feedback/judge_minus_length_rule"] == pytest.approx(0.0)
+    assert "feedback/judge_agreement" not in agreement_metrics(judged, None)
+
+
+EXPORT = [
+    {
+        "data": {"pair_id": "p1"},
+        "annotations": [
+            {
+                "completed_by": 3,
+                "updated_at": "t1",
+                "result": [
+                    {"from_name": "preference", "value": {"choices": ["B is better"]}},
+                    {"from_name": "comment", "value": {"text": ["clearer"]}},
+                ],
+            }
+        ],
+    },
+    {
+        "data": {"pair_id": "p2"},
+        "annotations": [{"completed_by": 3, "updated_at": "t2", "was_cancelled": True, "result": []}],
+    },
+    {"data": {"pair_id": "p3"}, "annotations": []},  # not labelled yet (a draft is not an annotation)
+]
+
+
+def test_a_label_studio_export_reads_as_labels_and_pairs_waiting():
+    labels, waiting = read_labels(EXPORT)
+    assert [(x["pair_id"], x["label"], x["comment"]) for x in labels] == [("p1", "b", "clearer"), ("p2", "skip", "")]
+    assert {x["annotator"] for x in labels} == {"label-studio-user-3"}  # an id, no name or e-mail
+    assert waiting == ["p3"]
+
+
+def test_a_labeling_tool_that_is_down_is_named():
+    with pytest.raises(LabelingError, match=r"is not reachable .*make label"):
+        LabelStudio(f"http://127.0.0.1:{free_port()}", "token", timeout=5).tasks(1)
+
+
+def test_the_feedback_split_is_cut_from_training_conversations_only():
+    df = pd.DataFrame({"prompt": [f"q{i}" for i in range(400)], "chosen": ["c"] * 400, "rejected": ["r"] * 400})
+    without = assign_splits(df, test_fraction=0.1, dev_fraction=0.1, judge_fraction=0.25, seed=0)
+    with_feedback = assign_splits(
+        df, test_fraction=0.1, dev_fraction=0.1, judge_fraction=0.25, feedback_fraction=0.1, seed=0
+    )
+    for split in ("judge", "dev", "test"):  # the held-out splits do not move
+        assert with_feedback[split].equals(without[split])
+    train, feedback = set(with_feedback["train"]["prompt"]), set(with_feedback["feedback"]["prompt"])
+    assert train | feedback == set(without["train"]["prompt"]) and not train & feedback
+    assert 20 <= len(feedback) <= 60  # about 10% of 400
+
+
+def test_labelled_pairs_join_the_reward_models_training_rows_as_set(tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": "c", "rejected": "r"}) + "\n" for i in range(5)))
+    rows, files, labelled = training_rows(train, labelled_repeats=3, main_process=False)
+    assert (len(rows), files, labelled) == (5, [train], 0)  # no labels yet
+    (tmp_path / "labelled.jsonl").write_text(json.dumps({"prompt": "x", "chosen": "c2", "rejected": "r2"}) + "\n")
+    rows, files, labelled = training_rows(train, labelled_repeats=3, main_process=False)
+    assert (len(rows), labelled, files[-1].name) == (8, 1, "labelled.jsonl")
+    assert len(training_rows(train, labelled_repeats=0, main_process=False)[0]) == 5
+
+
+def test_labels_on_a_held_out_conversation_are_refused_by_validate(tmp_path):
+    from tasks.validate import read_labelled
+
+    pairs, labels = tmp_path / "pairs.jsonl", tmp_path / "labels.jsonl"
+    sent = pairs_of(3)
+    append_records(pairs, sent, key=lambda p: p["pair_id"])
+    append_records(labels, [label(p["pair_id"], "a") for p in sent], key=label_key)
+    cfg = load_config(overrides=[f"feedback.pairs_file={pairs}", f"feedback.labels_file={labels}"])
+    train = pd.DataFrame({"prompt": ["question 0?"], "chosen": ["c"], "rejected": ["r"]})
+    rows, counts = read_labelled(cfg, {"train": train, "test": train.assign(prompt="other")})
+    assert len(rows) == 3 and counts["labelled_pairs"] == 3
+    with pytest.raises(FeedbackError, match=r"2 labelled pair\(s\) from a held-out conversation .* rows \[2, 3\]"):
+        read_labelled(
+            cfg,
+            {"train": train, "dev": train.assign(prompt=["question 1?"]), "test": train.assign(prompt=["question 2?"])},
+        )
+
+
+def test_the_feedback_fraction_leaves_training_data():
+    with pytest.raises(ValueError, match="validate.feedback_fraction"):
+        load_config(overrides=["validate.judge_fraction=0.5", "validate.feedback_fraction=0.4"])

@@ -1,0 +1,200 @@
+"""A feedback round as a person does it: a real Label Studio (its own venv, .venv-label) on 127.0.0.1, labelled by
+clicking in headless Chromium (Debian's, driven by Playwright), then ingested by the pipeline in a DVC repo on
+tiny models: the labels become a new version of feedback.labels_file in dvc.lock, validate's suite runs on them,
+the reward model trains on them (MLflow records the dataset with its md5), and the human win rate is logged.
+Half-finished sessions, forged labels and a tool that is down are checked on the way.
+
+Screenshots land in test-artifacts/feedback/; with UPDATE_DOCS_SCREENSHOTS=1 they also replace docs/img/feedback_*.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, free_port, make_dvc_repo
+from test_lineage import succeeding
+from test_mlflow_ui import TIMEOUT_MS
+
+from rlhflow.config.params import load_config, write_params
+from rlhflow.data.feedback import LABEL_FIELDS, PAIR_FIELDS, read_records
+from rlhflow.fsutil import file_md5
+from rlhfops import stage_lock
+from rlhfops.labeling import ADMIN, label_studio, load_secrets
+
+# a tiny pipeline under dvc repro twice, Label Studio's start and Chromium: about 4 min on 2 cores
+pytestmark = [pytest.mark.slow, pytest.mark.system]
+
+ARTIFACTS = REPO / "test-artifacts" / "feedback"
+EMPTY_MD5 = "d41d8cd98f00b204e9800998ecf8427e"
+
+
+def shoot(page, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
+    if os.environ.get("UPDATE_DOCS_SCREENSHOTS") == "1":
+        shutil.copy(ARTIFACTS / f"{name}.png", REPO / "docs" / "img" / f"feedback_{name}.png")
+
+
+def set_params(repo: Path, overrides: list[str]) -> None:
+    write_params(load_config(repo / "params.yaml", overrides), repo / "params.yaml")
+
+
+def lock_md5(repo: Path, stage: str, path: str) -> str:
+    lock = stage_lock.load_lock((repo / "dvc.lock").read_text())
+    return next(d["md5"] for d in lock["stages"][stage]["deps"] if d["path"] == path)
+
+
+def browser_page(playwright, chromium: str, url: str, password: str):
+    """A logged-in Label Studio page."""
+    browser = playwright.chromium.launch(
+        executable_path=chromium, headless=True, args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"]
+    )
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(f"{url}/user/login/")
+    page.fill("input[name=email]", ADMIN)
+    page.fill("input[name=password]", password)
+    page.locator("button[type=submit]").first.click()
+    page.wait_for_load_state("networkidle")
+    return browser, page
+
+
+def label_next(page, choice: str | None, comment: str = "") -> None:
+    """Label the task on screen by clicking (`choice` None: Label Studio's Skip button)."""
+    page.get_by_text("Which answer is better?").wait_for()
+    if choice is None:
+        page.get_by_test_id("bottombar-skip-button").click()
+    else:
+        page.locator("label", has_text=choice).first.click()
+        if comment:
+            page.get_by_placeholder("Comment (optional)").fill(comment)
+            page.get_by_placeholder("Comment (optional)").press("Enter")
+        page.get_by_test_id("bottombar-submit-button").click()
+    page.wait_for_timeout(2000)  # the next task loads
+
+
+def forge_label(server, project: int) -> int:
+    """A task the pipeline never sent, labelled through the API: what a stray import into the project looks like."""
+    server.request(
+        "POST",
+        f"/api/projects/{project}/import",
+        [{"data": {"pair_id": "forged", "prompt_text": "x", "answer_a": "y", "answer_b": "z"}}],
+    )
+    task = next(t for t in server.tasks(project) if t["data"]["pair_id"] == "forged")
+    choice = {"from_name": "preference", "to_name": "prompt", "type": "choices", "value": {"choices": ["A is better"]}}
+    server.request("POST", f"/api/tasks/{task['id']}/annotations/", {"result": [choice]})
+    return task["id"]
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    path = shutil.which("chromium")
+    if path is None:
+        pytest.fail("Debian's chromium is not installed: `make browser` (as root) installs it")
+    return path
+
+
+def test_labels_clicked_in_label_studio_retrain_the_reward_model(tmp_path, tiny_model_dir, chromium, monkeypatch):
+    from playwright.sync_api import sync_playwright
+
+    ls_root, port = tmp_path / "label-studio", free_port()
+    made = load_secrets(ls_root)
+    monkeypatch.setenv("LABEL_STUDIO_API_KEY", made["token"])  # the clients' environment (make_dvc_repo copies it)
+    repo = tmp_path / "repo"
+    ok = succeeding(make_dvc_repo(repo, tiny_model_dir))
+    round_settings = ["validate.feedback_fraction=0.2", "feedback.n_pairs=4", "feedback.max_new_tokens=8"]
+    set_params(repo, [*round_settings, f"feedback.label_studio_url=http://127.0.0.1:{port}"])
+    ok("git", "commit", "-qam", "a feedback split")
+    ok("dvc", "repro")
+    assert lock_md5(repo, "validate", "data/feedback/labels.jsonl") == EMPTY_MD5
+    assert (repo / "data/validated/feedback.jsonl").exists()
+
+    ok(sys.executable, "-m", "tasks.feedback", "sample")
+    pairs = read_records(repo / "data/feedback/pairs.jsonl", PAIR_FIELDS)
+    assert 2 <= len(pairs) <= 4, pairs
+    with label_studio(ls_root, port, venv=REPO / ".venv-label") as server:
+        assert f"feedback/pairs_sent                      {len(pairs)}.0000" in ok(
+            sys.executable, "-m", "tasks.feedback", "send"
+        )
+        project = server.project("rlhf-feedback")
+        assert {t["data"]["pair_id"] for t in server.tasks(project)} == {p["pair_id"] for p in pairs}
+        assert "feedback/pairs_sent                      0.0000" in ok(sys.executable, "-m", "tasks.feedback", "send")
+        clicks = ["A is better", "B is better", "Tie", None][: len(pairs)]
+        with sync_playwright() as p:
+            browser, page = browser_page(p, chromium, server.url, made["password"])
+            page.goto(f"{server.url}/projects/{project}/data?labeling=1")
+            page.get_by_text("Which answer is better?").wait_for()
+            shoot(page, "labeling")
+            for choice in clicks[:-1]:  # a session left half-finished: the last pair waits
+                label_next(page, choice, comment="clearer" if choice == "B is better" else "")
+            half = ok(sys.executable, "-m", "tasks.feedback", "collect")
+            assert "feedback/pairs_waiting                   1.0000" in half, half
+
+            forged = forge_label(server, project)  # a label for a pair the pipeline never sent: refused, nothing lost
+            before = (repo / "data/feedback/labels.jsonl").read_text()
+            res = succeeding_or_not(repo, "collect")
+            assert res.returncode == 1 and "'forged' was never sent" in res.stderr, res.stderr[-2000:]
+            assert (repo / "data/feedback/labels.jsonl").read_text() == before
+            server.request("DELETE", f"/api/tasks/{forged}/")
+
+            page.goto(f"{server.url}/projects/{project}/data?labeling=1")  # the session resumed
+            label_next(page, clicks[-1])
+            page.goto(f"{server.url}/projects/{project}/data")
+            page.wait_for_timeout(3000)
+            shoot(page, "labelled")
+            browser.close()
+        done = ok(sys.executable, "-m", "tasks.feedback", "collect")
+        assert "feedback/pairs_waiting                   0.0000" in done, done
+    down = succeeding_or_not(repo, "collect")  # the tool is down: a clear error, nothing written
+    assert down.returncode == 1 and "is not reachable" in down.stderr, down.stderr[-2000:]
+
+    labels = read_records(repo / "data/feedback/labels.jsonl", LABEL_FIELDS)
+    as_label = {"A is better": "a", "B is better": "b", "Tie": "tie", None: "skip"}
+    assert sorted(x["label"] for x in labels) == sorted(as_label[c] for c in clicks)
+    assert len({(x["pair_id"], x["annotator"]) for x in labels}) == len(labels)  # nothing collected twice
+
+    ok("git", "add", "data/feedback")
+    ok("git", "commit", "-qm", "labels of round 1")
+    repro = ok("dvc", "repro", "reward_model")  # validate and reward_model: what the labels change first
+    assert "Running stage 'validate'" in repro and "Running stage 'reward_model'" in repro, repro[-3000:]
+    labels_md5 = file_md5(repo / "data/feedback/labels.jsonl")
+    assert lock_md5(repo, "validate", "data/feedback/labels.jsonl") == labels_md5 != EMPTY_MD5
+
+    labelled = [json.loads(line) for line in (repo / "data/validated/labelled.jsonl").read_text().splitlines()]
+    decided = {x["pair_id"]: x["label"] for x in labels if x["label"] in ("a", "b")}
+    by_id = {p["pair_id"]: p for p in pairs}
+    assert {r["pair_id"]: r["chosen"] for r in labelled} == {i: by_id[i][f"answer_{s}"] for i, s in decided.items()}
+    report = json.loads(next((repo / "reports/validation").glob("*.json")).read_text())
+    assert "labelled" in json.dumps(report)
+
+    check_mlflow(repo, labelled_md5=file_md5(repo / "data/validated/labelled.jsonl"), decided=len(decided))
+
+
+def succeeding_or_not(repo: Path, step: str):
+    """`python -m tasks.feedback <step>` in the repo, whatever its exit status."""
+    import subprocess
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(repo)}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [sys.executable, "-m", "tasks.feedback", step]
+    return subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+
+
+def check_mlflow(repo: Path, *, labelled_md5: str, decided: int) -> None:
+    """The reward model's run took the labelled pairs (its dataset input carries their md5); collect logged the
+    human win rate."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{repo}/mlflow.db")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    rm = next(r for r in runs if r.info.run_name == "reward_model" and r.data.metrics.get("rm/labelled_pairs"))
+    assert rm.data.metrics["rm/labelled_pairs"] == decided
+    digests = {d.dataset.name: d.dataset.digest for d in rm.inputs.dataset_inputs}
+    assert digests["preferences-labelled"] == labelled_md5
+    collect = [r for r in runs if r.info.run_name == "feedback_collect" and r.info.status == "FINISHED"]
+    assert any("feedback/human_win_rate_vs_sft" in r.data.metrics for r in collect)
