@@ -105,7 +105,10 @@ def test_killed_ppo_stage_resumes_and_ends_like_an_uninterrupted_run(tmp_path, s
     assert list(resumed["step"]) == list(range(1, STEPS + 1))
     columns = [c for c in uninterrupted.columns if not c.startswith("time/")]
     pd.testing.assert_frame_equal(resumed[columns], uninterrupted[columns], rtol=1e-4, atol=1e-6)
-    assert uninterrupted["ppo/score_mean"].iloc[-4:].mean() > uninterrupted["ppo/score_mean"].iloc[:4].mean()
+    # it learns: the second half's mean score above the first half's (halves of 12 batches: a batch of 8 tiny-model
+    # answers scores within about +-0.08 of its trend, and 4 batches a side were a coin flip on some CPUs)
+    half = STEPS // 2
+    assert uninterrupted["ppo/score_mean"].iloc[half:].mean() > uninterrupted["ppo/score_mean"].iloc[:half].mean()
 
     # the resumed run's MLflow curves are complete and say where it resumed
     client = mlflow.MlflowClient(f"sqlite:///{killed_root}/mlflow.db")
