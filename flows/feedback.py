@@ -9,14 +9,17 @@ loses no label: pairs and labels are appended by id.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from prefect import flow
 
 from flows.pipeline import run_pipeline, with_overrides
-from rlhflow.config.params import Config, add_overrides_argument
+from rlhflow.config.params import Config, parse_config_args
 from rlhflow.data.feedback import FeedbackError
 from rlhfops import tracking
+from rlhfops.labeling import LabelingError
+from rlhfops.temporary_server import start_temporary_server
 from tasks.feedback import feedback_task
 
 RETRAIN = ["validate", "reward_model", "judge", "sft_answers", "ppo", "evaluate"]
@@ -62,35 +65,39 @@ def feedback_round(
             feedback_task.with_options(name="feedback_sample")("sample", cfg, run_id)
         feedback_task.with_options(name="feedback_send")("send", cfg, run_id)
         metrics = wait_for_labels(cfg, run_id, wait_minutes, poll_seconds)
-    waiting = int(metrics["feedback/pairs_waiting"])
-    if waiting and not partial:
-        raise FeedbackError(
-            f"{waiting} pair(s) still wait for a label in Label Studio project {cfg.feedback.project!r}: rerun the "
-            "round when they are labelled (no pair is sent twice, no label is lost), or pass --partial"
-        )
-    if retrain:
-        metrics |= run_pipeline(cfg, RETRAIN, parent_run=run_id)
+        waiting = int(metrics["feedback/pairs_waiting"])
+        if waiting and not partial:  # the round's run ends FAILED, with this message as its error tag
+            raise FeedbackError(
+                f"{waiting} pair(s) still wait for a label in Label Studio project {cfg.feedback.project!r}: rerun "
+                "the round when they are labelled (no pair is sent twice, no label is lost), or pass --partial"
+            )
+        if retrain:
+            metrics |= run_pipeline(cfg, RETRAIN, parent_run=run_id)
     return metrics
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--no-sample", action="store_true", help="send and collect the pairs already sampled")
-    parser.add_argument("--wait-minutes", type=float, default=0.0, help="how long to wait for every label")
-    parser.add_argument("--poll-seconds", type=float, default=30.0, help="how often to collect while waiting")
-    parser.add_argument("--partial", action="store_true", help="retrain even when some pairs wait for a label")
-    parser.add_argument("--no-retrain", action="store_true", help="stop after collecting the labels")
-    add_overrides_argument(parser, "override one params.yaml value for this round (repeatable)")
-    args = parser.parse_args(argv)
-    feedback_round(
-        overrides=args.overrides,
-        sample=not args.no_sample,
-        wait_minutes=args.wait_minutes,
-        poll_seconds=args.poll_seconds,
-        partial=args.partial,
-        retrain=not args.no_retrain,
-    )
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--no-sample", action="store_true", help="send and collect the pairs already sampled")
+    own.add_argument("--wait-minutes", type=float, default=0.0, help="how long to wait for every label")
+    own.add_argument("--poll-seconds", type=float, default=30.0, help="how often to collect while waiting")
+    own.add_argument("--partial", action="store_true", help="retrain even when some pairs wait for a label")
+    own.add_argument("--no-retrain", action="store_true", help="stop after collecting the labels")
+    description = "One round of human feedback: sample, send, wait for and collect labels, retrain (docs/feedback.md)."
+    cfg, args = parse_config_args(argv, description, parents=(own,))
+    start_temporary_server()
+    try:
+        feedback_round(
+            config=cfg,
+            sample=not args.no_sample,
+            wait_minutes=args.wait_minutes,
+            poll_seconds=args.poll_seconds,
+            partial=args.partial,
+            retrain=not args.no_retrain,
+        )
+    except (FeedbackError, LabelingError) as err:  # a clear message, not a traceback
+        sys.exit(f"\nfeedback round stopped: {err}")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -27,6 +27,7 @@ import mlflow
 from prefect import serve
 from prefect.types.entrypoint import EntrypointType
 
+from flows.feedback import feedback_round
 from flows.pipeline import ensure_training_limit, rlhf_pipeline
 from flows.report import MODEL_TRAINING_VIEW
 from flows.restore import restore_run
@@ -71,6 +72,14 @@ def deployments() -> list:
             name="sweep",
             **common,
             description="A grid of pipeline runs and the reward-KL frontier against best-of-n from the SFT model.",
+        )
+    )
+    served.append(
+        with_form_defaults(feedback_round, params).to_deployment(
+            name="feedback",
+            **common,
+            description="A round of human feedback: sample pairs, send them to Label Studio, wait for and collect "
+            "the labels, retrain on them (docs/feedback.md; $LABEL_STUDIO_API_KEY in the worker's environment).",
         )
     )
     served.append(

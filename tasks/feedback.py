@@ -150,7 +150,7 @@ def ai_label(cfg: Config) -> dict[str, float]:
         return {"feedback/ai_labels_added": 0.0}
     judge = load_evaluation_judge(cfg, pick_device(cfg.device))
     verdicts = judge_pairs(judge, todo)
-    annotator = "judge:" + ":".join(str(v) for k, v in judge.describe().items() if k in ("kind", "model") and v)
+    annotator = f"judge:{judge.kind}:{judge.basis_md5()[:12]}"  # the judge's kind and what it judges by
     now = datetime.now(timezone.utc).isoformat()
     side = {1.0: "a", 0.0: "b"}  # a split verdict (0.5) is a tie
     labels = [

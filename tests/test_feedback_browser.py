@@ -134,10 +134,12 @@ def test_labels_clicked_in_label_studio_retrain_the_reward_model(tmp_path, tiny_
                 label_next(page, choice, comment="clearer" if choice == "B is better" else "")
             half = ok(sys.executable, "-m", "tasks.feedback", "collect")
             assert "feedback/pairs_waiting                   1.0000" in half, half
+            stopped = run_module(repo, "flows.feedback", "--no-sample", "--no-retrain")  # the round waits for all
+            assert stopped.returncode == 1 and "1 pair(s) still wait for a label" in stopped.stderr, stopped.stderr
 
             forged = forge_label(server, project)  # a label for a pair the pipeline never sent: refused, nothing lost
             before = (repo / "data/feedback/labels.jsonl").read_text()
-            res = succeeding_or_not(repo, "collect")
+            res = run_module(repo, "tasks.feedback", "collect")
             assert res.returncode == 1 and "'forged' was never sent" in res.stderr, res.stderr[-2000:]
             assert (repo / "data/feedback/labels.jsonl").read_text() == before
             server.request("DELETE", f"/api/tasks/{forged}/")
@@ -148,9 +150,8 @@ def test_labels_clicked_in_label_studio_retrain_the_reward_model(tmp_path, tiny_
             page.wait_for_timeout(3000)
             shoot(page, "labelled")
             browser.close()
-        done = ok(sys.executable, "-m", "tasks.feedback", "collect")
-        assert "feedback/pairs_waiting                   0.0000" in done, done
-    down = succeeding_or_not(repo, "collect")  # the tool is down: a clear error, nothing written
+        ok(sys.executable, "-m", "flows.feedback", "--no-sample", "--no-retrain")  # the round: every pair labelled
+    down = run_module(repo, "tasks.feedback", "collect")  # the tool is down: a clear error, nothing written
     assert down.returncode == 1 and "is not reachable" in down.stderr, down.stderr[-2000:]
 
     labels = read_records(repo / "data/feedback/labels.jsonl", LABEL_FIELDS)
@@ -174,14 +175,23 @@ def test_labels_clicked_in_label_studio_retrain_the_reward_model(tmp_path, tiny_
 
     check_mlflow(repo, labelled_md5=file_md5(repo / "data/validated/labelled.jsonl"), decided=len(decided))
 
+    # the judge labels the same pairs (RLAIF) through the same file, marked as such, each pair once
+    assert f"feedback/ai_labels_added                 {len(pairs)}.0000" in ok(
+        sys.executable, "-m", "tasks.feedback", "ai_label"
+    )
+    assert "feedback/ai_labels_added                 0.0000" in ok(sys.executable, "-m", "tasks.feedback", "ai_label")
+    ai = [x for x in read_records(repo / "data/feedback/labels.jsonl", LABEL_FIELDS) if x["source"] == "ai"]
+    assert {x["pair_id"] for x in ai} == set(by_id) and len({x["annotator"] for x in ai}) == 1
+    assert ai[0]["annotator"].startswith("judge:trained:")
 
-def succeeding_or_not(repo: Path, step: str):
-    """`python -m tasks.feedback <step>` in the repo, whatever its exit status."""
+
+def run_module(repo: Path, module: str, *args: str):
+    """`python -m <module> <args>` in the repo, whatever its exit status."""
     import subprocess
 
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(repo)}
     env.pop("MLFLOW_TRACKING_URI", None)
-    cmd = [sys.executable, "-m", "tasks.feedback", step]
+    cmd = [sys.executable, "-m", module, *args]
     return subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -196,5 +206,10 @@ def check_mlflow(repo: Path, *, labelled_md5: str, decided: int) -> None:
     assert rm.data.metrics["rm/labelled_pairs"] == decided
     digests = {d.dataset.name: d.dataset.digest for d in rm.inputs.dataset_inputs}
     assert digests["preferences-labelled"] == labelled_md5
-    collect = [r for r in runs if r.info.run_name == "feedback_collect" and r.info.status == "FINISHED"]
-    assert any("feedback/human_win_rate_vs_sft" in r.data.metrics for r in collect)
+    rounds = [r for r in runs if r.info.run_name == "feedback_round" and r.info.status == "FINISHED"]
+    assert len(rounds) == 1, [r.info.run_name for r in runs]
+    steps = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == rounds[0].info.run_id]
+    assert sorted(r.info.run_name for r in steps) == ["feedback_collect", "feedback_send"]  # --no-sample
+    collect = next(r for r in steps if r.info.run_name == "feedback_collect")
+    assert collect.data.metrics["feedback/pairs_waiting"] == 0
+    assert "feedback/human_win_rate_vs_sft" in collect.data.metrics
