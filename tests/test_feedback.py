@@ -127,7 +127,9 @@ def test_people_as_the_judge_win_rate_and_the_instruments_agreement():
     for p, v in zip(pairs, verdicts):
         other = "b" if p["policy_side"] == "a" else "a"
         labels.append(label(p["pair_id"], {"policy": p["policy_side"], "sft": other, "tie": "tie"}[v]))
-    judged = judged_pairs(pairs, labels)
+    sft_side = {p["pair_id"]: "b" if p["policy_side"] == "a" else "a" for p in pairs}
+    ai = [label(i, side, who="judge:llm:0", source="ai") for i, side in sft_side.items()]  # not the people's
+    judged = judged_pairs(pairs, labels + ai)
     metrics = human_win_metrics(judged)
     assert metrics["feedback/human_win_rate_vs_sft"] == pytest.approx((45 + 2.5) / 60)
     assert metrics["feedback/human_win_rate_ci_low"] < metrics["feedback/human_win_rate_vs_sft"]

@@ -23,8 +23,9 @@ HUMAN_WIN_KEYS = WinKeys(
 
 
 def judged_pairs(pairs: Sequence[dict], labels: Sequence[dict]) -> list[tuple[dict, str]]:
-    """The pairs people settled as a side or a tie (skips and conflicts left out), with what they settled."""
-    outcome = settled(labels)
+    """The pairs people settled as a side or a tie (skips and conflicts left out), with what they settled. Only
+    people's labels count here: an AI label (source `ai`) is the judge's, which this measures against them."""
+    outcome = settled([x for x in labels if x["source"] == "human"])
     return [(p, outcome[p["pair_id"]]) for p in pairs if outcome.get(p["pair_id"]) in ("a", "b", "tie")]
 
 
