@@ -4,7 +4,8 @@ tiny models: the labels become a new version of feedback.labels_file in dvc.lock
 the reward model trains on them (MLflow records the dataset with its md5), and the human win rate is logged.
 Half-finished sessions, forged labels and a tool that is down are checked on the way.
 
-Screenshots land in test-artifacts/feedback/; with UPDATE_DOCS_SCREENSHOTS=1 they also replace docs/img/feedback_*.png.
+Screenshots land in test-artifacts/feedback/; with UPDATE_DOCS_SCREENSHOTS=1 the project's page also replaces
+docs/img/feedback_labelled.png.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ ARTIFACTS = REPO / "test-artifacts" / "feedback"
 EMPTY_MD5 = "d41d8cd98f00b204e9800998ecf8427e"
 
 
-def shoot(page, name: str) -> None:
+def shoot(page, name: str, docs: bool = False) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
-    if os.environ.get("UPDATE_DOCS_SCREENSHOTS") == "1":
+    if docs and os.environ.get("UPDATE_DOCS_SCREENSHOTS") == "1":
         shutil.copy(ARTIFACTS / f"{name}.png", REPO / "docs" / "img" / f"feedback_{name}.png")
 
 
@@ -148,7 +149,7 @@ def test_labels_clicked_in_label_studio_retrain_the_reward_model(tmp_path, tiny_
             label_next(page, clicks[-1])
             page.goto(f"{server.url}/projects/{project}/data")
             page.wait_for_timeout(3000)
-            shoot(page, "labelled")
+            shoot(page, "labelled", docs=True)
             browser.close()
         ok(sys.executable, "-m", "flows.feedback", "--no-sample", "--no-retrain")  # the round: every pair labelled
     down = run_module(repo, "tasks.feedback", "collect")  # the tool is down: a clear error, nothing written
