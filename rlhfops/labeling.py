@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlhflow.config.params import REPO_ROOT
+from rlhfops.stack import http_ok, wait_until
 from rlhfops.stack_access import write_private
 
 HOST = "127.0.0.1"
@@ -182,18 +183,6 @@ def server_env(root: Path, made: dict[str, str]) -> dict[str, str]:
     }
 
 
-def wait_until_up(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise LabelingError(f"Label Studio exited with status {proc.returncode}:\n{log.read_text()[-3000:]}")
-        with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-            if response.status == 200:
-                return
-        time.sleep(1)
-    raise LabelingError(f"Label Studio did not answer within {timeout:.0f} s (log: {log})")
-
-
 @contextlib.contextmanager
 def label_studio(root: Path, port: int, venv: Path = LABEL_VENV, timeout: float = 300) -> Iterator[LabelStudio]:
     """A Label Studio server on 127.0.0.1:`port` with its data in `root`, stopped on exit."""
@@ -209,7 +198,7 @@ def label_studio(root: Path, port: int, venv: Path = LABEL_VENV, timeout: float 
         proc = subprocess.Popen(cmd, env=server_env(root, made), stdout=out, stderr=subprocess.STDOUT)
     url = f"http://{HOST}:{port}"
     try:
-        wait_until_up(url, proc, log, timeout)
+        wait_until("Label Studio", lambda: http_ok(f"{url}/health"), timeout, proc, log, error=LabelingError)
         yield LabelStudio(url, made["token"])
     finally:
         proc.terminate()

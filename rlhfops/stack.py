@@ -79,20 +79,28 @@ def free_port(grpc_offset: int = 0) -> int:
     raise StackError("no free port pair found")
 
 
-def _wait(what: str, check, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+def wait_until(
+    what: str,
+    check,
+    timeout: float,
+    proc: subprocess.Popen | None = None,
+    log: Path | None = None,
+    error: type[Exception] = StackError,
+) -> None:
+    """Poll `check` until it is true; `error` (with the log's tail) if `proc` exits first or `timeout` passes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
-            raise StackError(f"{what} exited with status {proc.returncode} while starting:\n{tail}")
+            raise error(f"{what} exited with status {proc.returncode} while starting:\n{tail}")
         with contextlib.suppress(Exception):
             if check():
                 return
         time.sleep(0.5)
-    raise StackError(f"{what} did not answer within {timeout:.0f} s (log: {log})")
+    raise error(f"{what} did not answer within {timeout:.0f} s (log: {log})")
 
 
-def _http_ok(url: str) -> bool:
+def http_ok(url: str) -> bool:
     with urllib.request.urlopen(url, timeout=2) as response:
         return response.status == 200
 
@@ -300,7 +308,7 @@ class Stack:
         config = write_private(self.root / "s3.json", json.dumps(s3_identities(self.access_key, self.secret_key)))
         (self.root / "s3").mkdir(exist_ok=True)
         log = self._spawn("s3", self.s3_command(config), self._env())
-        _wait("SeaweedFS S3", self._make_buckets, 90, self.procs["s3"], log)
+        wait_until("SeaweedFS S3", self._make_buckets, 90, self.procs["s3"], log)
 
     def s3_command(self, config: Path) -> list[str]:
         p = self.ports
@@ -335,7 +343,7 @@ class Stack:
     def start_mlflow(self) -> None:
         env = self._env({"MLFLOW_S3_ENDPOINT_URL": self.s3_url, "PGPASSWORD": self.pg_password})
         log = self._spawn("mlflow", self.mlflow_command(), env)
-        _wait("MLflow server", lambda: _http_ok(self.mlflow_url + "/health"), 180, self.procs["mlflow"], log)
+        wait_until("MLflow server", lambda: http_ok(self.mlflow_url + "/health"), 180, self.procs["mlflow"], log)
 
     def mlflow_command(self) -> list[str]:
         return [
@@ -355,7 +363,7 @@ class Stack:
         )
         env.pop("PREFECT_API_URL")  # the server's own process is no client (its services keep the auth string)
         log = self._spawn("prefect", self.prefect_command(), env)
-        _wait("Prefect server", lambda: self.prefect_get("/health") is not None, 180, self.procs["prefect"], log)
+        wait_until("Prefect server", lambda: self.prefect_get("/health") is not None, 180, self.procs["prefect"], log)
 
     def prefect_command(self) -> list[str]:
         return [
@@ -397,7 +405,9 @@ class Stack:
         )
         for process, queue in ((name, QUEUES[0]), (f"{name}-light", QUEUES[1])):
             log = self._spawn(process, self.worker_command(process, queue), env, cwd=clone)
-            _wait(f"Prefect worker {process}", lambda p=process: self._worker_online(p), 180, self.procs[process], log)
+            wait_until(
+                f"Prefect worker {process}", lambda p=process: self._worker_online(p), 180, self.procs[process], log
+            )
 
     def worker_command(self, name: str, queue: str) -> list[str]:
         limit = ["--limit", "1"] if queue == QUEUES[0] else []
@@ -519,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         stack.access_key, stack.secret_key = os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"]
         stack.ports["s3"] = int(url.rstrip("/").rsplit(":", 1)[1])
         stack.s3_host = url.rsplit(":", 1)[0].split("//", 1)[1]
-        _wait("S3", stack._make_buckets, 120)
+        wait_until("S3", stack._make_buckets, 120)
         return 0
     if args.command == "pool":  # on the server and with the auth string of the environment
         create_pool({**os.environ, "PYTHONPATH": str(REPO_ROOT)}, REPO_ROOT)

@@ -41,8 +41,6 @@ from rlhfops import registry, tracking
 from rlhfops.labeling import LabelingError, LabelStudio, read_labels
 from tasks.evaluation_setup import evaluation_sampling, load_evaluation_judge, load_language_model
 
-STEPS = ("sample", "send", "collect", "ai_label")
-
 
 def policy_run_id(cfg: Config) -> str:
     """The MLflow run that registered the policy in ppo.out_dir (by its weights' md5), else `unregistered:<md5>`."""
@@ -181,8 +179,8 @@ def feedback_task(step: str, cfg: Config, parent_run_id: str | None = None) -> d
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in STEPS:
-        sys.exit(f"usage: python -m tasks.feedback {{{','.join(STEPS)}}} [--set key=value ...]")
+    if not argv or argv[0] not in BODIES:
+        sys.exit(f"usage: python -m tasks.feedback {{{','.join(BODIES)}}} [--set key=value ...]")
     cfg, _ = parse_config_args(argv[1:], f"feedback step {argv[0]}: {BODIES[argv[0]].__doc__.splitlines()[0]}")
     try:
         metrics = run_step(argv[0], cfg)
