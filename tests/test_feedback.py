@@ -71,6 +71,26 @@ def test_appending_keeps_every_row_adds_each_once_and_survives_a_restart(tmp_pat
     assert len(read_records(labels, LABEL_FIELDS)) == 2
 
 
+def _append_one_by_one(path: str, start: int, together) -> None:
+    together.wait()  # both processes start appending at once
+    for i in range(start, start + 150):
+        append_records(path, [label(f"p{i}", "a")], key=label_key)
+
+
+def test_two_processes_appending_at_once_lose_nothing(tmp_path):
+    import multiprocessing
+
+    path, ctx = str(tmp_path / "labels.jsonl"), multiprocessing.get_context("spawn")
+    together = ctx.Barrier(2)
+    procs = [ctx.Process(target=_append_one_by_one, args=(path, s, together)) for s in (0, 150)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    assert sorted(x["pair_id"] for x in read_records(path, LABEL_FIELDS)) == sorted(f"p{i}" for i in range(300))
+
+
 def test_unreadable_rows_and_foreign_labels_are_named(tmp_path):
     path = tmp_path / "labels.jsonl"
     path.write_text(json.dumps(label("p", "a")) + "\nnot json\n" + json.dumps({"pair_id": "p"}) + "\n")

@@ -11,11 +11,13 @@ left out.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -102,22 +104,37 @@ def label_key(label: dict) -> tuple[str, str, str, str]:
     return label["pair_id"], str(label["annotator"]), label["source"], str(label["labelled_at"])
 
 
+@contextlib.contextmanager
+def directory_lock(directory: Path) -> Iterator[None]:
+    """An exclusive flock on `directory` itself (its inode stays while the files in it are replaced), released when
+    the block ends or the process dies."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def append_records(path: str | os.PathLike, records: Iterable[dict], key) -> int:
     """Append the records whose `key` the file does not hold yet, rewriting the file atomically (a crash leaves
-    the old file whole); returns how many were added. Existing rows are kept as they are."""
+    the old file whole); returns how many were added. Existing rows are kept as they are, and two processes that
+    append at once (two collects, a sample beside a collect) each see the other's rows: the read and the write
+    hold the directory's lock."""
     path = Path(path)
-    existing = path.read_text(encoding="utf-8") if path.exists() else ""
-    held = {key(r) for r in (json.loads(line) for line in existing.splitlines() if line.strip())}
-    added = []
-    for record in records:
-        if key(record) not in held:
-            held.add(key(record))
-            added.append(json.dumps(record, ensure_ascii=False, sort_keys=True))
-    if added:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        text = existing if not existing or existing.endswith("\n") else existing + "\n"
-        with atomic_file(path) as f:
-            f.write(text + "\n".join(added) + "\n")
+    with directory_lock(path.parent):
+        existing = path.read_text(encoding="utf-8") if path.exists() else ""
+        held = {key(r) for r in (json.loads(line) for line in existing.splitlines() if line.strip())}
+        added = []
+        for record in records:
+            if key(record) not in held:
+                held.add(key(record))
+                added.append(json.dumps(record, ensure_ascii=False, sort_keys=True))
+        if added:
+            text = existing if not existing or existing.endswith("\n") else existing + "\n"
+            with atomic_file(path) as f:
+                f.write(text + "\n".join(added) + "\n")
     return len(added)
 
 
@@ -191,8 +208,3 @@ def labelled_preferences(pairs: Sequence[dict], labels: Sequence[dict]) -> tuple
     counts |= {"pairs_sent": float(len(pairs)), "labels": float(len(labels)), "labelled_pairs": float(len(rows))}
     counts["unlabelled"] = float(len({p["pair_id"] for p in pairs} - set(outcome)))
     return pd.DataFrame(rows), counts
-
-
-def conflicts(labels: Sequence[dict]) -> list[str]:
-    """The pairs whose labels name both sides."""
-    return sorted(pair for pair, side in settled(labels).items() if side == "conflict")
