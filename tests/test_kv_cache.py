@@ -7,7 +7,7 @@ import torch
 from rlhflow.models import decoding
 from rlhflow.models.decoding import logits_processors, sample_dropping_finished
 from rlhflow.models.generation import generate
-from rlhflow.models.kv_cache import PreallocatedLayer, new_kv_cache
+from rlhflow.models.kv_cache import PreallocatedLayer, compile_config, compiled_rows, new_kv_cache, static_capacity
 from rlhflow.models.policy import encode_prompts
 from tests.fixtures import varied_tiny_llama
 
@@ -62,14 +62,17 @@ def test_generate_samples_the_same_tokens_and_logits_with_either_cache(tok, mode
     assert torch.equal(outs["dynamic"].logits, outs["preallocated"].logits)
 
 
-def _sample(model, tok, ids, mask, *, stop_ids, kv_cache):
+def _sample(model, tok, ids, mask, *, stop_ids, kv_cache, greedy=False):
+    """The decoder's answers at seed 11: sampled at temperature 0.7, 24 tokens; greedy (top-k 1): 16 tokens."""
     torch.manual_seed(11)
-    processors = logits_processors(temperature=0.7, top_k=0, top_p=1.0, repetition_penalty=1.0)
+    processors = logits_processors(
+        temperature=1.0 if greedy else 0.7, top_k=int(greedy), top_p=1.0, repetition_penalty=1.0
+    )
     got, _ = sample_dropping_finished(
         model,
         ids,
         mask,
-        max_new_tokens=24,
+        max_new_tokens=16 if greedy else 24,
         processors=processors,
         stop_ids=stop_ids,
         pad_id=tok.pad_token_id,
@@ -98,3 +101,52 @@ def test_the_decoder_samples_the_same_tokens_with_either_cache(tok, model, monke
     lengths = {(row[ids.shape[1] :] != tok.pad_token_id).sum().item() for row in got["dynamic"]}
     assert len(lengths) >= 3  # rows ended at different steps, or ran to the limit
     assert torch.equal(got["dynamic"], got["preallocated"])
+
+
+def _stop_token_for_varied_lengths(model, tok, ids, mask) -> int:
+    free = _sample(model, tok, ids, mask, stop_ids=[], kv_cache="preallocated", greedy=True)
+    return _a_token_rows_first_draw_at_different_steps(free[:, ids.shape[1] :])
+
+
+def _graphs_compiled() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.slow
+def test_the_compiled_decoder_draws_the_eager_tokens_when_greedy(tok, model):
+    """The decode step under torch.compile (inductor) on a StaticCache, 6 rows in a batch of 8 that shrinks to 4,
+    2 and 1 as rows end: the same greedy tokens as the eager decoder."""
+    ids, mask = encode_prompts(tok, (PROMPTS * 2)[:6], 32)
+    stop = _stop_token_for_varied_lengths(model, tok, ids, mask)
+    eager = _sample(model, tok, ids, mask, stop_ids=[stop], kv_cache="preallocated", greedy=True)
+    before = _graphs_compiled()
+    compiled = _sample(model, tok, ids, mask, stop_ids=[stop], kv_cache="compiled", greedy=True)
+    assert _graphs_compiled() > before  # the step ran compiled, not eager
+    lengths = {(row[ids.shape[1] :] != tok.pad_token_id).sum().item() for row in eager}
+    assert len(lengths) >= 3
+    assert torch.equal(eager, compiled)
+
+
+@pytest.mark.slow
+def test_transformers_generate_compiles_with_the_compiled_cache(tok, model):
+    """PPO's rollouts (transformers' generate, keeping the sampling pass's logits): the same greedy tokens and
+    close logits with the step compiled."""
+    ids, mask = encode_prompts(tok, PROMPTS, 32)
+    torch._dynamo.reset()  # nothing compiled by the test before
+    outs = {
+        kind: generate(
+            model, tok, ids, mask, max_new_tokens=10, top_k=1, generator_seed=3, return_logits=True, kv_cache=kind
+        )
+        for kind in ("preallocated", "compiled")
+    }
+    assert _graphs_compiled() > 0
+    assert torch.equal(outs["preallocated"].query_response, outs["compiled"].query_response)
+    torch.testing.assert_close(outs["preallocated"].logits, outs["compiled"].logits, rtol=1e-4, atol=1e-4)
+
+
+def test_the_compiled_shapes_come_in_a_few_sizes_and_cuda_uses_graphs():
+    assert [compiled_rows(n) for n in (1, 2, 3, 5, 48)] == [1, 2, 4, 8, 64]
+    assert [static_capacity(n) for n in (1, 64, 65, 230)] == [64, 64, 128, 256]
+    assert compile_config(torch.device("cuda")).mode == "reduce-overhead"  # CUDA graphs
+    assert compile_config(torch.device("cpu")).mode is None
+    assert compile_config(torch.device("cpu"))._compile_all_devices  # transformers compiles on a CPU only when told

@@ -48,11 +48,13 @@ class PPOConfig(Section):
     max_new_tokens: int = Field(48, ge=1)
     max_prompt_length: int = Field(192, ge=1)
     stop_strings: list[str] = Field(default_factory=list, description="extra stop strings besides EOS")
-    kv_cache: Literal["preallocated", "dynamic"] = Field(
+    kv_cache: Literal["preallocated", "dynamic", "compiled"] = Field(
         "preallocated",
         description="the KV cache of every sampling pass (PPO's rollouts, the SFT samples, the evaluation): "
         "preallocated: written in place into buffers sized for prompt and answer (rlhflow.models.kv_cache); "
-        "dynamic: transformers' DynamicCache, which copies the whole cache at every decode step",
+        "dynamic: transformers' DynamicCache, which copies the whole cache at every decode step; compiled: "
+        "transformers' StaticCache with the decode step under torch.compile (CUDA graphs on a GPU), rows and "
+        "positions rounded up so it compiles a few times per run (slower than preallocated on a CPU)",
     )
     rollout_logprobs: Literal["auto", "generation", "forward"] = Field(
         "auto",

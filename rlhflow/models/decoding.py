@@ -24,7 +24,7 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 
-from rlhflow.models.kv_cache import KVCache, new_kv_cache
+from rlhflow.models.kv_cache import KVCache, compile_config, compiled_rows, new_kv_cache, select_static_rows
 
 # evict ended rows once they are this share of the rows in the batch: each eviction copies the KV cache once
 EVICT_SHARE = 0.25
@@ -90,7 +90,7 @@ DRAWS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 def _prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: Cache):
     """The prompts' forward pass, filling `cache`; the LM head on the last position only where the model can."""
-    positions = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    positions = (attention_mask[:, : input_ids.shape[1]].long().cumsum(dim=1) - 1).clamp(min=0)
     prefill = dict(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -99,9 +99,97 @@ def _prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
         use_cache=True,
     )
     try:
-        return model(**prefill, logits_to_keep=1)
+        return model(**prefill, logits_to_keep=1).logits[:, -1, :]
     except TypeError:  # a model without `logits_to_keep`
-        return model(**prefill)
+        return model(**prefill).logits[:, -1, :]
+
+
+class _EagerSteps:
+    """Decode steps in eager mode on a cache that shrinks with the batch: ended rows leave once they are
+    EVICT_SHARE of it."""
+
+    def __init__(self, model: nn.Module, kind: KVCache, capacity: int):
+        self.model, self.cache = model, new_kv_cache(kind, capacity)
+
+    def rows(self, batch: int) -> int:
+        return batch
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return _prefill(self.model, input_ids, attention_mask, self.cache)
+
+    def keep(self, done: torch.Tensor) -> torch.Tensor | None:
+        """The rows to go on with, or None to keep the batch as it is."""
+        return (~done).nonzero().flatten() if int(done.sum()) >= EVICT_SHARE * len(done) else None
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.cache.batch_select_indices(keep)
+
+    def step(self, seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        positions = mask.long().sum(dim=1, keepdim=True) - 1
+        out = self.model(
+            input_ids=seq[:, -1:],
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        return out.logits[:, -1, :]
+
+
+class _CompiledSteps:
+    """Decode steps under torch.compile on a StaticCache: fixed shapes, so the batch is a power of two
+    (`compiled_rows`; ended rows fill it until the live ones fit in half) and the mask spans the whole cache."""
+
+    def __init__(self, model: nn.Module, capacity: int, device: torch.device):
+        self.model, self.config = model, model.config
+        self.cache = new_kv_cache("compiled", capacity, model.config)
+        self.capacity = self.cache.layers[0].max_cache_len
+        self.forward = model.get_compiled_call(compile_config(device))
+
+    def rows(self, batch: int) -> int:
+        return compiled_rows(batch)
+
+    def _full(self, mask: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(mask, (0, self.capacity - mask.shape[1]))
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return _prefill(self.model, input_ids, self._full(attention_mask), self.cache)
+
+    def keep(self, done: torch.Tensor) -> torch.Tensor | None:
+        live = (~done).nonzero().flatten()
+        rows = compiled_rows(len(live))
+        if rows == len(done):
+            return None
+        return torch.cat([live, done.nonzero().flatten()[: rows - len(live)]])  # ended rows fill the batch
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.cache = select_static_rows(self.cache, keep, self.config)
+
+    def step(self, seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        at = torch.tensor([mask.shape[1] - 1], device=seq.device)
+        positions = mask.long().sum(dim=1, keepdim=True) - 1
+        full = self._full(mask)
+        logits = self.forward(
+            input_ids=seq[:, -1:],
+            attention_mask=full,
+            position_ids=positions,
+            past_key_values=self.cache,
+            cache_position=at,
+            use_cache=True,
+        ).logits
+        return logits[:, -1, :].clone()  # CUDA graphs reuse their output buffer at the next step
+
+
+def _fill_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: int):
+    """The batch padded to `rows` rows with copies of its first row, and which rows are such copies."""
+    extra = rows - input_ids.shape[0]
+    filler = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
+    filler[rows - extra :] = True
+    return (
+        torch.cat([input_ids, input_ids[:1].expand(extra, -1)]),
+        torch.cat([attention_mask, attention_mask[:1].expand(extra, -1)]),
+        filler,
+    )
 
 
 @torch.no_grad()
@@ -124,22 +212,25 @@ def sample_dropping_finished(
     row's length; like `generate(...).sequences`) and, per row, the number of tokens generated when
     `stop_criterion` (e.g. transformers' StopStringCriteria) stopped it, or None. A row ends on a token of
     `stop_ids` (kept) or when `stop_criterion` fires. `draw` picks one token per row from the processed
-    probabilities (`multinomial_draw`: generate's own draws); `kv_cache` names the cache (rlhflow.models.kv_cache)."""
+    probabilities (`multinomial_draw`: generate's own draws); `kv_cache` names the cache (rlhflow.models.kv_cache);
+    "compiled" draws other tokens than the others at one seed (its batch holds extra rows), the same when greedy."""
     B, P = input_ids.shape
     device = input_ids.device
+    steps = (
+        _CompiledSteps(model, P + max_new_tokens, device)
+        if kv_cache == "compiled"
+        else _EagerSteps(model, kv_cache, P + max_new_tokens)
+    )
+    seq, mask, done = _fill_rows(input_ids, attention_mask, steps.rows(B))
     stop_ids_t = torch.tensor(list(stop_ids), device=device, dtype=torch.long)
-    sampled = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    stopped_after: list[int | None] = [None] * B
-    rows = torch.arange(B, device=device)  # each batch row's index in the caller's batch
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    seq, mask = input_ids, attention_mask
-    cache = new_kv_cache(kv_cache, P + max_new_tokens)
-    out = _prefill(model, seq, mask, cache)
+    sampled = torch.full((len(seq), max_new_tokens), pad_id, dtype=torch.long, device=device)
+    stopped_after: list[int | None] = [None] * len(seq)
+    rows = torch.arange(len(seq), device=device)  # each batch row's index in `sampled`
+    logits = steps.prefill(seq, mask)
     generated = 0
     for step in range(max_new_tokens):
-        scores = processors(seq, out.logits[:, -1, :].float())
-        token = draw(torch.softmax(scores, dim=-1))
-        token = token.masked_fill(done, pad_id)
+        scores = processors(seq, logits.float())
+        token = draw(torch.softmax(scores, dim=-1)).masked_fill(done, pad_id)
         sampled[rows, step] = token
         generated = step + 1
         seq = torch.cat([seq, token[:, None]], dim=1)
@@ -153,12 +244,9 @@ def sample_dropping_finished(
         done |= ended
         if bool(done.all()) or step + 1 == max_new_tokens:
             break
-        if int(done.sum()) >= EVICT_SHARE * len(done):
-            keep = (~done).nonzero().flatten()
-            cache.batch_select_indices(keep)
+        keep = steps.keep(done)
+        if keep is not None:
+            steps.select(keep)
             seq, mask, rows, done = seq[keep], mask[keep], rows[keep], done[keep]
-        positions = mask.long().sum(dim=1, keepdim=True) - 1
-        out = model(
-            input_ids=seq[:, -1:], attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
-        )
-    return torch.cat([input_ids, sampled[:, :generated]], dim=1), stopped_after
+        logits = steps.step(seq, mask)
+    return torch.cat([input_ids, sampled[:B, :generated]], dim=1), stopped_after[:B]

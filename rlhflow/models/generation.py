@@ -21,7 +21,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 from transformers.generation import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
 from rlhflow.models.decoding import DRAWS, logits_processors, sample_dropping_finished
-from rlhflow.models.kv_cache import KVCache, new_kv_cache
+from rlhflow.models.kv_cache import KVCache, compile_config, new_kv_cache
 from rlhflow.models.loading import autocast, unwrap_peft
 from rlhflow.models.packed_linear import packed_linears
 
@@ -245,7 +245,8 @@ def _sample_sequences(
     gen_out = None
     with (
         torch.random.fork_rng(devices=cuda, enabled=seed is not None),
-        packed_linears(model, batch_size=input_ids.shape[0], enabled=not mixed),  # the packed kernel is fp32 only
+        # the packed kernel is fp32 and eager only
+        packed_linears(model, batch_size=input_ids.shape[0], enabled=not mixed and how["kv_cache"] != "compiled"),
         _only_generation_config(model, gen_config),
         autocast(input_ids.device, how["compute_dtype"]),
     ):
@@ -271,12 +272,15 @@ def _sample_sequences(
             if stops:
                 stops.stopped_after = stopped
         else:
+            capacity = input_ids.shape[1] + gen_config.max_new_tokens
+            if how["kv_cache"] == "compiled":  # transformers compiles the decode step for a StaticCache
+                gen_config.compile_config = compile_config(input_ids.device)
             gen_out = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 generation_config=gen_config,
                 stopping_criteria=StoppingCriteriaList([stops] if stops else []),
-                past_key_values=new_kv_cache(how["kv_cache"], input_ids.shape[1] + gen_config.max_new_tokens),
+                past_key_values=new_kv_cache(how["kv_cache"], capacity, model.config),
             )
             out = gen_out.sequences
     model.train(was_training)

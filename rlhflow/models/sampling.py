@@ -85,7 +85,8 @@ class Sampling:
     decoder: Literal["drop_finished", "generate"] = "drop_finished"
     # how drop_finished draws each token (rlhflow.models.decoding.DRAWS): the same distribution, different tokens
     draw: Literal["inverse_cdf", "multinomial"] = "inverse_cdf"
-    # written in place or transformers' DynamicCache (rlhflow.models.kv_cache, ppo.kv_cache): the same tokens
+    # rlhflow.models.kv_cache (ppo.kv_cache): preallocated and dynamic draw the same tokens; compiled other
+    # tokens at one seed (its batch holds extra rows), the same when greedy
     kv_cache: KVCache = "preallocated"
 
     def key(self) -> dict:
