@@ -20,17 +20,17 @@ from rlhflow.config.params import Config
 from rlhflow.data.readers import read_jsonl
 from rlhflow.evaluation import report
 from rlhflow.evaluation.compare import EvaluatedModels, PolicyEvaluator
-from rlhflow.evaluation.held_out import REFERENCE_FILE, HeldOutData, held_out_files, load_reference
+from rlhflow.evaluation.held_out import REFERENCE_FILE, HeldOutData, HeldOutPrompts, load_reference
 from rlhflow.evaluation.metrics import saved_held_out_perplexity
 from rlhflow.evaluation.pairs import saved_pair_scores
 from rlhflow.evaluation.settings import EvaluationSettings
-from rlhflow.models.loading import load_causal_lm, pick_device, resolve_precision
+from rlhflow.models.loading import pick_device, resolve_precision
 from rlhfops import promotion, registry
 from rlhfops.hashing import dir_md5, file_md5
 from rlhfops.stage_runner import StageContext, cli, stage_task
 from tasks.evaluation_setup import (
     evaluation_settings,
-    held_out_prompts,
+    held_out_split_files,
     load_evaluation_judge,
     load_language_model,
     load_proxy,
@@ -44,12 +44,13 @@ def load_evaluated_models(cfg: Config) -> EvaluatedModels:
     """The SFT model, the policy, the proxy and the judge, loaded once on the configured device."""
     device = pick_device(cfg.device)
     tokenizer, sft = load_language_model(cfg.path(cfg.sft.out_dir), device)
+    _, policy = load_language_model(cfg.path(cfg.ppo.out_dir), device)  # the same tokenizer as SFT's
     return EvaluatedModels(
         device=device,
         dtype=resolve_precision(cfg.evaluate.precision, device),
         tokenizer=tokenizer,
         sft=sft,
-        policy=load_causal_lm(str(cfg.path(cfg.ppo.out_dir)), pad_token_id=tokenizer.pad_token_id).to(device).eval(),
+        policy=policy,
         rm=load_proxy(cfg.path(cfg.reward_model.out_dir), cfg, device),
         judge=load_evaluation_judge(cfg, device),
     )
@@ -58,10 +59,10 @@ def load_evaluated_models(cfg: Config) -> EvaluatedModels:
 def read_held_out_data(cfg: Config, settings: EvaluationSettings) -> HeldOutData:
     """The held-out prompts with the SFT model's answers to them, the test and dev pairs, and what the sft and
     reward_model stages saved about the test pairs (perplexity, pair scores)."""
-    files = held_out_files(cfg.path(cfg.validate_.out_dir))
-    held_out = held_out_prompts(cfg, settings)
+    files = held_out_split_files(cfg)
+    held_out = HeldOutPrompts.load(files, settings.n_prompts, settings.samples_per_prompt)
     reference_file = cfg.path(cfg.evaluate.reference_dir) / REFERENCE_FILE
-    reference = load_reference(reference_file, sft_answers_key(cfg, settings, held_out))
+    reference = load_reference(reference_file, sft_answers_key(settings, held_out, files, cfg.path(cfg.sft.out_dir)))
     test_file = files["test"]
     sft_dir, rm_dir = str(cfg.path(cfg.sft.out_dir)), cfg.path(cfg.reward_model.out_dir)
     return HeldOutData(

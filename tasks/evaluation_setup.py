@@ -68,18 +68,19 @@ def load_evaluation_judge(cfg: Config, device):
     return load_judge(cfg.judge, cfg.path(cfg.judge.out_dir), batch_size=cfg.judge.eval_batch_size, device=device)
 
 
-def held_out_prompts(cfg: Config, settings: EvaluationSettings) -> HeldOutPrompts:
-    """The evaluation prompts of the held-out splits validate wrote."""
-    files = held_out_files(cfg.path(cfg.validate_.out_dir))
-    return HeldOutPrompts.load(files, settings.n_prompts, settings.samples_per_prompt)
+def held_out_split_files(cfg: Config) -> dict[str, Path]:
+    """The held-out split files validate wrote (rlhflow.evaluation.held_out.held_out_files)."""
+    return held_out_files(cfg.path(cfg.validate_.out_dir))
 
 
-def sft_answers_key(cfg: Config, settings: EvaluationSettings, held_out: HeldOutPrompts) -> dict:
-    """What the sft_answers stage's answers to `held_out` are keyed by (rlhflow.evaluation.held_out.reference_key)."""
-    files = held_out_files(cfg.path(cfg.validate_.out_dir))
+def sft_answers_key(
+    settings: EvaluationSettings, held_out: HeldOutPrompts, files: dict[str, Path], sft_dir: Path
+) -> dict:
+    """What the sft_answers stage's answers to `held_out`, drawn from the split `files`, are keyed by
+    (rlhflow.evaluation.held_out.reference_key)."""
     return reference_key(
         settings,
-        sft_md5=dir_md5(cfg.path(cfg.sft.out_dir)),
+        sft_md5=dir_md5(sft_dir),
         held_out_md5={split: file_md5(path) for split, path in files.items()},
         prompts=held_out.counts,
     )

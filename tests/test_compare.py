@@ -126,5 +126,7 @@ def test_answers_sampled_another_way_are_refused(tmp_path):
     (tmp_path / "answers" / REFERENCE_FILE).write_text(json.dumps(record))
     held_out = HeldOutPrompts.load({"test": test}, None, 1)
     with pytest.raises(ValueError, match="sft_md5") as error:
-        load_reference(tmp_path / "answers" / REFERENCE_FILE, sft_answers_key(cfg, settings, held_out))
+        load_reference(
+            tmp_path / "answers" / REFERENCE_FILE, sft_answers_key(settings, held_out, {"test": test}, tmp_path / "sft")
+        )
     assert "sampling" in str(error.value) and "rerun the sft_answers stage" in str(error.value)
