@@ -150,3 +150,16 @@ def test_the_compiled_shapes_come_in_a_few_sizes_and_cuda_uses_graphs():
     assert compile_config(torch.device("cuda")).mode == "reduce-overhead"  # CUDA graphs
     assert compile_config(torch.device("cpu")).mode is None
     assert compile_config(torch.device("cpu"))._compile_all_devices  # transformers compiles on a CPU only when told
+
+
+@pytest.mark.slow
+def test_ppo_rollouts_with_the_compiled_cache_draw_the_eager_tokens(tok, tmp_path):
+    """One PPO rollout, greedy (top-k 1), with the step compiled and eager: the same responses and old log-probs."""
+    from tests.test_ppo_trainer import make_trainer
+
+    batches = {
+        kind: make_trainer(tok, tmp_path / kind, top_k=1, kv_cache=kind, precision="fp32")._rollout(1)[0]
+        for kind in ("preallocated", "compiled")
+    }
+    assert torch.equal(batches["preallocated"]["query_response"], batches["compiled"]["query_response"])
+    torch.testing.assert_close(batches["preallocated"]["logprobs"], batches["compiled"]["logprobs"])
