@@ -348,3 +348,42 @@ def test_decode_roofline_prints_a_row_per_cache_and_rows(tiny_model_dir, capsys)
     assert shape.flops(3, 10) == 3 * (2 * linear + 4 * c.num_hidden_layers * c.num_attention_heads * head_dim * 10)
     kv = 3 * c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 10 * 4
     assert shape.bytes_read(3, 10, 4) == (linear * 4, kv)
+
+
+def test_decode_roofline_times_the_whole_decoder_per_cache(tiny_model_dir, tmp_path, capsys):
+    """--answers: the evaluation's decoder on the prompts, per KV cache, greedy: the same answers with either eager
+    cache, and a row per cache with both calls' seconds."""
+    import json
+
+    from bench.decode_roofline import main
+
+    prompts = tmp_path / "test.jsonl"
+    rows = [{"prompt_messages": [{"role": "user", "content": text}]} for text in ("hi", "name three colours")]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    main(["--model", str(tiny_model_dir), "--answers", "2", "--prompts", str(prompts), "--precisions", "fp32",
+          "--settings", "preallocated,dynamic", "--threads", "1"])  # fmt: skip
+    table = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [r[:3] for r in table[1:]] == [["| preallocated", "fp32", "2"], ["| dynamic", "fp32", "2"]]
+    assert [r[-1] for r in table[1:]] == ["yes |", "yes |"] and all(float(r[3]) > 0 for r in table[1:])
+
+
+def test_precision_frontier_compares_pairs_by_seed_and_at_equal_kl():
+    """bench.precision_frontier's table from finished runs: each setting's seeds and mean, bf16 - fp32 paired by
+    seed, and the difference at equal KL (here bf16 moves less and scores exactly what its KL predicts: 0)."""
+    from bench.precision_frontier import FIGURES, Point, table
+
+    runs = []
+    for precision, kls in (("fp32", (6.0, 6.5, 7.0)), ("bf16", (5.0, 5.5, 6.5))):
+        for seed, kl in enumerate(kls):
+            metrics = {"eval/kl": kl, "eval/objective_mean": 0.1 * kl, "eval/answer_tokens": 40.0}
+            runs.append(Point(precision, "0.05", seed, cfg=None, metrics=metrics))
+    runs.append(Point("bf16", "0.025", 0, cfg=None))  # not run yet
+    lines = table(runs).splitlines()
+    assert lines[0].split(" | ")[1:] == [
+        "fp32, beta 0.05", "bf16, beta 0.05", "bf16 - fp32, beta 0.05, paired by seed", "bf16 - fp32 at equal KL |"
+    ]  # fmt: skip
+    objective = next(line for line in lines if line.startswith("| test: proxy reward less"))
+    cells = objective.split(" | ")
+    assert cells[1].startswith("0.600, 0.650, 0.700; mean 0.650") and cells[3].startswith("-0.083")
+    assert cells[4].startswith("0.000") or cells[4].startswith("-0.000")
+    assert lines[-1] == "No finished run yet: bf16 beta 0.025 seed 0." and len(FIGURES) == len(lines) - 4

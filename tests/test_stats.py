@@ -170,3 +170,18 @@ def test_the_length_controlled_win_rate_handles_the_edges():
     assert lc.value == pytest.approx(0.5, abs=1e-6) and lc.supported
     lc = length_controlled_win_rate([1.0], [3.0], w[:, :1])
     assert not lc.supported and np.isnan(lc.value)
+
+
+def test_the_difference_at_equal_x_removes_what_x_explains():
+    """Two settings on one line y = 1 + 2 x, the second 0.3 higher: the fit finds 0.3 whatever their x, though the
+    plain difference of means mixes in their different x; noise widens the interval, which holds the truth."""
+    x = np.array([1.0, 2.0, 3.0, 2.0, 3.0, 4.0])
+    second = np.array([False, False, False, True, True, True])
+    y = 1 + 2 * x + 0.3 * second
+    value, low, high = stats.difference_at_equal_x(x, y, second)
+    assert value == pytest.approx(0.3) and low == pytest.approx(0.3) and high == pytest.approx(0.3)
+    assert y[second].mean() - y[~second].mean() == pytest.approx(2.3)
+    noisy = y + np.array([0.05, -0.05, 0.02, -0.02, 0.04, -0.04])
+    value, low, high = stats.difference_at_equal_x(x, noisy, second)
+    assert low < 0.3 < high and high - low > 0
+    assert np.isnan(stats.difference_at_equal_x(x[:3], y[:3], second[:3])[1])  # too few runs for an interval

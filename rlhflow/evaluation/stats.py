@@ -4,7 +4,8 @@
 - `resample_weights` + `percentile_interval`: a paired, conversation-clustered percentile bootstrap; every statistic
   of a comparison uses the same weights, so differences (model minus length rule, challenger minus champion) get
   intervals of their own;
-- `expected_half_width` (planning), `across_seeds` (mean over training seeds, Student-t interval);
+- `expected_half_width` (planning), `across_seeds` (mean over training seeds, Student-t interval),
+  `difference_at_equal_x` (two settings compared at the same KL, over their runs);
 - `shorter_answer_correct`: the length rule; `length_controlled_win_rate`: AlpacaEval 2.0's (arXiv 2404.04475),
   with a check that the data support reading it at zero length difference.
 """
@@ -59,6 +60,24 @@ def across_seeds(values: Sequence[float], confidence: float = CONFIDENCE) -> tup
         return mean, math.nan, math.nan
     half = float(t.ppf(0.5 + confidence / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
     return mean, mean - half, mean + half
+
+
+def difference_at_equal_x(
+    x: Sequence[float], y: Sequence[float], second: Sequence[bool], confidence: float = CONFIDENCE
+) -> tuple[float, float, float]:
+    """How much higher y is for the runs of the second setting than for the first's at the same x (e.g. a figure at
+    equal KL): c in the least-squares fit y = a + b x + c second, with its Student-t interval (n - 3 degrees of
+    freedom; NaN bounds with fewer than four runs). Assumes y is linear in x over the runs' range, with one slope."""
+    design = np.column_stack([np.ones(len(x)), np.asarray(x, float), np.asarray(second, float)])
+    target = np.asarray(y, dtype=float)
+    coef, *_ = np.linalg.lstsq(design, target, rcond=None)
+    freedom = len(target) - 3
+    if freedom < 1:
+        return float(coef[2]), math.nan, math.nan
+    residual = target - design @ coef
+    covariance = residual @ residual / freedom * np.linalg.pinv(design.T @ design)
+    half = float(t.ppf(0.5 + confidence / 2, freedom) * math.sqrt(covariance[2, 2]))
+    return float(coef[2]), float(coef[2]) - half, float(coef[2]) + half
 
 
 def cluster_codes(clusters: Sequence[Hashable], n: int) -> np.ndarray:

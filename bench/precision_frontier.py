@@ -1,0 +1,142 @@
+"""PPO in fp32 and in bf16 on the reward-KL frontier: the default pipeline at each precision, KL weight and training
+seed, compared on KL to SFT, the proxy reward PPO optimises, the judge's reward and the judge's win rates (both
+ended, length-controlled): per seed, as means over seeds, paired by seed, and at equal KL.
+
+    .venv/bin/python -m bench.precision_frontier --seeds 3                  # both precisions at the default beta
+    .venv/bin/python -m bench.precision_frontier --seeds 3 --betas 1,0.5    # and at half the KL weight
+    .venv/bin/python -m bench.precision_frontier --seeds 3 --table-only     # the table from MLflow, nothing run
+
+How it measures: docs/benchmark-methods.md#precision_frontier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+
+from bench.align_compare import _pipeline_runs
+from rlhflow.config.params import Config, add_overrides_argument, load_config
+from rlhflow.evaluation.stats import across_seeds, difference_at_equal_x
+from rlhflow.fsutil import write_text_atomic
+from rlhfops import tracking
+
+PRECISIONS = ("fp32", "bf16")
+REPORT = "reports/precision_frontier.md"
+KL = "eval/kl"
+FIGURES = [  # (row, metric, decimals): the figures PPO optimises first, then the judge's, dev before test
+    ("test: KL to SFT, nats", KL, 2),
+    ("test: proxy reward less the missing-EOS penalty (PPO's objective)", "eval/objective_mean", 3),
+    ("test: proxy reward", "eval/reward_mean", 3),
+    ("test: proxy win rate vs SFT, both ended", "eval/win_rate_both_ended", 3),
+    ("test: judge reward", "eval/judge_reward_mean", 3),
+    ("dev: judge win rate vs SFT, both ended", "dev/judge_win_rate_both_ended", 3),
+    ("test: judge win rate vs SFT, both ended", "eval/judge_win_rate_both_ended", 3),
+    ("dev: judge win rate, length-controlled", "dev/judge_win_rate_lc", 3),
+    ("test: judge win rate, length-controlled", "eval/judge_win_rate_lc", 3),
+    ("test: answers ended", "eval/answers_ended", 3),
+    ("test: answer tokens, mean", "eval/answer_tokens", 0),
+]
+
+
+@dataclass
+class Point:
+    precision: str
+    beta: str
+    seed: int
+    cfg: Config
+    metrics: dict | None = None  # the finished pipeline run's, once found
+
+
+def make_points(overrides: list[str], scales: list[float], seeds: int) -> list[Point]:
+    """Every (precision, beta, seed) as the sweep runs it: seeds seed, seed + 1, ...; beta: the default times each
+    scale."""
+    base = load_config(overrides=overrides)
+    betas = [f"{base.ppo.kl_coef * s:.4g}" for s in scales]
+    points = []
+    for precision in PRECISIONS:
+        for beta in betas:
+            for seed in range(base.seed, base.seed + seeds):
+                extra = [f"ppo.precision={precision}", f"ppo.kl_coef={beta}", f"seed={seed}"]
+                points.append(Point(precision, beta, seed, load_config(overrides=[*overrides, *extra])))
+    return points
+
+
+def find_runs(points: list[Point]) -> None:
+    """Each point's newest finished pipeline run, by its parameters' digest."""
+    digests = {id(p): tracking.params_digest(p.cfg) for p in points}
+    runs = _pipeline_runs(points[0].cfg, set(digests.values()))
+    for p in points:
+        found = runs.get(digests[id(p)])
+        p.metrics = found[0].data.metrics if found else None
+
+
+def _summary(values: list[float], decimals: int) -> str:
+    shown = ", ".join(f"{v:.{decimals}f}" for v in values)
+    if len(values) < 2:
+        return shown
+    mean, low, high = across_seeds(values)
+    return f"{shown}; mean {mean:.{decimals}f} ({low:.{decimals}f} to {high:.{decimals}f})"
+
+
+def _interval(value: tuple[float, float, float], decimals: int) -> str:
+    mean, low, high = value
+    return f"{mean:.{decimals}f} ({low:.{decimals}f} to {high:.{decimals}f})"
+
+
+def table(points: list[Point]) -> str:
+    """Per figure: each (precision, beta)'s value at each seed with the mean and its 95% Student-t interval; bf16 -
+    fp32 paired by seed at each beta; and bf16 - fp32 at equal KL over every run (`difference_at_equal_x`)."""
+    done = [p for p in points if p.metrics is not None]
+    groups = list(dict.fromkeys((p.precision, p.beta) for p in done))
+    betas = [b for b in dict.fromkeys(p.beta for p in done) if ("fp32", b) in groups and ("bf16", b) in groups]
+    head = ["figure", *(f"{precision}, beta {beta}" for precision, beta in groups)]
+    head += [f"bf16 - fp32, beta {beta}, paired by seed" for beta in betas] + ["bf16 - fp32 at equal KL"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    by_key = {(p.precision, p.beta, p.seed): p.metrics for p in done}
+    for row, metric, decimals in FIGURES:
+        cells = [row]
+        for precision, beta in groups:
+            values = [p.metrics.get(metric, math.nan) for p in done if (p.precision, p.beta) == (precision, beta)]
+            cells.append(_summary(values, decimals))
+        for beta in betas:
+            seeds = sorted({s for (pr, b, s) in by_key if b == beta and pr == "fp32" and ("bf16", b, s) in by_key})
+            pairs = [
+                by_key["bf16", beta, s].get(metric, math.nan) - by_key["fp32", beta, s].get(metric, math.nan)
+                for s in seeds
+            ]
+            cells.append(_interval(across_seeds(pairs), decimals) if len(pairs) > 1 else "")
+        if metric == KL:
+            cells.append("")
+        else:
+            x = [p.metrics.get(KL, math.nan) for p in done]
+            y = [p.metrics.get(metric, math.nan) for p in done]
+            cells.append(_interval(difference_at_equal_x(x, y, [p.precision == "bf16" for p in done]), decimals))
+        lines.append("| " + " | ".join(cells) + " |")
+    missing = [f"{p.precision} beta {p.beta} seed {p.seed}" for p in points if p.metrics is None]
+    return "\n".join(lines) + (f"\n\nNo finished run yet: {', '.join(missing)}." if missing else "")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--betas", default="1", help="comma-separated multiples of the default ppo.kl_coef")
+    parser.add_argument("--seeds", type=int, default=3, help="training seeds per point")
+    parser.add_argument("--table-only", action="store_true", help="no runs: the table from MLflow")
+    add_overrides_argument(parser, "params.yaml overrides for every point")
+    args = parser.parse_args(argv)
+    points = make_points(args.overrides, [float(s) for s in args.betas.split(",")], args.seeds)
+    if not args.table_only:
+        from flows.sweep import rlhf_sweep
+
+        grid = {"ppo.precision": list(PRECISIONS), "ppo.kl_coef": list(dict.fromkeys(p.beta for p in points))}
+        base = load_config(overrides=args.overrides)
+        rlhf_sweep(grid=grid, overrides=args.overrides, best_of_n=[], config=base, seeds=args.seeds)
+    find_runs(points)
+    markdown = table(points)
+    write_text_atomic(points[0].cfg.path(REPORT), markdown + "\n")
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
