@@ -22,7 +22,7 @@ KVCache = Literal["preallocated", "dynamic", "compiled"]
 KV_CACHES = get_args(KVCache)
 # a compiled cache's positions are a multiple of this: prompts of other lengths reuse the compiled step
 POSITION_BUCKET = 64
-# torch.compile's backend for the compiled decode step (tests use "eager" to check the bucketing fast)
+# torch.compile's backend for the compiled decode step ("eager": the same graph, uncompiled, for debugging)
 COMPILE_BACKEND = "inductor"
 
 
