@@ -61,16 +61,16 @@ def read_held_out_data(cfg: Config, settings: EvaluationSettings) -> HeldOutData
     reward_model stages saved about the test pairs (perplexity, pair scores)."""
     files = held_out_split_files(cfg)
     held_out = HeldOutPrompts.load(files, settings.n_prompts, settings.samples_per_prompt)
+    sft_dir, rm_dir = cfg.path(cfg.sft.out_dir), cfg.path(cfg.reward_model.out_dir)
     reference_file = cfg.path(cfg.evaluate.reference_dir) / REFERENCE_FILE
-    reference = load_reference(reference_file, sft_answers_key(settings, held_out, files, cfg.path(cfg.sft.out_dir)))
+    reference = load_reference(reference_file, sft_answers_key(settings, held_out, files, sft_dir))
     test_file = files["test"]
-    sft_dir, rm_dir = str(cfg.path(cfg.sft.out_dir)), cfg.path(cfg.reward_model.out_dir)
     return HeldOutData(
         prompts=held_out,
         reference=reference,
         test_rows=read_jsonl(test_file),
         dev_rows=read_jsonl(files["dev"]).to_dict("records") if "dev" in files else None,
-        sft_perplexity=saved_held_out_perplexity(sft_dir, rows=settings.perplexity_rows, data_file=test_file),
+        sft_perplexity=saved_held_out_perplexity(str(sft_dir), rows=settings.perplexity_rows, data_file=test_file),
         test_pair_scores=saved_pair_scores(rm_dir, data_file=test_file),
     )
 

@@ -183,12 +183,10 @@ class _CompiledSteps:
 def _fill_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: int):
     """The batch padded to `rows` rows with copies of its first row, and which rows are such copies."""
     extra = rows - input_ids.shape[0]
-    filler = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
-    filler[rows - extra :] = True
     return (
         torch.cat([input_ids, input_ids[:1].expand(extra, -1)]),
         torch.cat([attention_mask, attention_mask[:1].expand(extra, -1)]),
-        filler,
+        torch.arange(rows, device=input_ids.device) >= input_ids.shape[0],
     )
 
 
