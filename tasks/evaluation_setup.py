@@ -1,19 +1,55 @@
-"""What the stages that evaluate (sft_answers, evaluate) and the sweep's best-of-n baseline read from params.yaml, once:
-the evaluation's settings as values, the models loaded and the held-out prompts read. The library
-(rlhflow.evaluation) gets these, never the configuration or a path to resolve."""
+"""What the stages that evaluate (sft_answers, evaluate, feedback) and the sweep's best-of-n baseline read from
+params.yaml, once (`evaluation_inputs`): the evaluation's settings as values and its directories resolved. The
+loaders here take those values; the library (rlhflow.evaluation) gets the settings, the loaded models and the rows,
+never the configuration or a path to resolve."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
-from rlhflow.config.params import Config
-from rlhflow.evaluation.held_out import HeldOutPrompts, as_precision, held_out_files, reference_key
+from rlhflow.config.params import Config, JudgeConfig
+from rlhflow.evaluation.held_out import HeldOutPrompts, as_precision, reference_key
 from rlhflow.evaluation.judges import load_judge
 from rlhflow.evaluation.settings import EvaluationSettings
 from rlhflow.fsutil import dir_md5, file_md5
-from rlhflow.models.loading import load_causal_lm, load_tokenizer, resolve_precision
+from rlhflow.models.loading import load_language_model, resolve_precision
 from rlhflow.models.sampling import Sampling
-from rlhflow.training.reward_model import RewardModel
+
+
+@dataclass(frozen=True)
+class EvaluationInputs:
+    """An evaluating stage's reading of params.yaml: the settings, the device's name and every directory resolved."""
+
+    settings: EvaluationSettings
+    device: str  # the `device` setting: auto, cpu, cuda, ...
+    sft_dir: Path  # the SFT model (sft.out_dir)
+    policy_dir: Path  # the evaluated policy (ppo.out_dir)
+    proxy_dir: Path  # the proxy reward model (reward_model.out_dir)
+    proxy_batch_size: int
+    judge: JudgeConfig  # the judge section: which judge, and its settings
+    judge_dir: Path  # the trained judge (judge.out_dir)
+    validated_dir: Path  # the split files validate wrote
+    reference_dir: Path  # the sft_answers stage's answers
+    metrics_dir: Path
+    report_dir: Path
+
+
+def evaluation_inputs(cfg: Config) -> EvaluationInputs:
+    return EvaluationInputs(
+        settings=evaluation_settings(cfg),
+        device=cfg.device,
+        sft_dir=cfg.path(cfg.sft.out_dir),
+        policy_dir=cfg.path(cfg.ppo.out_dir),
+        proxy_dir=cfg.path(cfg.reward_model.out_dir),
+        proxy_batch_size=cfg.reward_model.eval_batch_size,
+        judge=cfg.judge,
+        judge_dir=cfg.path(cfg.judge.out_dir),
+        validated_dir=cfg.path(cfg.validate_.out_dir),
+        reference_dir=cfg.path(cfg.evaluate.reference_dir),
+        metrics_dir=cfg.path(cfg.metrics_dir),
+        report_dir=cfg.path(cfg.evaluate.report_dir),
+    )
 
 
 def evaluation_sampling(cfg: Config) -> Sampling:
@@ -51,26 +87,9 @@ def evaluation_settings(cfg: Config) -> EvaluationSettings:
     )
 
 
-def load_language_model(model_dir: str | Path, device):
-    """A causal LM saved by a stage (or registered), with its own tokenizer, for sampling: (tokenizer, model)."""
-    tokenizer = load_tokenizer(str(model_dir))
-    model = load_causal_lm(str(model_dir), pad_token_id=tokenizer.pad_token_id).to(device).eval()
-    return tokenizer, model
-
-
-def load_proxy(model_dir: str | Path, cfg: Config, device) -> RewardModel:
-    """A proxy reward model (the reward_model stage's, or a registered one) as the evaluation scores with it."""
-    return RewardModel.load(model_dir, batch_size=cfg.reward_model.eval_batch_size, device=device)
-
-
-def load_evaluation_judge(cfg: Config, device):
+def load_evaluation_judge(inputs: EvaluationInputs, device):
     """The judge (the judge section: a trained reward model, a scoring function or an LLM endpoint)."""
-    return load_judge(cfg.judge, cfg.path(cfg.judge.out_dir), batch_size=cfg.judge.eval_batch_size, device=device)
-
-
-def held_out_split_files(cfg: Config) -> dict[str, Path]:
-    """The held-out split files validate wrote (rlhflow.evaluation.held_out.held_out_files)."""
-    return held_out_files(cfg.path(cfg.validate_.out_dir))
+    return load_judge(inputs.judge, inputs.judge_dir, batch_size=inputs.judge.eval_batch_size, device=device)
 
 
 def sft_answers_key(
@@ -86,7 +105,7 @@ def sft_answers_key(
     )
 
 
-def sft_in_precision(cfg: Config, precision: str, device):
+def sft_in_precision(sft_dir: Path, precision: str, device):
     """The SFT model and its tokenizer, the model in the sampling precision: (tokenizer, model)."""
-    tokenizer, sft = load_language_model(cfg.path(cfg.sft.out_dir), device)
+    tokenizer, sft = load_language_model(sft_dir, device)
     return tokenizer, as_precision(sft, resolve_precision(precision, device))

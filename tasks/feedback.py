@@ -36,10 +36,10 @@ from rlhflow.evaluation.answers import Answers
 from rlhflow.evaluation.held_out import HeldOutPrompts
 from rlhflow.evaluation.human import agreement_metrics, human_win_metrics, judged_pairs
 from rlhflow.fsutil import dir_md5
-from rlhflow.models.loading import pick_device
+from rlhflow.models.loading import load_language_model, pick_device
 from rlhfops import registry, tracking
 from rlhfops.labeling import LabelingError, LabelStudio, read_labels
-from tasks.evaluation_setup import evaluation_sampling, load_evaluation_judge, load_language_model
+from tasks.evaluation_setup import evaluation_inputs, evaluation_sampling, load_evaluation_judge
 
 
 def policy_run_id(cfg: Config) -> str:
@@ -108,7 +108,7 @@ def judge_prefers_a(cfg: Config, judged: list[tuple[dict, str]]):
     """The judge's preference for answer a on each judged pair (None without a judge to load)."""
     if not judged or (cfg.judge.kind == "trained" and not cfg.path(cfg.judge.out_dir).exists()):
         return None
-    judge = load_evaluation_judge(cfg, pick_device(cfg.device))
+    judge = load_evaluation_judge(evaluation_inputs(cfg), pick_device(cfg.device))
     return judge_pairs(judge, [p for p, _ in judged]).preference
 
 
@@ -146,7 +146,7 @@ def ai_label(cfg: Config) -> dict[str, float]:
     todo = [p for p in pairs if p["pair_id"] not in done]
     if not todo:
         return {"feedback/ai_labels_added": 0.0}
-    judge = load_evaluation_judge(cfg, pick_device(cfg.device))
+    judge = load_evaluation_judge(evaluation_inputs(cfg), pick_device(cfg.device))
     verdicts = judge_pairs(judge, todo)
     annotator = f"judge:{judge.kind}:{judge.basis_md5()[:12]}"  # the judge's kind and what it judges by
     now = datetime.now(timezone.utc).isoformat()

@@ -6,15 +6,20 @@ SFT model, the test split, the sampling settings, the proxy or the judge (rlhflo
 from __future__ import annotations
 
 from rlhflow.config.params import Config
-from rlhflow.evaluation.held_out import REFERENCE_FILE, HeldOutPrompts, reference_record, sample_reference
+from rlhflow.evaluation.held_out import (
+    REFERENCE_FILE,
+    HeldOutPrompts,
+    held_out_files,
+    reference_record,
+    sample_reference,
+)
 from rlhflow.fsutil import atomic_dir, write_json_atomic
 from rlhflow.models.loading import pick_device
+from rlhflow.training.reward_model import RewardModel
 from rlhfops.stage_runner import StageContext, cli, stage_task
 from tasks.evaluation_setup import (
-    evaluation_settings,
-    held_out_split_files,
+    evaluation_inputs,
     load_evaluation_judge,
-    load_proxy,
     sft_answers_key,
     sft_in_precision,
 )
@@ -23,17 +28,18 @@ NAME = "sft_answers"
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
-    settings = evaluation_settings(cfg)
-    device = pick_device(cfg.device)
-    files = held_out_split_files(cfg)
+    inputs = evaluation_inputs(cfg)  # the stage's reading of params.yaml; what follows uses these values
+    settings, files = inputs.settings, held_out_files(inputs.validated_dir)
+    device = pick_device(inputs.device)
     held_out = HeldOutPrompts.load(files, settings.n_prompts, settings.samples_per_prompt)
-    tokenizer, sft = sft_in_precision(cfg, settings.precision, device)
+    tokenizer, sft = sft_in_precision(inputs.sft_dir, settings.precision, device)
     answers = sample_reference(settings, sft, tokenizer, held_out)
     del sft  # the scorers load next
-    rm, judge = load_proxy(cfg.path(cfg.reward_model.out_dir), cfg, device), load_evaluation_judge(cfg, device)
-    key = sft_answers_key(settings, held_out, files, cfg.path(cfg.sft.out_dir))
+    rm = RewardModel.load(inputs.proxy_dir, batch_size=inputs.proxy_batch_size, device=device)
+    judge = load_evaluation_judge(inputs, device)
+    key = sft_answers_key(settings, held_out, files, inputs.sft_dir)
     record, metrics = reference_record(answers, rm, judge, held_out, key)
-    with atomic_dir(cfg.path(cfg.evaluate.reference_dir), setting="evaluate.reference_dir") as tmp:
+    with atomic_dir(inputs.reference_dir, setting="evaluate.reference_dir") as tmp:
         write_json_atomic(tmp / REFERENCE_FILE, record)
     ctx.log_metrics(metrics)
     return metrics

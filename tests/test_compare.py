@@ -101,7 +101,7 @@ def test_answers_sampled_another_way_are_refused(tmp_path):
     from rlhflow.config.params import load_config
     from rlhflow.evaluation.held_out import REFERENCE_FILE, HeldOutPrompts, load_reference
     from tasks.evaluate import read_held_out_data
-    from tasks.evaluation_setup import evaluation_settings, sft_answers_key
+    from tasks.evaluation_setup import evaluation_inputs, evaluation_settings, sft_answers_key
 
     test = tmp_path / "validated/test.jsonl"
     test.parent.mkdir()
@@ -117,7 +117,7 @@ def test_answers_sampled_another_way_are_refused(tmp_path):
     )
     settings = evaluation_settings(cfg)
     with pytest.raises(FileNotFoundError, match="run the sft_answers stage"):
-        read_held_out_data(cfg, settings)
+        read_held_out_data(evaluation_inputs(cfg))
     (tmp_path / "answers").mkdir()
     record = {
         "key": {"sft_md5": "another model", "test_md5": "x", "prompts": 1, "sampling": {}, "precision": "auto"},

@@ -160,6 +160,14 @@ def load_causal_lm(
     return disable_dropout(model)
 
 
+def load_language_model(model_dir: str | os.PathLike, device) -> tuple[PreTrainedTokenizerBase, torch.nn.Module]:
+    """A causal LM saved by a stage (or registered), with its own tokenizer, on `device` for sampling:
+    (tokenizer, model)."""
+    tokenizer = load_tokenizer(str(model_dir))
+    model = load_causal_lm(str(model_dir), pad_token_id=tokenizer.pad_token_id).to(device).eval()
+    return tokenizer, model
+
+
 def save_plain(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, out_dir: str | os.PathLike) -> None:
     """Save as a plain safetensors model dir that reloads fast (a GGUF-loaded model refuses
     `save_pretrained`, so write the state dict and a config without `quantization_config`)."""
