@@ -125,6 +125,7 @@ DEFERRED_IMPORTS = {
     "psutil": "psutil",
     "pyarrow": "pyarrow",
     "sklearn": "scikit-learn",
+    "transformers.trainer_callback": "transformers' Trainer",  # it loads peft: stages that only score skip it
     "trl": "trl",
 }
 

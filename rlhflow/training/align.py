@@ -8,7 +8,8 @@ The algorithms and their settings: docs/alignment.md.
 
 from __future__ import annotations
 
-# trl and datasets are imported by the functions that need them: `import rlhflow.training.align` stays light.
+# trl, datasets and transformers' Trainer pieces (which load peft) are imported by the functions that need them:
+# `import rlhflow.training.align` stays light.
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -18,7 +19,7 @@ from typing import Any
 
 import pandas as pd
 import torch
-from transformers import GenerationConfig, TrainerCallback
+from transformers import GenerationConfig
 
 from rlhflow.config.align import AlignConfig
 from rlhflow.config.ppo import PPOConfig
@@ -364,6 +365,7 @@ def history_of(log_history: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
 def log_callback(log_fn: LogFn | None):
     """A TrainerCallback: each step's log as `align_metrics` to `log_fn`; a resumed run first replays the steps its
     checkpoint holds, so its curves start at step 1 (as PPO's do)."""
+    from transformers.trainer_callback import TrainerCallback
 
     class AlignLogCallback(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):

@@ -3,7 +3,8 @@ training precision, Trainer checkpoints and resuming from them, and forwarding t
 
 from __future__ import annotations
 
-# transformers is imported by the functions that build Trainer pieces: precision and checkpoint lookups need only torch.
+# transformers' Trainer pieces are imported by the functions that build them (heavy: they load peft, about 2 s a
+# process); precision and checkpoint lookups need only torch, and stages that only score never pay for them.
 import contextlib
 import json
 import os
@@ -13,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
 
 LogFn = Callable[[dict, int], None]  # (metrics, step)
 
@@ -50,6 +50,7 @@ def _state_written(checkpoint: Path) -> bool:
 
 def log_callback(log_fn: LogFn | None):
     """A TrainerCallback passing each of the Trainer's numeric logs to `log_fn` as `train_<name>` at its step."""
+    from transformers.trainer_callback import TrainerCallback
 
     class _LogCallback(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
