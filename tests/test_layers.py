@@ -80,6 +80,26 @@ def test_no_stage_module_imports_another_stage():
     assert not wrong, wrong
 
 
+def config_takers(path: Path) -> list[str]:
+    """The functions in `path` that take a Config (annotated as one)."""
+    takers = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            if any(ast.unparse(a.annotation).strip("'\"") == "Config" for a in args if a.annotation):
+                takers.append(node.name)
+    return takers
+
+
+def test_the_evaluating_stages_read_the_config_in_one_place():
+    """evaluate and sft_answers hand the configuration to `evaluation_inputs` alone (tasks/evaluation_setup.py) and
+    work on its values: only their `run` takes the Config, and in evaluation_setup only the readers of it do."""
+    for stage in ("evaluate", "sft_answers"):
+        assert config_takers(REPO / "tasks" / f"{stage}.py") == ["run"], stage
+    readers = {"evaluation_inputs", "evaluation_settings", "evaluation_sampling"}
+    assert set(config_takers(REPO / "tasks" / "evaluation_setup.py")) == readers
+
+
 def test_test_fixtures_live_with_the_tests():
     assert not (REPO / "rlhflow" / "testing.py").exists()
     assert (REPO / "tests" / "fixtures.py").is_file()
@@ -168,10 +188,7 @@ def test_no_library_function_takes_the_whole_config():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.ImportFrom) and any(a.name == "Config" for a in node.names):
                 wrong.append(f"{path.relative_to(REPO)}:{node.lineno} imports Config")
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
-                if any(ast.unparse(a.annotation).strip("'\"") == "Config" for a in args if a.annotation):
-                    wrong.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} takes a Config")
+        wrong += [f"{path.relative_to(REPO)}: {name} takes a Config" for name in config_takers(path)]
     assert not wrong, wrong
 
 
