@@ -104,11 +104,17 @@ def judge_pairs(judge, pairs: list[dict]):
     )
 
 
+def load_feedback_judge(cfg: Config):
+    """The judge section's judge on the configured device, loaded as the evaluation loads it."""
+    inputs = evaluation_inputs(cfg)
+    return load_evaluation_judge(inputs, pick_device(inputs.device))
+
+
 def judge_prefers_a(cfg: Config, judged: list[tuple[dict, str]]):
     """The judge's preference for answer a on each judged pair (None without a judge to load)."""
     if not judged or (cfg.judge.kind == "trained" and not cfg.path(cfg.judge.out_dir).exists()):
         return None
-    judge = load_evaluation_judge(evaluation_inputs(cfg), pick_device(cfg.device))
+    judge = load_feedback_judge(cfg)
     return judge_pairs(judge, [p for p, _ in judged]).preference
 
 
@@ -146,7 +152,7 @@ def ai_label(cfg: Config) -> dict[str, float]:
     todo = [p for p in pairs if p["pair_id"] not in done]
     if not todo:
         return {"feedback/ai_labels_added": 0.0}
-    judge = load_evaluation_judge(evaluation_inputs(cfg), pick_device(cfg.device))
+    judge = load_feedback_judge(cfg)
     verdicts = judge_pairs(judge, todo)
     annotator = f"judge:{judge.kind}:{judge.basis_md5()[:12]}"  # the judge's kind and what it judges by
     now = datetime.now(timezone.utc).isoformat()

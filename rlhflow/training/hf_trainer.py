@@ -3,8 +3,8 @@ training precision, Trainer checkpoints and resuming from them, and forwarding t
 
 from __future__ import annotations
 
-# transformers' Trainer pieces are imported by the functions that build them (heavy: they load peft, about 2 s a
-# process); precision and checkpoint lookups need only torch, and stages that only score never pay for them.
+# transformers' Trainer pieces are imported by the functions that build them (heavy: they load peft): precision
+# and checkpoint lookups need only torch, and stages that only score never pay for them.
 import contextlib
 import json
 import os
