@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -165,22 +166,29 @@ def copy_project(dest: Path, *, untracked: bool = True) -> None:
             shutil.copy2(REPO / rel, dest / rel)
 
 
-def make_dvc_repo(repo: Path, model_dir: Path, timeout: float = 900) -> Callable[..., subprocess.CompletedProcess]:
-    """A git repo at `repo` holding the project's tracked files with params.yaml set to the tiny pipeline (paths
-    relative to the repo, tracking to its default store `<repo>/mlflow.db`), committed. Returns `run(*cmd)`, which
-    runs a command there with the project's venv first on PATH."""
-    from rlhflow.config.params import load_config, write_params
-
-    copy_project(repo)
-    write_params(
-        load_config(repo / "params.yaml", tiny_pipeline_overrides(".", model_dir, tracking=False)), repo / "params.yaml"
-    )
+def repo_runner(repo: Path, timeout: float = 900) -> Callable[..., subprocess.CompletedProcess]:
+    """`run(*cmd)`: a command run in `repo` with the project's venv first on PATH, its output captured as text."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(repo)}
     env.pop("MLFLOW_TRACKING_URI", None)  # mlflow.set_tracking_uri in earlier tests exports it
 
     def run(*cmd: str) -> subprocess.CompletedProcess:
         return subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
 
+    return run
+
+
+def make_dvc_repo(
+    repo: Path, model_dir: Path, timeout: float = 900, extra: list[str] = ()
+) -> Callable[..., subprocess.CompletedProcess]:
+    """A git repo at `repo` holding the project's tracked files with params.yaml set to the tiny pipeline (paths
+    relative to the repo, tracking to its default store `<repo>/mlflow.db`) and the `extra` overrides, committed.
+    Returns `run(*cmd)`, which runs a command there with the project's venv first on PATH."""
+    from rlhflow.config.params import load_config, write_params
+
+    copy_project(repo)
+    overrides = [*tiny_pipeline_overrides(".", model_dir, tracking=False), *extra]
+    write_params(load_config(repo / "params.yaml", overrides), repo / "params.yaml")
+    run = repo_runner(repo, timeout)
     for cmd in (
         ["git", "init", "-q"],
         ["git", "add", "-A"],
@@ -188,6 +196,64 @@ def make_dvc_repo(repo: Path, model_dir: Path, timeout: float = 900) -> Callable
     ):
         assert run(*cmd).returncode == 0, cmd
     return run
+
+
+def shared_tmp_dir(tmp_path_factory) -> Path:
+    """A directory all pytest-xdist workers of this pytest run share (the parent of their own base directories)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """An exclusive flock on `path` while the block runs: one process of the pytest run at a time."""
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# a round of human feedback on the tiny pipeline: a feedback split to sample its pairs from, answers kept short
+FEEDBACK_ROUND = ["validate.feedback_fraction=0.2", "feedback.n_pairs=4", "feedback.max_new_tokens=8"]
+
+
+@pytest.fixture(scope="session")
+def reproduced_baseline(tmp_path_factory) -> Path:
+    """One tiny `dvc repro` in a git+DVC repo (MLflow store: the repo's mlflow.db; a feedback split, FEEDBACK_ROUND)
+    for the whole pytest run, its dvc.lock and metrics committed as the baseline (what a DVC user does to keep one;
+    `dvc exp show` compares experiments with it). The first worker to ask builds it, under a lock; the others wait
+    and share it. It is never changed: a test works on its own `copy_repo` of it."""
+    from tests.fixtures import write_tiny_model
+
+    root = shared_tmp_dir(tmp_path_factory) / "reproduced-baseline"
+    with exclusive_lock(root.with_suffix(".lock")):
+        if not (root / "built").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            run = make_dvc_repo(root / "repo", write_tiny_model(root / "model"), extra=FEEDBACK_ROUND)
+            first = run("dvc", "repro")
+            assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+            (root / "repro.log").write_text(first.stdout)
+            for cmd in (
+                ["git", "add", "-f", "dvc.lock", "metrics"],
+                ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline"],
+            ):
+                done = run(*cmd)
+                assert done.returncode == 0, done.stdout + done.stderr
+            (root / "built").touch()
+    return root / "repo"
+
+
+def copy_repo(src: Path, dst: Path, timeout: float = 900) -> Callable[..., subprocess.CompletedProcess]:
+    """A copy of the repo `src` (git, DVC cache, outputs and MLflow store) at `dst`, its store's paths moved with it
+    (tests.fixtures.relocate_mlflow_store). Returns its `run(*cmd)`."""
+    from tests.fixtures import relocate_mlflow_store
+
+    shutil.copytree(src, dst, symlinks=True)
+    if (dst / "mlflow.db").exists():
+        relocate_mlflow_store(dst / "mlflow.db", src, dst)
+    return repo_runner(dst, timeout)
 
 
 def stage_command(module: str, overrides: list[str]) -> list[str]:

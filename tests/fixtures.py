@@ -4,7 +4,9 @@ Everything is built locally in about a second; nothing is downloaded."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sqlite3
 import time
 from pathlib import Path
 
@@ -105,3 +107,19 @@ def prompt_length_reward(prompts, responses) -> list[float]:
     if hang_when and Path(hang_when).exists():
         time.sleep(3600)
     return [(len(p[-1]["content"]) + len(r)) / 10 for p, r in zip(prompts, responses)]
+
+
+def relocate_mlflow_store(db: Path, old_root: Path, new_root: Path) -> None:
+    """Point a copied sqlite MLflow store at its new place: every stored path under `old_root` (artifact locations
+    of experiments, runs, logged models and model versions; dataset sources; source-file tags) now names the same
+    file under `new_root`."""
+    old, new = str(old_root), str(new_root)
+    with contextlib.closing(sqlite3.connect(db)) as con, con:
+        tables = [row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        for table in tables:
+            for _, column, kind, *_ in con.execute(f"PRAGMA table_info('{table}')").fetchall():
+                if kind.upper().startswith(("VARCHAR", "TEXT")):
+                    con.execute(
+                        f'UPDATE "{table}" SET "{column}" = replace("{column}", ?, ?) WHERE instr("{column}", ?) > 0',
+                        (old, new, old),
+                    )

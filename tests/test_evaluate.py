@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import make_dvc_repo
+from conftest import copy_repo
 
 from rlhflow.data.readers import read_jsonl
 from rlhflow.data.splits import conversation_keys
@@ -146,28 +146,19 @@ def test_evaluation_samples_as_ppo_samples(monkeypatch, evaluate_temperature, ex
 
 
 @pytest.fixture(scope="module")
-def dvc_repo(tmp_path_factory, tiny_model_dir):
-    """A git repo copy of the project after one tiny `dvc repro` (MLflow store: the repo's mlflow.db), its results
-    committed as the baseline (`dvc exp show` compares experiments with it). Yields (repo, run, first repro)."""
+def dvc_repo(tmp_path_factory, reproduced_baseline):
+    """A copy of the pytest run's tiny reproduced repo (conftest.reproduced_baseline: one `dvc repro`, its results
+    committed as the baseline), for this module's experiments. Yields (repo, run, the first repro's output)."""
     repo = tmp_path_factory.mktemp("dvc") / "repo"
-    run = make_dvc_repo(repo, tiny_model_dir)
-    first = run("dvc", "repro")
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    # what a DVC user does to keep a baseline: commit dvc.lock and the metrics (git-ignored in this project's repo)
-    for cmd in (
-        ["git", "add", "-f", "dvc.lock", "metrics"],
-        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline"],
-    ):
-        done = run(*cmd)
-        assert done.returncode == 0, done.stdout + done.stderr
-    return repo, run, first
+    run = copy_repo(reproduced_baseline, repo)
+    return repo, run, (reproduced_baseline.parent / "repro.log").read_text()
 
 
 @pytest.mark.system
 def test_dvc_repro_runs_the_stages_then_nothing(dvc_repo):
     repo, run, first = dvc_repo
     for s in STAGES:
-        assert f"Running stage '{s.name}'" in first.stdout
+        assert f"Running stage '{s.name}'" in first
     second = run("dvc", "repro")
     assert second.returncode == 0 and "Running stage" not in second.stdout, second.stdout
 

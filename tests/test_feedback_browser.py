@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, make_dvc_repo
+from conftest import REPO, copy_repo, free_port
 from test_lineage import succeeding
 from test_mlflow_ui import TIMEOUT_MS
 
@@ -27,7 +27,7 @@ from rlhflow.fsutil import file_md5
 from rlhfops import stage_lock
 from rlhfops.labeling import ADMIN, label_studio, load_secrets
 
-# a tiny pipeline under dvc repro twice, Label Studio's start and Chromium: about 4 min on 2 cores
+# the stages the labels change under dvc repro, Label Studio's start and Chromium: minutes on 2 cores
 pytestmark = [pytest.mark.slow, pytest.mark.system]
 
 ARTIFACTS = REPO / "test-artifacts" / "feedback"
@@ -100,18 +100,17 @@ def chromium() -> str:
     return path
 
 
-def test_labels_clicked_in_label_studio_retrain_the_reward_model(tmp_path, tiny_model_dir, chromium, monkeypatch):
+def test_labels_clicked_in_label_studio_retrain_the_reward_model(tmp_path, reproduced_baseline, chromium, monkeypatch):
     from playwright.sync_api import sync_playwright
 
     ls_root, port = tmp_path / "label-studio", free_port()
     made = load_secrets(ls_root)
     monkeypatch.setenv("LABEL_STUDIO_API_KEY", made["token"])  # the clients' environment (make_dvc_repo copies it)
     repo = tmp_path / "repo"
-    ok = succeeding(make_dvc_repo(repo, tiny_model_dir))
-    round_settings = ["validate.feedback_fraction=0.2", "feedback.n_pairs=4", "feedback.max_new_tokens=8"]
-    set_params(repo, [*round_settings, f"feedback.label_studio_url=http://127.0.0.1:{port}"])
-    ok("git", "commit", "-qam", "a feedback split")
-    ok("dvc", "repro")
+    ok = succeeding(copy_repo(reproduced_baseline, repo))  # reproduced with a feedback split (FEEDBACK_ROUND)
+    set_params(repo, [f"feedback.label_studio_url=http://127.0.0.1:{port}"])
+    ok("git", "commit", "-qam", "this round's Label Studio")
+    assert "Data and pipelines are up to date." in ok("dvc", "status")  # no stage reads where Label Studio is
     assert lock_md5(repo, "validate", "data/feedback/labels.jsonl") == EMPTY_MD5
     assert (repo / "data/validated/feedback.jsonl").exists()
 

@@ -9,7 +9,7 @@ import json
 import re
 
 import pytest
-from conftest import make_dvc_repo
+from conftest import copy_repo
 
 from rlhflow.config.params import REPO_ROOT
 from rlhfops.codedeps import import_closure
@@ -136,13 +136,10 @@ STALE_AFTER_EDIT = {
 
 
 @pytest.fixture(scope="module")
-def reproduced(tmp_path_factory, tiny_model_dir):
-    """A git repo copy of the project after one tiny `dvc repro`; yields its `run(*cmd)`."""
+def reproduced(tmp_path_factory, reproduced_baseline):
+    """A copy of the pytest run's tiny reproduced repo (conftest.reproduced_baseline); yields (repo, run)."""
     repo = tmp_path_factory.mktemp("deps") / "repo"
-    run = make_dvc_repo(repo, tiny_model_dir)
-    done = run("dvc", "repro")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return repo, run
+    return repo, copy_repo(reproduced_baseline, repo)
 
 
 def changed_stages(run) -> set[str]:
