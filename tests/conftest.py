@@ -32,57 +32,84 @@ atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)
 for _name in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "PREFECT_API_KEY"):
     os.environ.pop(_name, None)
 
-REPO = Path(__file__).resolve().parents[1]
+CHECKOUT = Path(__file__).resolve().parents[1]  # where the suite was started: screenshots go here
+# ignored directories of the checkout that tests use: the labeling tool's venv and the benchmarks' peer venv
+LINKED_VENVS = (".venv-label", "bench/.venv-trl")
 
-# `make test` runs the suite in pytest-xdist workers (`--dist loadfile`). Each module runs on one worker, so its
-# module fixtures (a reproduced DVC repo, a Prefect server) are built once. The modules that run stages or flows
-# in the project's own workspace share one worker: a run holds the workspace (rlhfops/workspace.py), so two of them
-# on two workers would wait for each other, and a test that counts who waited would count a stranger.
-PROJECT_WORKSPACE_MODULES = {
-    "test_align",  # stage CLIs in this process (stage_runner.cli)
-    "test_bad_input",
-    "test_bench_smoke",
-    "test_concurrent_runs",
-    "test_distributed",
-    "test_faults",
-    "test_flow_skipping",
-    "test_mlflow_ui",
-    "test_pipeline_e2e",
-    "test_ppo_stage",
-    "test_prefect_server",
-    "test_quiet_logs",
-    "test_real_data",
-    "test_security",
-    "test_sft_train",
-    "test_sweep",
-}
+
+def project_files(src: Path, *, untracked: bool = True) -> list[str]:
+    """The project's files in the working tree at `src`: what git tracks and, with `untracked`, what it does not
+    ignore (the files of a `git archive` of a commit of that tree)."""
+    listing = ["git", "ls-files", "-z", "--cached"] + (["--others", "--exclude-standard"] if untracked else [])
+    names = subprocess.run(listing, cwd=src, capture_output=True, text=True, check=True).stdout.split("\0")
+    return [name for name in dict.fromkeys(names) if name and (src / name).is_file() and not (src / name).is_symlink()]
+
+
+def copy_files(src: Path, dest: Path, names: list[str]) -> None:
+    for rel in names:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / rel, dest / rel)
+
+
+def commit_all(repo: Path, message: str) -> None:
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"]):
+        subprocess.run(cmd, cwd=repo, check=True, capture_output=True)
+    commit = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message]
+    subprocess.run(commit, cwd=repo, check=True, capture_output=True)
+
+
+def this_process_workspace() -> Path:
+    """A copy of the project for this test process, committed in a git repository of its own, with the checkout's
+    venvs linked in; removed at exit. The code the tests import, the stage and flow commands they start and the
+    workspace their runs hold (rlhfops/workspace.py: one run per workspace) are the copy's, so test processes run
+    side by side without waiting for each other, and the checkout keeps no trace of the suite (no dvc.lock, no
+    DVC cache, no MLflow store)."""
+    dest = Path(tempfile.mkdtemp(prefix="rlhflow-tests-workspace-"))
+    atexit.register(shutil.rmtree, dest, ignore_errors=True)
+    # not a run record the checkout may hold: the suite's runs start from none
+    copy_files(CHECKOUT, dest, [name for name in project_files(CHECKOUT) if name != "dvc.lock"])
+    commit_all(dest, "the project as the suite tests it")
+    for rel in LINKED_VENVS:
+        if (CHECKOUT / rel).is_dir():
+            (dest / rel).symlink_to(CHECKOUT / rel, target_is_directory=True)
+    return dest
+
+
+REPO = this_process_workspace()
+sys.path.insert(0, str(REPO))  # before the project is first imported: its code is the copy's
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # two workers share the cores: one thread each (and in the stages they start) instead of oversubscribing
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: without it, never called
-def pytest_xdist_make_scheduler(config, log):
-    """Under `--dist loadfile`, the modules of PROJECT_WORKSPACE_MODULES count as one file."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
+@pytest.fixture(scope="session")
+def prefect_test_api(tmp_path_factory) -> Iterator[str]:
+    """One temporary Prefect server per test process (its own sqlite database), as `prefect_test_harness` starts
+    one but shared by the modules that need it: a start takes about 10 s. Yields its API URL; stopped at the end."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_SERVER_DATABASE_CONNECTION_URL, temporary_settings
 
-    class ProjectWorkspaceTogether(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = super()._split_scope(nodeid)
-            return "project workspace" if Path(path).stem in PROJECT_WORKSPACE_MODULES else path
-
-    return ProjectWorkspaceTogether(config, log)
+    database = tmp_path_factory.mktemp("prefect-server") / "prefect.db"
+    with temporary_settings({PREFECT_SERVER_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{database}"}):
+        server = SubprocessASGIServer(port=free_port())
+        server.start(timeout=180)
+    try:
+        yield server.api_url
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")
-def prefect_server():
-    """A temporary Prefect server (its own database) for the flow runs of one test module; stopped after it."""
-    from prefect.testing.utilities import prefect_test_harness
+def prefect_server(prefect_test_api):
+    """The flow runs of one test module go to the test process's Prefect server (prefect_test_api); the module's
+    logs are sent before the next module starts."""
+    from prefect.logging.handlers import APILogWorker
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
+    with temporary_settings({PREFECT_API_URL: prefect_test_api}):
+        yield prefect_test_api
+        APILogWorker.drain_all(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -156,14 +183,9 @@ def tiny_pipeline_overrides(root: Path | str, model_dir: Path, *, tracking: bool
 
 
 def copy_project(dest: Path, *, untracked: bool = True) -> None:
-    """The project's files into `dest`: the tracked ones with their working-tree content (what `git archive` of a
-    commit of this tree holds), and with `untracked` the files git does not ignore."""
+    """The project's files (`project_files`) into `dest`."""
     dest.mkdir(parents=True, exist_ok=True)
-    listing = ["git", "ls-files", "--cached"] + (["--others", "--exclude-standard"] if untracked else [])
-    for rel in subprocess.run(listing, cwd=REPO, capture_output=True, text=True, check=True).stdout.split():
-        if (REPO / rel).is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / rel, dest / rel)
+    copy_files(REPO, dest, project_files(REPO, untracked=untracked))
 
 
 def repo_runner(repo: Path, timeout: float = 900) -> Callable[..., subprocess.CompletedProcess]:
@@ -188,14 +210,8 @@ def make_dvc_repo(
     copy_project(repo)
     overrides = [*tiny_pipeline_overrides(".", model_dir, tracking=False), *extra]
     write_params(load_config(repo / "params.yaml", overrides), repo / "params.yaml")
-    run = repo_runner(repo, timeout)
-    for cmd in (
-        ["git", "init", "-q"],
-        ["git", "add", "-A"],
-        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"],
-    ):
-        assert run(*cmd).returncode == 0, cmd
-    return run
+    commit_all(repo, "init")
+    return repo_runner(repo, timeout)
 
 
 def shared_tmp_dir(tmp_path_factory) -> Path:

@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from bench.ppo_bench import roofline
 from bench.workloads import BENCH_EOS, WORKLOADS, prepare
 
-REPO = Path(__file__).resolve().parents[1]
 TRL_PYTHON = REPO / "bench" / ".venv-trl" / "bin" / "python"
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, copy_repo, free_port
+from conftest import CHECKOUT, REPO, copy_repo, free_port
 from test_lineage import succeeding
 from test_mlflow_ui import TIMEOUT_MS
 
@@ -30,7 +30,7 @@ from rlhfops.labeling import ADMIN, label_studio, load_secrets
 # the stages the labels change under dvc repro, Label Studio's start and Chromium: minutes on 2 cores
 pytestmark = [pytest.mark.slow, pytest.mark.system]
 
-ARTIFACTS = REPO / "test-artifacts" / "feedback"
+ARTIFACTS = CHECKOUT / "test-artifacts" / "feedback"
 EMPTY_MD5 = "d41d8cd98f00b204e9800998ecf8427e"
 
 
@@ -38,7 +38,7 @@ def shoot(page, name: str, docs: bool = False) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
     if docs and os.environ.get("UPDATE_DOCS_SCREENSHOTS") == "1":
-        shutil.copy(ARTIFACTS / f"{name}.png", REPO / "docs" / "img" / f"feedback_{name}.png")
+        shutil.copy(ARTIFACTS / f"{name}.png", CHECKOUT / "docs" / "img" / f"feedback_{name}.png")
 
 
 def set_params(repo: Path, overrides: list[str]) -> None:

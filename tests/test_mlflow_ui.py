@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import REPO, mlflow_server, tiny_pipeline_overrides
+from conftest import CHECKOUT, mlflow_server, tiny_pipeline_overrides
 
 from flows.report import mlflow_experiment_url, mlflow_run_url
 from rlhfops.stages import STAGE_NAMES
@@ -20,7 +20,7 @@ from rlhfops.stages import STAGE_NAMES
 # a whole tiny pipeline run, then an MLflow server and Chromium: about 2 min on 2 cores
 pytestmark = [pytest.mark.slow, pytest.mark.system]
 
-ARTIFACTS = REPO / "test-artifacts"
+ARTIFACTS = CHECKOUT / "test-artifacts"
 EVAL_METRICS = [
     "rm/accuracy",
     "eval/reward_mean",
@@ -34,15 +34,12 @@ TIMEOUT_MS = 60_000  # the SPA's first load on a busy 2-core machine takes ~10 s
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, tiny_model_dir, one_thread) -> Path:
+def finished_run(prefect_server, tmp_path_factory, tiny_model_dir, one_thread) -> Path:
     """A whole pipeline run on tiny models, tracked to <root>/mlflow.db (artifacts in <root>/mlartifacts)."""
-    from prefect.testing.utilities import prefect_test_harness
-
     from flows.pipeline import rlhf_pipeline
 
     root = tmp_path_factory.mktemp("ui_run")
-    with prefect_test_harness(server_startup_timeout=180):
-        rlhf_pipeline(overrides=tiny_pipeline_overrides(root, tiny_model_dir))
+    rlhf_pipeline(overrides=tiny_pipeline_overrides(root, tiny_model_dir))
     return root
 
 
@@ -195,16 +192,14 @@ def test_mlflow_ui_shows_the_parent_run_its_stage_runs_and_the_eval_metrics(
 def sweep_points(finished_run, tiny_model_dir, one_thread):
     """A two-point sweep over ppo.kl_coef in the same store as the finished run; (sweep run, point runs)."""
     import mlflow
-    from prefect.testing.utilities import prefect_test_harness
 
     from flows.sweep import rlhf_sweep
 
-    with prefect_test_harness(server_startup_timeout=180):
-        rlhf_sweep(
-            grid={"ppo.kl_coef": ["0.01", "0.5"]},
-            overrides=tiny_pipeline_overrides(finished_run, tiny_model_dir),
-            best_of_n=[1, 2],
-        )
+    rlhf_sweep(
+        grid={"ppo.kl_coef": ["0.01", "0.5"]},
+        overrides=tiny_pipeline_overrides(finished_run, tiny_model_dir),
+        best_of_n=[1, 2],
+    )
     client = mlflow.MlflowClient(f"sqlite:///{finished_run}/mlflow.db")
     exp = client.get_experiment_by_name("rlhf").experiment_id
     sweep = client.search_runs([exp], "tags.sweep = 'rlhf'")[0]

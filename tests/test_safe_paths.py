@@ -12,13 +12,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 from test_ppo_trainer import make_trainer
 
 from rlhflow.config.output_paths import OUTPUT_SETTINGS, SHIPPED_DATA, check_output_paths, output_path_problem
 from rlhflow.config.params import Config, ConfigError, load_config
 from rlhflow.fsutil import MADE_MARKER
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(
