@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 from ruamel.yaml.error import YAMLError
 
-from rlhflow.config.params import REPO_ROOT, Config
+from rlhflow.config.params import REPO_ROOT, Config, load_config
 from rlhflow.fsutil import atomic_file
 from rlhfops.dvc_yaml import stage_deps
 from rlhfops.hashing import dvc_md5s
@@ -234,6 +234,23 @@ def _params_from_config(dstage: Any, stage: Stage, cfg: Config) -> None:
             dep.read_params = read_params
 
 
+def where_params_file_puts_them(stage: Stage, cfg: Config) -> bool:
+    """Whether `cfg` puts the stage's deps and outputs where params.yaml does. dvc.yaml's paths are templates DVC
+    fills from params.yaml, so where an override moved one DVC cannot stand for the run, and its stage (dvc.yaml
+    and dvc.lock, parsed at about a tenth of a second each) need not be loaded to find that out."""
+    try:
+        on_file = load_config(REPO_ROOT / PARAMS_FILE)
+    except (OSError, ValueError, yaml.YAMLError):  # DVC's own loading decides, and says what is wrong
+        return True
+    templates = [*stage_deps(stage), *stage_outputs(stage)]
+    return all(_abs(cfg, stage.resolve(cfg, t)) == _abs(on_file, stage.resolve(on_file, t)) for t in templates)
+
+
+def dvc_may_stand(stage: Stage, cfg: Config) -> bool:
+    """A DVC project whose dvc.yaml paths may be the config's: then `dvc_stage` decides."""
+    return is_dvc_project() and where_params_file_puts_them(stage, cfg)
+
+
 def dvc_stage(repo: Any, stage: Stage, cfg: Config) -> Any | None:
     """DVC's stage object for `stage` (dvc.yaml and dvc.lock), its params read from `cfg`; None when DVC cannot
     stand for this run: dvc.yaml has no such stage, or its deps and outputs are not the config's paths (an
@@ -276,7 +293,7 @@ def _reasons(status: dict[str, Any]) -> list[str]:
 def why_stale(stage: Stage, cfg: Config) -> list[str]:
     """Empty when the stage is up to date; otherwise why it must run. DVC's `changed()` decides when DVC can
     stand for the run (see the module docstring), the flow's own record otherwise."""
-    if is_dvc_project():
+    if dvc_may_stand(stage, cfg):
         with dvc_repo() as repo:
             dstage = dvc_stage(repo, stage, cfg)
             if dstage is not None:
@@ -290,7 +307,7 @@ def why_stale(stage: Stage, cfg: Config) -> list[str]:
 def record_run(stage: Stage, cfg: Config) -> dict[str, Any]:
     """After the stage ran: its outputs into the DVC cache and its dvc.lock entry, as `dvc repro` leaves them
     (the flow's own record where DVC cannot stand for the run). Returns the lock entry."""
-    if is_dvc_project():
+    if dvc_may_stand(stage, cfg):
         with dvc_repo() as repo:
             dstage = dvc_stage(repo, stage, cfg)
             if dstage is not None:
@@ -305,10 +322,11 @@ def record_run(stage: Stage, cfg: Config) -> dict[str, Any]:
                     cache_paths(repo, [cfg.path(p) for p in user_data(stage, cfg)])
                 return to_lockfile(dstage)[stage.name]
     entry = record_flow_lock(stage, cfg).to_lock_entry(stage)
-    if is_dvc_project():  # DVC does not stand for the run, yet its outputs and data go into DVC's cache
-        cached = [o["path"] for o in entry["outs"] if o["md5"] and not _uncached(stage, cfg, o["path"])]
+    cached = [o["path"] for o in entry["outs"] if o["md5"] and not _uncached(stage, cfg, o["path"])]
+    to_cache = [cfg.path(p) for p in [*cached, *user_data(stage, cfg)]] if is_dvc_project() else []
+    if to_cache:  # DVC does not stand for the run, yet its outputs and data go into DVC's cache
         with dvc_repo() as repo, repo_lock(repo):
-            cache_paths(repo, [cfg.path(p) for p in [*cached, *user_data(stage, cfg)]])
+            cache_paths(repo, to_cache)
     return entry
 
 
@@ -363,7 +381,7 @@ def cache_paths(repo: Any, paths: list[Path]) -> None:
 
 def dvc_records(stage: Stage, cfg: Config) -> bool:
     """DVC stands for the stage in this config (its dvc.lock entry is the record), not the flow's own lock."""
-    if not is_dvc_project():
+    if not dvc_may_stand(stage, cfg):
         return False
     with dvc_repo() as repo:
         return dvc_stage(repo, stage, cfg) is not None
