@@ -6,7 +6,11 @@ file is restored (`git checkout`)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import copy_repo
@@ -167,3 +171,33 @@ def test_an_edit_changes_only_the_stages_that_run_the_file(reproduced, path):
     assert restored.returncode == 0, restored.stderr
     assert changed == STALE_AFTER_EDIT[path], f"{path}: up to date: {sorted(EVERY_STAGE - changed)}"
     assert changed_stages(run) == set()  # restored: nothing left changed
+
+
+# ---- the interpreter dvc.yaml's commands run ------------------------------------------------------------------
+
+
+@pytest.mark.system
+def test_dvc_repro_runs_a_stage_in_the_activated_venv_and_names_any_other_python(tmp_path, reproduced_baseline):
+    """The README's forms: with the venv activated (its bin first on PATH, as `run` has it) `dvc repro` runs a stage.
+    `.venv/bin/dvc repro` without it runs dvc.yaml's `python` from the PATH, here one without the stack (site-packages
+    off): each kind of stage command (a stage module, the launcher of a data-parallel stage) stops in one line that
+    names the interpreter and what to do, with no traceback."""
+    repo = tmp_path / "repo"
+    run = copy_repo(reproduced_baseline, repo)
+    activated = run("dvc", "repro", "--force", "--single-item", "demo_data")
+    assert activated.returncode == 0, activated.stdout[-2000:] + activated.stderr[-2000:]
+
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "python").write_text(f'#!/bin/sh\nexec {sys._base_executable} -S "$@"\n')
+    (bare / "python").chmod(0o755)
+    prefixed = {**os.environ, "PATH": f"{bare}:/usr/bin:/bin"}
+    dvc = str(Path(sys.executable).parent / "dvc")
+    for stage in ("demo_data", "reward_model"):  # `python -m tasks.demo_data`, `python -m rlhfops.launch reward_model`
+        done = subprocess.run(
+            [dvc, "repro", "--force", "--single-item", stage], cwd=repo, env=prefixed, capture_output=True, text=True
+        )
+        said = [line for line in done.stderr.splitlines() if "has no torch" in line]
+        assert done.returncode != 0 and len(said) == 1, done.stdout[-2000:] + done.stderr[-2000:]
+        assert said[0].startswith(f"{sys._base_executable} has no torch, transformers, mlflow, prefect, dvc: ")
+        assert "source .venv/bin/activate" in said[0] and "Traceback" not in done.stderr, done.stderr[-2000:]
