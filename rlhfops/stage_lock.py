@@ -12,6 +12,7 @@ from __future__ import annotations
 
 # dvc is heavy: it is imported inside the functions that use it, so importing the flow stays fast.
 import contextlib
+import logging
 import os
 import subprocess
 from collections.abc import Iterator
@@ -188,6 +189,10 @@ def dvc_repo(root: Path = REPO_ROOT) -> Iterator[Any]:
     commit on records) is left out, said once per process."""
     from dvc.repo import Repo
 
+    # importing dvc gave its loggers handlers of their own; passed on to the root logger as well, each line DVC says
+    # ("Updating lock file 'dvc.lock'") came out twice under the flow, whose console handler sits there
+    for name in ("dvc", "dvc_objects", "dvc_data"):
+        logging.getLogger(name).propagate = False
     config = None
     if not in_git_work_tree(root):
         config = {"core": {"no_scm": True}}
@@ -273,6 +278,23 @@ def dvc_stage(repo: Any, stage: Stage, cfg: Config) -> Any | None:
     return dstage
 
 
+@contextlib.contextmanager
+def empty_inputs_unremarked(dstage: Any) -> Iterator[None]:
+    """DVC says "'<path>' is empty." of every empty file it records. An empty input is a state the project ships (no
+    pair of a feedback round yet: data/feedback/*.jsonl), not a problem: the remark stays for outputs only."""
+    deps = {id(dep) for dep in dstage.deps}
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not (record.msg == "'%s' is empty." and record.args and id(record.args[0]) in deps)
+
+    said_by = logging.getLogger("dvc.output")
+    said_by.addFilter(keep)
+    try:
+        yield
+    finally:
+        said_by.removeFilter(keep)
+
+
 def _reasons(status: dict[str, Any]) -> list[str]:
     """DVC's stage status as sentences: `dep data/x modified`, `params validate modified`, `output y deleted`."""
     why = []
@@ -316,7 +338,8 @@ def record_run(stage: Stage, cfg: Config) -> dict[str, Any]:
                 with repo_lock(repo):
                     # as Stage.run after the command, then dvc.repo.reproduce._reproduce_stage
                     no_cache_outs = any(not o.use_cache for o in dstage.outs if not (o.is_metric or o.is_plot))
-                    dstage.save(run_cache=not no_cache_outs)
+                    with empty_inputs_unremarked(dstage):
+                        dstage.save(run_cache=not no_cache_outs)
                     dstage.commit()
                     dstage.dump(update_pipeline=False)
                     cache_paths(repo, [cfg.path(p) for p in user_data(stage, cfg)])

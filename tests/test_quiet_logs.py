@@ -1,17 +1,19 @@
 """A newcomer's first `make run` log says what the run does, not what libraries did underneath: no bytecode listing
 (dill's disassembly of a function datasets fingerprints, sent to the run log by Prefect's log_prints), no DVC warning
-about an empty code dep, no MLflow advice on how models are logged, no transformers load report for the score head
-a reward model is built with."""
+about an empty code dep or an empty feedback file, DVC's record of a stage said once, no MLflow advice on how models
+are logged, no transformers load report for the score head a reward model is built with nor a bar for each model
+loaded, and the Trainer's figures as one line, not its dicts."""
 
 from __future__ import annotations
 
 import logging
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, stage_command, stage_env, tiny_pipeline_overrides
+from conftest import copy_repo, stage_env
 
 from rlhflow.config.params import REPO_ROOT
 from rlhfops import stage_lock
@@ -26,41 +28,36 @@ def noise(log: str) -> list[str]:
     return [m.group(0).strip() for m in BYTECODE.finditer(log)][:3] + [n for n in NOISE if n in log]
 
 
+# what the log of a stage that loads and trains models says once, at most: DVC's record, the Trainer's summary line
+ONCE_A_STAGE = ("Updating lock file 'dvc.lock'", "reward model: trained ")
+# what it never says: the Trainer's figures as a dict, transformers' bar for each model it loads
+NEVER = ("{'loss'", "'train_runtime'", "Loading weights")
+
+
 @pytest.mark.system
-def test_the_flow_log_of_a_reward_model_stage_has_no_library_noise(tmp_path, tiny_model_dir):
-    """The flow, as `make run` starts it, running the reward model stage on tiny models (RewardTrainer's dataset, the
-    new score head, the logged pyfunc model) on validated splits written here. The judge stage runs the same code."""
-    import pandas as pd
-
-    from rlhflow.data.readers import write_jsonl
-
-    rows = [
-        {
-            "prompt": f"question {i}?",
-            "prompt_messages": [{"role": "user", "content": f"question {i}?"}],
-            "chosen": f"Here are three clear steps for question {i}.",
-            "rejected": "no",
-            "source_row": i + 1,
-        }
-        for i in range(16)
-    ]
-    write_jsonl(pd.DataFrame(rows), tmp_path / "data/validated/train.jsonl")
-    write_jsonl(pd.DataFrame(rows[:4]), tmp_path / "data/validated/test.jsonl")
-    overrides = [*tiny_pipeline_overrides(tmp_path, tiny_model_dir), f"reward_model.backbone={tiny_model_dir}"]
-    cmd = [*stage_command("flows.pipeline", overrides), "--stages", "reward_model"]
+def test_the_flow_log_of_the_stages_a_run_records_has_no_library_noise(tmp_path, reproduced_baseline):
+    """The flow, as `make run` starts it, in a copy of the tiny reproduced DVC repo (DVC records each stage there):
+    validate with empty feedback files (the state a project without a feedback round is in) and the reward model
+    (RewardTrainer's dataset, the new score head, the logged pyfunc model). The judge stage runs the same code."""
+    repo = tmp_path / "repo"
+    copy_repo(reproduced_baseline, repo)
+    assert (repo / "data/feedback/labels.jsonl").stat().st_size == 0
+    cmd = [sys.executable, "-m", "flows.pipeline", "--stages", "validate,reward_model", "--force"]
     # its own temporary Prefect server, given time to start on a busy machine
     env = {
         **stage_env(),
+        "PYTHONPATH": str(repo),
         "PREFECT_HOME": str(tmp_path / "prefect"),
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
     }
     env.pop("MLFLOW_TRACKING_URI", None)
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
-    assert (tmp_path / "metrics/reward_model.json").exists(), log[-4000:]
-    found = noise(log)
+    assert "validate: running" in log and "reward_model: running" in log, log[-4000:]
+    found = noise(log) + [n for n in NEVER if n in log]
     assert found == [], f"{found}\n{log[-8000:]}"
+    assert log.count(ONCE_A_STAGE[0]) == 2 and log.count(ONCE_A_STAGE[1]) == 1, log[-8000:]
 
 
 def test_prints_into_a_captured_stdout_stay_out_of_the_run_log(monkeypatch):

@@ -27,10 +27,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers.utils import logging as transformers_logging
 
 from rlhflow.data.sources import SourceNotFoundError, resolve_source
 
 log = logging.getLogger(__name__)
+
+# transformers draws a "Loading weights" bar for every model it loads, a dozen in a pipeline run: not for ours
+transformers_logging.disable_progress_bar()
 
 PAD_CANDIDATES = ("<|endoftext|>", "<pad>", "[PAD]", "<|pad|>", "<unk>")
 

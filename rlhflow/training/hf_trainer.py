@@ -60,18 +60,36 @@ def log_callback(log_fn: LogFn | None):
     return _LogCallback()
 
 
+def progress_bar_without_log_dicts(trainer) -> None:
+    """The Trainer's progress bar keeps its place; the dict of figures it writes under itself at every log (and the
+    run's summary at the end) is left out: the figures go to MLflow (log_callback), the bar shows the last loss."""
+    from transformers.trainer_callback import ProgressCallback
+
+    class _Bar(ProgressCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if state.is_world_process_zero and self.training_bar is not None and "loss" in (logs or {}):
+                self.training_bar.set_postfix(loss=f"{logs['loss']:.4g}", refresh=False)
+
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(_Bar())
+
+
 def train_resuming(trainer, work_dir: str | os.PathLike, *, what: str, log_fn: LogFn | None) -> None:
     """`trainer.train()`, from the last complete checkpoint in `work_dir` when there is one (the caller keeps
     `work_dir` only for the same inputs: `rlhflow.fsutil.prepare_checkpoint_dir`); says so and logs
-    `resumed_from_step`."""
+    `resumed_from_step`. Prints one line when done: steps, seconds, mean training loss."""
     resume = last_complete_checkpoint(work_dir) if trainer.args.save_strategy != "no" else None
     if resume is not None:
         step = int(resume.name.split("-")[-1])
         print(f"{what}: resuming training from {resume.name} (step {step})", flush=True)
         if log_fn:
             log_fn({"resumed_from_step": float(step)}, step)
+    progress_bar_without_log_dicts(trainer)
     with trl_alias_warning_off():
-        trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+        done = trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+    if trainer.is_world_process_zero():
+        seconds = done.metrics.get("train_runtime", float("nan"))
+        print(f"{what}: trained {done.global_step} steps in {seconds:.1f} s, mean loss {done.training_loss:.4f}")
 
 
 @contextlib.contextmanager
