@@ -117,6 +117,10 @@ JUDGE_OWN = (
     "template",
     "request_timeout",
     "max_retries",
+    # reward_model has these too, but the judge never takes the proxy's: its length head is its own
+    "length_head",
+    "length_loss_weight",
+    "orthogonality_weight",
 )
 
 

@@ -146,6 +146,7 @@ DEFERRED_IMPORTS = {
     "pyarrow": "pyarrow",
     "sklearn": "scikit-learn",
     "transformers.trainer_callback": "transformers' Trainer",  # it loads peft: stages that only score skip it
+    "transformers.trainer": "transformers' Trainer",
     "trl": "trl",
 }
 

@@ -176,3 +176,86 @@ def test_recipe_bench_chooses_on_dev_and_reads_the_test_split_only_for_the_chose
     chosen = re.search(r"^CHOSEN (\{.*\}) dev_acc=([0-9.]+) .*test_acc=", out, re.M)
     assert json.loads(chosen.group(1))["learning_rate"] == (1e-6, 3e-3, 1e-5)[best]
     assert re.search(r"^BASELINE .*\"learning_rate\": 1e-06.* test_acc=[0-9.]+ \+- [0-9.]+ \(8 pairs\)", out, re.M)
+
+
+# ---- the length-disentangled reward model (rlhflow/training/length_heads.py) ------------------------------------
+
+
+def test_pearson_and_the_centred_cosine_by_hand():
+    from rlhflow.training.length_heads import centred_cosine, pearson
+
+    x = torch.tensor([1.0, 2.0, 3.0])
+    assert float(pearson(x, 2 * x)) == pytest.approx(1.0)
+    assert float(pearson(x, -x + 7)) == pytest.approx(-1.0)
+    assert float(pearson(x, torch.ones(3))) == 0.0  # no spread: no correlation to learn from
+    # [1, 0, 0] and [0, 1, 0] centred: [2, -1, -1] / 3 and [-1, 2, -1] / 3, cosine -3 / 6
+    assert float(centred_cosine(torch.tensor([1.0, 0, 0]), torch.tensor([0.0, 1, 0]))) == pytest.approx(-0.5)
+
+
+def test_the_two_head_loss_matches_hand_computation():
+    from rlhflow.training.length_heads import length_disentangled_loss
+
+    # two pairs: rows c1, c2, r1, r2; columns (quality, length)
+    scores = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [0.0, 0.0]], requires_grad=True)
+    lengths = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    heads = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    pairs = math.log1p(math.exp(-1.0))  # both pairs: preference 1 against 0
+    spread = math.sqrt(0.75 * 5.0)  # |centred head scores| * |centred lengths|
+    rho_length, rho_quality = -0.5 / spread, -1.5 / spread
+    for length_weight, orthogonality_weight in ((1.0, 1.0), (0.5, 2.0)):
+        loss, parts = length_disentangled_loss(
+            scores, lengths, heads, length_weight=length_weight, orthogonality_weight=orthogonality_weight
+        )
+        correlation = (1 - rho_length) + abs(rho_quality)
+        assert float(loss) == pytest.approx(pairs + length_weight * correlation + orthogonality_weight * 0.5)
+    assert parts["pair_loss"] == pytest.approx(pairs)
+    assert parts["length_head_correlation"] == pytest.approx(rho_length)
+    assert parts["quality_head_correlation"] == pytest.approx(rho_quality)
+    assert parts["head_overlap"] == pytest.approx(0.5) and parts["quality_accuracy"] == 0.5
+    loss.backward()
+    assert scores.grad is not None and torch.isfinite(scores.grad).all()
+    centred, _ = length_disentangled_loss(
+        scores, lengths, heads, length_weight=0.0, orthogonality_weight=0.0, center_coefficient=0.1
+    )
+    assert float(centred) == pytest.approx(pairs + 0.1 * 2 / 4)  # trl's term on the preference q + l
+
+
+def test_two_heads_train_apart_and_the_reward_is_the_quality_head(tiny_model_dir, tmp_path):
+    """Pairs whose chosen answer is the longer one: the length head follows length, the quality head much less;
+    the saved model has both heads, and the reward (what PPO optimises) is the quality head's column."""
+    from rlhflow.training.reward_model import response_tokens
+
+    cfg = RewardModelConfig(
+        epochs=4, batch_size=8, learning_rate=3e-3, max_length=64, warmup_ratio=0.0, length_head=True
+    )
+    rows = _pairs(32)
+    for i, row in enumerate(rows):  # lengths that vary within each side
+        row["chosen"] += " first second third" * (i % 4)
+        row["rejected"] += " no" * (i % 3)
+    rm = train_reward_model(cfg, rows, backbone=str(tiny_model_dir), out_dir=tmp_path / "rm", work_dir=tmp_path / "w")
+    reloaded = RewardModel.load(tmp_path / "rm")
+    assert reloaded.model.config.id2label == {0: "quality", 1: "length"}
+    prompts = [r["prompt_messages"] for r in rows] * 2
+    responses = [r["chosen"] for r in rows] + [r["rejected"] for r in rows]
+    ids = [encode_pair(rm.tokenizer, p, r, rm.max_length) for p, r in zip(prompts, responses)]
+    with torch.no_grad():
+        logits = torch.cat([rm.model(input_ids=torch.tensor([i])).logits for i in ids])
+    torch.testing.assert_close(rm.raw_scores(prompts, responses), logits[:, 0])
+    from rlhflow.training.length_heads import pearson
+
+    lengths = torch.tensor(response_tokens(rm.tokenizer, responses), dtype=torch.float)
+    rho_length, rho_quality = float(pearson(logits[:, 1], lengths)), float(pearson(logits[:, 0], lengths))
+    assert rho_length > 0.8 and abs(rho_quality) < rho_length - 0.3, (rho_length, rho_quality)
+
+
+def test_length_head_settings_are_refused_when_they_cannot_work():
+    from rlhflow.config.params import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="length_head=true with length_loss_weight=0"):
+        load_config(overrides=["reward_model.length_head=true", "reward_model.length_loss_weight=0"])
+    with pytest.raises(ConfigError, match="orthogonality_weight"):
+        load_config(overrides=["reward_model.orthogonality_weight=-1"])
+    # the judge measures: the proxy's length head is not the judge's
+    cfg = load_config(overrides=["reward_model.length_head=true"])
+    assert cfg.reward_model.length_head and not cfg.judge.length_head
+    assert load_config(overrides=["judge.length_head=true"]).judge.length_head

@@ -228,6 +228,33 @@ class RewardModelConfig(Section):
         description="recompute activations in backward: less memory, ~30% "
         "more time (for large backbones on small GPUs)",
     )
+    length_head: bool = Field(
+        False,
+        description="two heads on the backbone, trained jointly (ODIN; rlhflow/training/length_heads.py): a length "
+        "head correlated with the response's length, a quality head uncorrelated with it; their sum is fitted to the "
+        "pairs and PPO, GRPO and RLOO optimise the quality head alone. The judge has its own judge.length_head",
+    )
+    length_loss_weight: float = Field(
+        1.0,
+        ge=0,
+        description="length_head: weight of the correlation terms (1 - rho(length head, length) + "
+        "|rho(quality head, length)|)",
+    )
+    orthogonality_weight: float = Field(
+        1.0, ge=0, description="length_head: weight of |cos| between the two heads' centred weight vectors"
+    )
+
+    @model_validator(mode="after")
+    def _length_head_has_its_loss(self) -> RewardModelConfig:
+        if self.length_head and self.length_loss_weight == 0:
+            raise ValueError(
+                "length_head=true with length_loss_weight=0: nothing would tell the heads apart (their sum is all "
+                "the pairs fit); set a positive length_loss_weight or length_head=false"
+            )
+        return self
+
+
+LENGTH_HEAD_KEYS = ("length_head", "length_loss_weight", "orthogonality_weight")
 
 
 class JudgeConfig(RewardModelConfig):
@@ -386,7 +413,8 @@ class Config(Section):
     # (section, the section it inherits from, keys it never inherits): the section takes every other key both have
     # from the other unless it sets the key itself (params.yaml, --set, the Prefect form)
     INHERITS: ClassVar[tuple[tuple[str, str, frozenset[str]], ...]] = (
-        ("judge", "reward_model", frozenset({"out_dir", "checkpoint_dir"})),
+        # the judge measures: the proxy's length head is the proxy's alone (judge.length_head sets the judge's)
+        ("judge", "reward_model", frozenset({"out_dir", "checkpoint_dir", *LENGTH_HEAD_KEYS})),
         ("sft.lora", "lora", frozenset()),
         ("ppo.lora", "lora", frozenset()),
     )
@@ -556,7 +584,7 @@ def write_params(cfg: Config, path: str | os.PathLike) -> None:
     header = (
         "# Every hyperparameter of the pipeline, one section per stage. Types, bounds and descriptions:\n"
         "# rlhflow/config/params.py and its sections' modules. Override one value for a run: --set section.key=value\n"
-        "# judge takes each reward_model key it does not set, except out_dir and checkpoint_dir; sft.lora and\n"
-        "# ppo.lora take each lora key they do not set.\n"
+        "# judge takes each reward_model key it does not set, except out_dir, checkpoint_dir and its length head;\n"
+        "# sft.lora and ppo.lora take each lora key they do not set.\n"
     )
     Path(path).write_text(header + yaml.safe_dump(cfg.to_params(), sort_keys=False))

@@ -12,8 +12,10 @@ meaning whatever the scale of the head.
 
 from __future__ import annotations
 
-# trl, datasets and the trainer callbacks are imported by train_reward_model and pair_dataset only: scoring with a
-# trained reward model (PPO, evaluation, serving) never loads them.
+# trl, datasets, transformers' Trainer and its callbacks are imported by the functions that train (train_reward_model,
+# length_heads_trainer) and pair_dataset only: scoring with a trained reward model (PPO, evaluation, serving) never
+# loads them.
+import functools
 import json
 import logging
 import os
@@ -25,7 +27,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
 
 from rlhflow.models.loading import disable_dropout, pick_device, resolve_model, trainer_bf16
-from rlhflow.training import distributed
+from rlhflow.training import distributed, length_heads
 from rlhflow.training.hf_trainer import checkpoint_args, log_callback, train_resuming
 
 NORM_FILE = "reward_normalization.json"
@@ -165,8 +167,10 @@ def _classifier_from_pretrained(location, expected: Callable[[object, str], bool
     return model
 
 
-def load_backbone(spec: str, *, trust_remote_code: bool = False, pooling: str = "model"):
-    """A sequence-classification model with one output (the score) and its tokenizer."""
+def load_backbone(spec: str, *, trust_remote_code: bool = False, pooling: str = "model", length_head: bool = False):
+    """A sequence-classification model with one output (the score), or with `length_head` two (the quality and the
+    length head, rlhflow.training.length_heads), and its tokenizer."""
+    labels = ["quality", "length"] if length_head else ["LABEL_0"]
     src = resolve_model(spec)
     tok = prepare_reward_tokenizer(
         AutoTokenizer.from_pretrained(src.location, trust_remote_code=trust_remote_code, **src.kwargs())
@@ -175,9 +179,10 @@ def load_backbone(spec: str, *, trust_remote_code: bool = False, pooling: str = 
         src.location,
         # the new score head is missing from the checkpoint, the checkpoint's own head (an LM head) unused
         lambda model, key: not key.startswith(f"{model.base_model_prefix}."),
-        # one label, as num_labels=1 names it; num_labels warns when the backbone's config has the default two
-        id2label={0: "LABEL_0"},
-        label2id={"LABEL_0": 0},
+        # the labels name the outputs (one: as num_labels=1 names it); num_labels warns when the backbone's config
+        # has the default two
+        id2label=dict(enumerate(labels)),
+        label2id={label: i for i, label in enumerate(labels)},
         trust_remote_code=trust_remote_code,
         **src.weights_kwargs(),
     )
@@ -254,20 +259,78 @@ class RewardModel:
     __call__ = score
 
 
-def pair_dataset(rows, tok: PreTrainedTokenizerBase, max_length: int):
+def response_tokens(tok: PreTrainedTokenizerBase, responses: list[str]) -> list[int]:
+    """Each response's length in the reward tokenizer's tokens: the length the length head learns."""
+    return [len(ids) for ids in tok(list(responses), add_special_tokens=False, verbose=False)["input_ids"]]
+
+
+def pair_dataset(rows, tok: PreTrainedTokenizerBase, max_length: int, *, response_lengths: bool = False):
     """A tokenized `datasets.Dataset` (chosen_ids, rejected_ids) that RewardTrainer takes as processed, with each
-    pair's `length` (its longer side) for batching pairs of similar length together."""
+    pair's `length` (its longer side) for batching pairs of similar length together; with `response_lengths`, each
+    side's response length too (chosen_length, rejected_length: what the two-head loss reads)."""
     from datasets import Dataset
 
     chosen = [encode_pair(tok, r["prompt_messages"], r["chosen"], max_length) for r in rows]
     rejected = [encode_pair(tok, r["prompt_messages"], r["rejected"], max_length) for r in rows]
-    return Dataset.from_dict(
-        {
-            "chosen_ids": chosen,
-            "rejected_ids": rejected,
-            "length": [max(len(c), len(r)) for c, r in zip(chosen, rejected)],
-        }
-    )
+    columns = {
+        "chosen_ids": chosen,
+        "rejected_ids": rejected,
+        "length": [max(len(c), len(r)) for c, r in zip(chosen, rejected)],
+    }
+    if response_lengths:
+        columns["chosen_length"] = response_tokens(tok, [r["chosen"] for r in rows])
+        columns["rejected_length"] = response_tokens(tok, [r["rejected"] for r in rows])
+    return Dataset.from_dict(columns)
+
+
+def length_heads_trainer(cfg, **kwargs):
+    """A Trainer for the two heads (rlhflow.training.length_heads): trl's RewardTrainer fits one score and refuses a
+    model with two, so this is transformers' Trainer with the two-head loss and a collator that hands it each
+    response's length (trl's preference collator, which stacks the chosen responses over the rejected ones). `cfg` is
+    the `reward_model` section. It logs what RewardTrainer logs (accuracy and margin of the preference q + l) and the
+    loss's parts: the quality head's accuracy, both heads' correlation with length, their overlap."""
+    from transformers.trainer import Trainer
+    from trl.trainer.reward_trainer import DataCollatorForPreference
+
+    class Collator(DataCollatorForPreference):
+        def torch_call(self, examples):
+            batch = super().torch_call(examples)
+            lengths = [e["chosen_length"] for e in examples] + [e["rejected_length"] for e in examples]
+            batch["response_lengths"] = torch.tensor(lengths, dtype=torch.float)
+            return batch
+
+    class LengthHeadsTrainer(Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.figures: dict[str, list[float]] = {}  # the loss's parts since the last log, averaged there
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            lengths = inputs.pop("response_lengths")
+            outputs = model(**inputs, use_cache=False)
+            loss, parts = length_heads.length_disentangled_loss(
+                outputs.logits,
+                lengths.to(outputs.logits.device),
+                length_heads.score_head(self.accelerator.unwrap_model(model)).weight,
+                length_weight=cfg.length_loss_weight,
+                orthogonality_weight=cfg.orthogonality_weight,
+                center_coefficient=cfg.center_rewards_coefficient,
+            )
+            chosen, rejected = outputs.logits.detach().sum(-1).chunk(2)
+            parts |= {
+                "accuracy": (chosen > rejected).float().mean().item(),
+                "margin": (chosen - rejected).mean().item(),
+            }
+            for key, value in parts.items():
+                self.figures.setdefault(key, []).append(value)
+            return (loss, outputs) if return_outputs else loss
+
+        def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+            logs.update({key: sum(values) / len(values) for key, values in self.figures.items() if values})
+            self.figures = {}
+            super().log(logs, start_time)
+
+    tok = kwargs["processing_class"]
+    return LengthHeadsTrainer(data_collator=Collator(pad_token_id=tok.pad_token_id), **kwargs)
 
 
 def train_reward_model(
@@ -294,12 +357,13 @@ def train_reward_model(
     from trl import RewardTrainer
 
     torch.manual_seed(seed)  # the new score head's initialisation: the same in every run and every process
-    model, tok = load_backbone(backbone, trust_remote_code=trust_remote_code, pooling=cfg.pooling)
-    train = pair_dataset(train_rows, tok, cfg.max_length)
-    args = reward_config(cfg, work_dir, seed)
-    trainer = RewardTrainer(
-        model=model, args=args, train_dataset=train, processing_class=tok, callbacks=[log_callback(log_fn)]
+    model, tok = load_backbone(
+        backbone, trust_remote_code=trust_remote_code, pooling=cfg.pooling, length_head=cfg.length_head
     )
+    train = pair_dataset(train_rows, tok, cfg.max_length, response_lengths=cfg.length_head)
+    args = reward_config(cfg, work_dir, seed)
+    build = functools.partial(length_heads_trainer, cfg) if cfg.length_head else RewardTrainer
+    trainer = build(model=model, args=args, train_dataset=train, processing_class=tok, callbacks=[log_callback(log_fn)])
     train_resuming(trainer, work_dir, what="reward model", log_fn=log_fn)
     if log_fn:  # the batch the Trainer actually used per optimisation step, over all processes
         log_fn(
