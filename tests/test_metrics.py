@@ -161,6 +161,35 @@ def test_the_length_controlled_win_rate_removes_a_pure_length_effect():
     assert 0.9 < lc.value < 1 and lc.low <= lc.value <= lc.high
 
 
+def test_a_models_accuracy_where_the_chosen_answer_is_shorter_longer_and_under_length_control():
+    """Per side of the length rule, by hand with Wilson intervals; the length-controlled accuracy is the model's
+    preference at equal length: about 0.5 for the length rule itself, the model's own accuracy for one that does not
+    look at length."""
+    from rlhflow.evaluation.pairs import length_aware_pair_metrics
+    from rlhflow.evaluation.stats import wilson_interval
+
+    # 200 pairs: the chosen answer shorter in 120 (by 1 to 30 words), longer in 80
+    words = [-(1 + i % 30) for i in range(120)] + [1 + i % 30 for i in range(80)]
+    rows = [{"chosen": "w " * (40 + d), "rejected": "w " * 40} for d in words]
+    blind = [float(i % 5 != 0) for i in range(200)]  # right on 4 pairs of 5, on either side
+    metrics = length_aware_pair_metrics(blind, rows)
+    assert metrics["pairs_chosen_shorter"] == 120 and metrics["pairs_chosen_longer"] == 80
+    assert metrics["accuracy_chosen_shorter"] == 96 / 120 and metrics["accuracy_chosen_longer"] == 64 / 80
+    low, high = wilson_interval(64, 80)
+    assert (metrics["accuracy_chosen_longer_ci_low"], metrics["accuracy_chosen_longer_ci_high"]) == (low, high)
+    assert metrics["accuracy_lc"] == pytest.approx(0.8, abs=0.05) and metrics["accuracy_lc_supported"] == 1.0
+    assert metrics["accuracy_lc_ci_low"] < 0.8 < metrics["accuracy_lc_ci_high"]
+
+    rule = [1.0] * 120 + [0.0] * 80  # the length rule: right exactly where the chosen answer is the shorter
+    metrics = length_aware_pair_metrics(rule, rows)
+    assert (metrics["accuracy_chosen_shorter"], metrics["accuracy_chosen_longer"]) == (1.0, 0.0)
+    assert abs(metrics["accuracy_lc"] - 0.5) < 0.1 and metrics["accuracy_lc_ci_low"] < 0.5
+    # a reward model's Bradley-Terry preference, sigmoid(r_c - r_r), is what the length control reads when given
+    soft = length_aware_pair_metrics(blind, rows, preference=[0.9 if b else 0.3 for b in blind])
+    assert soft["accuracy_chosen_shorter"] == 96 / 120  # accuracy counts the model's choices, not its confidence
+    assert soft["accuracy_lc"] == pytest.approx(0.9 * 0.8 + 0.3 * 0.2, abs=0.05)
+
+
 def test_response_nll_appends_eos_only_to_a_response_that_fits(tok):
     """A reference response cut at max_response_length did not end there: it is scored without EOS. One that fits
     is scored with its EOS."""

@@ -62,13 +62,32 @@ LENGTH_AWARE_METRICS = (
     "accuracy_minus_length_baseline",
     "accuracy_minus_length_baseline_ci_low",
     "accuracy_minus_length_baseline_ci_high",
+    "accuracy_chosen_shorter",
+    "accuracy_chosen_shorter_ci_low",
+    "accuracy_chosen_shorter_ci_high",
+    "pairs_chosen_shorter",
+    "accuracy_chosen_longer",
+    "accuracy_chosen_longer_ci_low",
+    "accuracy_chosen_longer_ci_high",
+    "pairs_chosen_longer",
+    "accuracy_lc",
+    "accuracy_lc_ci_low",
+    "accuracy_lc_ci_high",
+    "accuracy_lc_supported",
 )
 
 
-def length_aware_pair_metrics(correct, rows: list[dict], seed: int = 0) -> dict[str, float]:
-    """A model's per-pair correctness next to the length rule's on the same pairs (rlhflow.evaluation.stats)."""
+def length_aware_pair_metrics(correct, rows: list[dict], seed: int = 0, preference=None) -> dict[str, float]:
+    """A model's per-pair correctness next to the length rule's on the same pairs (rlhflow.evaluation.stats), and
+    under length control: its accuracy on the pairs whose chosen answer is the shorter (in words, as the rule counts)
+    and on those whose chosen answer is the longer, each with its Wilson interval, and its length-controlled
+    accuracy, the preference for the chosen answer predicted at a length difference of 0 (AlpacaEval's GLM on the
+    difference in characters, `stats.length_controlled_win_rate`; the length rule's is 0.5 by construction). The
+    preference is `preference` per pair (a reward model's Bradley-Terry probability sigmoid(r_c - r_r)), else the
+    correctness (a verdict: 1, 0.5, 0)."""
     correct = [float(c) for c in correct]
-    rule = stats.shorter_answer_correct([r["chosen"] for r in rows], [r["rejected"] for r in rows])
+    chosen, rejected = [r["chosen"] for r in rows], [r["rejected"] for r in rows]
+    rule = stats.shorter_answer_correct(chosen, rejected)
     n = len(rows)
     low, high = stats.wilson_interval(sum(correct), n)  # proportions: Wilson intervals
     rule_low, rule_high = stats.wilson_interval(float(rule.sum()), n)
@@ -77,6 +96,12 @@ def length_aware_pair_metrics(correct, rows: list[dict], seed: int = 0) -> dict[
     conversations = [conversation_key(r["prompt_messages"]) for r in rows] if keyed else None
     weights = stats.resample_weights(n, conversations, seed=seed)
     difference, diff_low, diff_high = stats.difference_interval(correct, rule, weights)
+    shorter, longer = accuracy_where(correct, rule == 1), accuracy_where(correct, rule == 0)  # ties: neither
+    lc = stats.length_controlled_win_rate(
+        correct if preference is None else [float(p) for p in preference],
+        [len(c) - len(r) for c, r in zip(chosen, rejected)],
+        weights,
+    )
     return {
         "accuracy_ci_low": low,
         "accuracy_ci_high": high,
@@ -86,7 +111,26 @@ def length_aware_pair_metrics(correct, rows: list[dict], seed: int = 0) -> dict[
         "accuracy_minus_length_baseline": difference,
         "accuracy_minus_length_baseline_ci_low": diff_low,
         "accuracy_minus_length_baseline_ci_high": diff_high,
+        "accuracy_chosen_shorter": shorter[0],
+        "accuracy_chosen_shorter_ci_low": shorter[1],
+        "accuracy_chosen_shorter_ci_high": shorter[2],
+        "pairs_chosen_shorter": shorter[3],
+        "accuracy_chosen_longer": longer[0],
+        "accuracy_chosen_longer_ci_low": longer[1],
+        "accuracy_chosen_longer_ci_high": longer[2],
+        "pairs_chosen_longer": longer[3],
+        "accuracy_lc": lc.value,
+        "accuracy_lc_ci_low": lc.low,
+        "accuracy_lc_ci_high": lc.high,
+        "accuracy_lc_supported": float(lc.supported),
     }
+
+
+def accuracy_where(correct: list[float], subset) -> tuple[float, float, float, float]:
+    """Accuracy on the pairs of `subset` (a boolean mask), its Wilson interval and the number of pairs."""
+    picked = [c for c, keep in zip(correct, subset) if keep]
+    low, high = stats.wilson_interval(sum(picked), len(picked))
+    return (sum(picked) / len(picked) if picked else math.nan), low, high, float(len(picked))
 
 
 def evaluate_pairs(
@@ -104,7 +148,9 @@ def evaluate_pairs(
     metrics = {
         "accuracy": accuracy,
         "accuracy_se": accuracy_standard_error(accuracy, len(rows)),
-        **length_aware_pair_metrics(pair_correct(chosen, rejected).tolist(), rows),
+        **length_aware_pair_metrics(
+            pair_correct(chosen, rejected).tolist(), rows, preference=(chosen - rejected).sigmoid()
+        ),
         "margin_mean": float((chosen_rewards - rejected_rewards).mean()),
         "chosen_mean": float(chosen_rewards.mean()),
         "rejected_mean": float(rejected_rewards.mean()),
