@@ -64,6 +64,30 @@ def test_missing_eos_penalty_only_on_rows_that_did_not_end():
     assert core.penalize_missing_eos(scores, ended, None).tolist() == [1.0, 2.0, 3.0]
 
 
+def test_overlong_shaping_by_hand():
+    lengths = torch.tensor([10, 40, 45, 48])
+    # limit 48, buffer 8: nothing up to 40 tokens, then a linear fall to -penalty at 48
+    torch.testing.assert_close(core.overlong_penalty(lengths, 48, 8, 0.5), torch.tensor([0.0, 0.0, -0.5 * 5 / 8, -0.5]))
+    assert core.overlong_penalty(lengths, 48, 0, 0.5).abs().sum() == 0  # buffer 0: off
+
+
+def test_token_and_sequence_means_by_hand():
+    x = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0], [9.0, 9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    assert float(core.aggregate(x, mask, "token_mean")) == (1 + 2 + 3 + 4) / 4
+    assert float(core.aggregate(x, mask, "sequence_mean")) == ((1 + 2 + 3) / 3 + 4) / 2  # the empty row counts not
+    assert (
+        float(core.aggregation_units(mask, "token_mean")) == 4
+        and float(core.aggregation_units(mask, "sequence_mean")) == 2
+    )
+    # the clipped losses take the aggregation: a sequence mean weighs the one-token answer as much as the long one
+    logprobs, old = torch.zeros(3, 4), torch.zeros(3, 4)
+    loss, _, _ = core.policy_loss(logprobs, old, x, mask, 0.2, "sequence_mean")
+    assert float(loss) == -3.0
+    value, _ = core.value_loss(torch.zeros(3, 4), torch.zeros(3, 4), x, mask, None, "sequence_mean")
+    assert float(value) == pytest.approx(0.5 * ((1 + 4 + 9) / 3 + 16) / 2)
+
+
 def test_gae_by_hand():
     gamma, lam = 0.9, 0.5  # gamma * lam = 0.45
     rewards = t([[1.0, 0.0, 2.0], [0.5, 1.0, 9.0]])

@@ -162,9 +162,9 @@ def test_the_first_ratio_is_one(tok, tmp_path, monkeypatch, setting):
     ratios = []
     original = core.policy_loss
 
-    def recording(logprobs, old_logprobs, advantages, mask, cliprange):
+    def recording(logprobs, old_logprobs, advantages, mask, *args):
         ratios.append(((logprobs - old_logprobs).exp() - 1).abs().mul(mask).max().item())
-        return original(logprobs, old_logprobs, advantages, mask, cliprange)
+        return original(logprobs, old_logprobs, advantages, mask, *args)
 
     monkeypatch.setattr(core, "policy_loss", recording)
     trainer = make_trainer(tok, tmp_path, steps=1, policy=tiny_llama(tok, hidden=64), **FIRST_RATIO_SETTINGS[setting])
@@ -317,6 +317,8 @@ GRADIENT_SETTINGS = {
     "shared": dict(entropy_coef=0.01),
     "separate": dict(value_model="separate"),
     "lora": dict(lora={"enabled": True, "r": 4, "alpha": 8}),
+    # each micro-batch's mean over its answers, weighted by its share of the minibatch's answers
+    "sequence_mean": dict(loss_aggregation="sequence_mean", entropy_coef=0.01),
 }
 
 

@@ -93,6 +93,19 @@ class PPOConfig(Section):
     missing_eos_penalty: float | None = Field(
         1.0, description="subtracted from the score of responses that never emit EOS or a stop string"
     )
+    overlong_buffer: int = Field(
+        0,
+        ge=0,
+        description="DAPO's overlong shaping: over the last overlong_buffer tokens before max_new_tokens the score "
+        "falls linearly, to -overlong_penalty at the limit (rlhflow.ppo.core.overlong_penalty); 0: off",
+    )
+    overlong_penalty: float = Field(1.0, ge=0, description="overlong_buffer: the shaping's value at max_new_tokens")
+    loss_aggregation: Literal["token_mean", "sequence_mean"] = Field(
+        "token_mean",
+        description="how the policy, value and entropy terms average their tokens: over all response tokens of the "
+        "minibatch (token_mean), or per answer, then over answers (sequence_mean: short answers' tokens weigh more; "
+        "rlhflow.ppo.core.aggregate)",
+    )
     # reward source and models
     reward_fn: str | None = Field(
         None,
@@ -155,5 +168,14 @@ class PPOConfig(Section):
             raise ValueError(
                 f"ppo.batch_size ({self.batch_size}) must be a multiple of ppo.samples_per_prompt "
                 f"({self.samples_per_prompt}): each prompt of a rollout is sampled that many times"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _overlong_buffer_fits_the_answer(self) -> PPOConfig:
+        if self.overlong_buffer >= self.max_new_tokens:
+            raise ValueError(
+                f"ppo.overlong_buffer ({self.overlong_buffer}) must be below ppo.max_new_tokens "
+                f"({self.max_new_tokens}): the shaping covers the last overlong_buffer tokens before the limit"
             )
         return self

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 
@@ -98,6 +99,17 @@ def penalize_missing_eos(scores: torch.Tensor, ended: torch.Tensor, penalty: flo
     return scores - penalty * (~ended.bool()).to(scores.dtype)
 
 
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's overlong reward shaping (Yu et al. 2025, arXiv 2503.14476), added to the score: 0 for a response of at
+    most max_length - buffer tokens, then falling linearly to -penalty at max_length,
+        -penalty * clip((|y| - (max_length - buffer)) / buffer, 0, 1);
+    buffer 0: no shaping."""
+    if buffer <= 0:
+        return torch.zeros(lengths.shape, dtype=torch.float32, device=lengths.device)
+    over = (lengths.float() - (max_length - buffer)) / buffer
+    return -penalty * over.clamp(0.0, 1.0)
+
+
 def per_token_rewards(scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, mask: torch.Tensor) -> torch.Tensor:
     """r_t = -beta * kl_t on every real token, plus the sequence score on the last real token."""
     rewards = -kl_coef * kl * mask.to(kl.dtype)
@@ -139,22 +151,46 @@ def gae(
 
 # ---- losses --------------------------------------------------------------------------------------
 
+Aggregation = Literal["token_mean", "sequence_mean"]
+
+
+def aggregate(x: torch.Tensor, mask: torch.Tensor, how: Aggregation = "token_mean") -> torch.Tensor:
+    """A per-token loss [B, T] as one number. token_mean: sum_i sum_t l_it / sum_i T_i, every token of the batch
+    weighted alike (long answers weigh more). sequence_mean: (1 / B') sum_i (1 / T_i) sum_t l_it over the B' rows
+    with a token, every answer weighted alike: a short answer's tokens weigh more, so with positive advantages
+    it pushes toward short answers and with negative ones toward long ones (Liu et al. 2025, Dr. GRPO)."""
+    if how == "token_mean":
+        return masked_mean(x, mask)
+    answered = mask.sum(1) > 0
+    return masked_mean(x, mask, dim=1)[answered].mean() if answered.any() else (x * 0).sum()
+
+
+def aggregation_units(mask: torch.Tensor, how: Aggregation = "token_mean") -> torch.Tensor:
+    """What `aggregate` averages over: tokens, or answers with a token. A micro-batch's loss weighs its share."""
+    return mask.sum() if how == "token_mean" else (mask.sum(1) > 0).sum().to(mask.dtype)
+
 
 def policy_loss(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cliprange: float
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange: float,
+    aggregation: Aggregation = "token_mean",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Clipped surrogate: L = mean_t -min(rho A, clip(rho, 1-eps, 1+eps) A), rho = pi / pi_old.
+    """Clipped surrogate: L = agg_t -min(rho A, clip(rho, 1-eps, 1+eps) A), rho = pi / pi_old, agg a token or
+    sequence mean (`aggregate`).
 
     Returns (loss, clipfrac = share of tokens where the clipped term is the active one,
-    approxkl = 0.5 * mean (log pi - log pi_old)^2, a cheap estimate of KL(pi_old || pi))."""
+    approxkl = 0.5 * agg (log pi - log pi_old)^2, a cheap estimate of KL(pi_old || pi)), aggregated alike."""
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)  # max of negatives = -min of objectives
+    loss = aggregate(torch.maximum(unclipped, clipped), mask, aggregation)  # max of negatives = -min of objectives
     with torch.no_grad():
-        clipfrac = masked_mean((clipped > unclipped).float(), mask)
-        approxkl = 0.5 * masked_mean(log_ratio**2, mask)
+        clipfrac = aggregate((clipped > unclipped).float(), mask, aggregation)
+        approxkl = 0.5 * aggregate(log_ratio**2, mask, aggregation)
     return loss, clipfrac, approxkl
 
 
@@ -164,18 +200,19 @@ def value_loss(
     returns: torch.Tensor,
     mask: torch.Tensor,
     cliprange_value: float | None,
+    aggregation: Aggregation = "token_mean",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped value loss: 0.5 * mean_t max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clip(V - V_old, +-eps_v).
+    """Clipped value loss: 0.5 * agg_t max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clip(V - V_old, +-eps_v).
 
     cliprange_value=None gives the plain 0.5 * (V - R)^2. Returns (loss, value clipfrac)."""
     unclipped = (values - returns) ** 2
     if cliprange_value is None:
-        return 0.5 * masked_mean(unclipped, mask), torch.zeros((), device=values.device)
+        return 0.5 * aggregate(unclipped, mask, aggregation), torch.zeros((), device=values.device)
     v_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
     clipped = (v_clipped - returns) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask)
+    loss = 0.5 * aggregate(torch.maximum(unclipped, clipped), mask, aggregation)
     with torch.no_grad():
-        clipfrac = masked_mean((clipped > unclipped).float(), mask)
+        clipfrac = aggregate((clipped > unclipped).float(), mask, aggregation)
     return loss, clipfrac
 
 

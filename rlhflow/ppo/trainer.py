@@ -311,7 +311,7 @@ class PPOTrainer(Checkpoints):
         token - beta * KL_t, and GAE's advantages and returns (docs/ppo.md, Rollout)."""
         cfg = self.cfg
         x = self._collect(update)
-        scores = self._normalised(core.penalize_missing_eos(x.raw_scores, x.gen.ended, cfg.missing_eos_penalty))
+        scores = self._normalised(self._shaped(x.raw_scores, x.gen))
         kl = core.kl_per_token(x.old_logprobs, x.ref_logprobs, cfg.kl_estimator) * x.mask
         if self._on_any_process(~torch.isfinite(kl).all()):
             raise NonFiniteError("KL", update)
@@ -388,6 +388,18 @@ class PPOTrainer(Checkpoints):
             timings=timings,
         )
 
+    def _shaped(self, raw_scores: torch.Tensor, gen) -> torch.Tensor:
+        """The sequence reward before normalisation: the score, less missing_eos_penalty for an answer that never
+        ended, plus the overlong shaping near the answer limit (core.overlong_penalty; off by default)."""
+        cfg = self.cfg
+        scores = core.penalize_missing_eos(raw_scores, gen.ended, cfg.missing_eos_penalty)
+        if cfg.overlong_buffer:
+            lengths = gen.response_mask.sum(1)
+            scores = scores + core.overlong_penalty(
+                lengths, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty
+            )
+        return scores
+
     def _normalised(self, scores: torch.Tensor) -> torch.Tensor:
         """The scores as `reward_normalization` sets them: whitened over the batch, by running moments, by the SFT
         policy's score moments (fitted once, before the first update), or as they are."""
@@ -446,7 +458,7 @@ class PPOTrainer(Checkpoints):
             messages = [self.prompts[i] for i in idx[start : start + self.local_batch_size]]
             gen = self._sample(messages, stream=_SFT_SAMPLES_STREAM + batch)
             raw = torch.as_tensor(self.score_fn(messages, gen.texts), dtype=torch.float32).to(dev).flatten()
-            scores.append(core.penalize_missing_eos(raw, gen.ended, cfg.missing_eos_penalty))
+            scores.append(self._shaped(raw, gen))
         all_scores = distributed.gather(torch.cat(scores))
         if not torch.isfinite(all_scores).all():
             raise NonFiniteError("score of an SFT sample", 1)
@@ -490,14 +502,15 @@ class PPOTrainer(Checkpoints):
         """Leave in .grad the gradient of the minibatch `rows`' loss, accumulated over its micro-batches; return
         this process's share of the minibatch's statistics.
 
-        Each term of the loss is a mean over the minibatch's N response tokens (over all processes): the loss of a
-        micro-batch j with n_j tokens, a mean over those, is weighted by n_j / N, and sum_j (n_j / N) L_j = L. The
-        accumulated gradient is the whole minibatch's, up to rounding (and with several processes, the sum over
-        them is the global minibatch's)."""
+        Each term of the loss is a mean over the minibatch's N units (over all processes): its response tokens, or
+        its answers under `loss_aggregation: sequence_mean`. The loss of a micro-batch j with n_j units, a mean over
+        those, is weighted by n_j / N, and sum_j (n_j / N) L_j = L. The accumulated gradient is the whole
+        minibatch's, up to rounding (and with several processes, the sum over them is the global minibatch's)."""
         cfg, ctx = self.cfg, batch["context_length"]
-        tokens = batch["mask"][rows].sum()  # N: response tokens in the minibatch
+        how = cfg.loss_aggregation
+        units = core.aggregation_units(batch["mask"][rows], how)  # N
         if self.sum_across is not None:
-            tokens = self.sum_across(tokens)
+            units = self.sum_across(units)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         nonfinite = False
@@ -506,15 +519,15 @@ class PPOTrainer(Checkpoints):
             mask = batch["mask"][micro][:, :t]
             logprobs, values, entropy = self.model(qr, am, c, cfg.temperature, return_entropy=cfg.entropy_coef > 0)
             pg_loss, clipfrac, approxkl = core.policy_loss(
-                logprobs, batch["logprobs"][micro][:, :t], batch["advantages"][micro][:, :t], mask, cfg.cliprange
+                logprobs, batch["logprobs"][micro][:, :t], batch["advantages"][micro][:, :t], mask, cfg.cliprange, how
             )
             vf_loss, vf_clipfrac = core.value_loss(
-                values, batch["values"][micro][:, :t], batch["returns"][micro][:, :t], mask, cfg.cliprange_value
+                values, batch["values"][micro][:, :t], batch["returns"][micro][:, :t], mask, cfg.cliprange_value, how
             )
             loss = pg_loss + cfg.vf_coef * vf_loss
             if cfg.entropy_coef > 0:
-                loss = loss - cfg.entropy_coef * core.masked_mean(entropy, mask)  # entropy bonus
-            weight = mask.sum() / tokens.clamp(min=1.0)  # n_j / N
+                loss = loss - cfg.entropy_coef * core.aggregate(entropy, mask, how)  # entropy bonus
+            weight = core.aggregation_units(mask, how) / units.clamp(min=1.0)  # n_j / N
             if not torch.isfinite(loss):
                 nonfinite = True
                 break
