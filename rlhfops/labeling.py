@@ -32,21 +32,39 @@ HOST = "127.0.0.1"
 LABEL_VENV = REPO_ROOT / ".venv-label"
 ADMIN = "admin@rlhflow.local"  # Label Studio's users are e-mail addresses; no mail is ever sent
 CHOICES = {"A is better": "a", "B is better": "b", "Tie": "tie"}  # and Label Studio's own Skip button: "skip"
+# The pairwise page: the conversation, then the two answers side by side (each under a line that says whether it ended,
+# was cut at the answer limit or loops), one choice of three as radio buttons, and the pair's place in the round.
 LABEL_CONFIG = """<View>
-  <Header value="Conversation"/>
+  <Header value="$progress" size="6"/>
+  <Header value="Conversation" size="5"/>
   <Text name="prompt" value="$prompt_text"/>
-  <Header value="Answer A"/>
-  <Text name="answer_a" value="$answer_a"/>
-  <Header value="Answer B"/>
-  <Text name="answer_b" value="$answer_b"/>
-  <Header value="Which answer is better?"/>
-  <Choices name="preference" toName="prompt" choice="single" showInline="true" required="true">
+  <View style="display: flex; gap: 2em; align-items: flex-start">
+    <View style="flex: 1; min-width: 0">
+      <Header value="Answer A" size="5"/>
+      <Header value="$answer_a_state" size="6" underline="true"/>
+      <Text name="answer_a" value="$answer_a"/>
+    </View>
+    <View style="flex: 1; min-width: 0">
+      <Header value="Answer B" size="5"/>
+      <Header value="$answer_b_state" size="6" underline="true"/>
+      <Text name="answer_b" value="$answer_b"/>
+    </View>
+  </View>
+  <Header value="Which answer is better?" size="5"/>
+  <Choices name="preference" toName="prompt" choice="single-radio" showInline="true" required="true">
     <Choice value="A is better" hotkey="1"/>
     <Choice value="B is better" hotkey="2"/>
     <Choice value="Tie" hotkey="3"/>
   </Choices>
   <TextArea name="comment" toName="prompt" placeholder="Comment (optional)" maxSubmissions="1"/>
 </View>"""
+
+# what the page says above an answer, by its class (rlhflow.evaluation.answers); a pair sampled without classes: nothing
+ANSWER_STATES = {
+    "ended": "It ended.",
+    "cut": "Cut at the answer limit: it did not end.",
+    "degenerate": "It loops: it repeats itself.",
+}
 
 
 class LabelingError(RuntimeError):
@@ -101,18 +119,22 @@ class LabelStudio:
         return tasks
 
     def send(self, project: int, pairs: Sequence[dict]) -> int:
-        """Import the pairs the project does not hold yet (by pair_id); returns how many were sent."""
+        """Import the pairs the project does not hold yet (by pair_id), each with its place among `pairs` ("Pair 3
+        of 32") and what ended, was cut or loops; returns how many were sent."""
         held = {t.get("data", {}).get("pair_id") for t in self.tasks(project)}
         new = [
             {
                 "data": {
                     "pair_id": p["pair_id"],
+                    "progress": f"Pair {i} of {len(pairs)}",
                     "prompt_text": prompt_text(p["prompt_messages"]),
                     "answer_a": p["answer_a"],
                     "answer_b": p["answer_b"],
+                    "answer_a_state": ANSWER_STATES.get(p.get("answer_a_class"), ""),
+                    "answer_b_state": ANSWER_STATES.get(p.get("answer_b_class"), ""),
                 }
             }
-            for p in pairs
+            for i, p in enumerate(pairs, start=1)
             if p["pair_id"] not in held
         ]
         if new:

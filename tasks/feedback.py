@@ -74,7 +74,7 @@ def sample(cfg: Config) -> dict[str, float]:
         sft.texts,
         seed=cfg.evaluate.seed,
         policy_run_id=policy_run_id(cfg),
-        both_ended=policy.is_class("ended") & sft.is_class("ended"),
+        classes=(policy.classes, sft.classes),
     )
     added = append_records(cfg.path(cfg.feedback.pairs_file), pairs, key=lambda p: p["pair_id"])
     return {"feedback/pairs_sampled": float(len(pairs)), "feedback/pairs_added": float(added)}

@@ -40,7 +40,7 @@ def prompts(n: int) -> list[dict]:
 def pairs_of(n: int, seed: int = 0) -> list[dict]:
     policy = [f"a short answer {i}" for i in range(n)]
     sft = [f"a much longer answer, with many more words in it, {i}" for i in range(n)]
-    return new_pairs(prompts(n), policy, sft, seed=seed, policy_run_id="run1", both_ended=[True] * n)
+    return new_pairs(prompts(n), policy, sft, seed=seed, policy_run_id="run1", classes=(["ended"] * n, ["ended"] * n))
 
 
 def label(pair: str, side: str, who: str = "ann1", at: str = "2026-01-01T00:00:00", source: str = "human") -> dict:
@@ -56,6 +56,16 @@ def test_pairs_hide_the_policys_side_and_leave_out_equal_answers():
     assert [p["policy_side"] for p in pairs] == [p["policy_side"] for p in pairs_of(40)]  # order from the seed
     same = new_pairs(prompts(2), ["x", "y"], ["x", "z"], seed=0, policy_run_id="r")
     assert [p["prompt"] for p in same] == ["question 1?"]
+    # each answer's class stays with its side (the labeling page says it above the answer)
+    classes = (["ended", "cut"] * 20, ["degenerate", "ended"] * 20)
+    answers = [f"answer {i}" for i in range(40)]
+    marked = new_pairs(prompts(40), answers, ["other"] * 40, seed=1, policy_run_id="r", classes=classes)
+    for i, p in enumerate(marked):
+        policy, reference = classes[0][i], classes[1][i]
+        assert (p["answer_a_class"], p["answer_b_class"]) == (
+            (policy, reference) if p["policy_side"] == "a" else (reference, policy)
+        )
+        assert p["both_ended"] is False
 
 
 def test_appending_keeps_every_row_adds_each_once_and_survives_a_restart(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ from rlhflow.config.params import load_config, write_params
 from rlhflow.data.feedback import LABEL_FIELDS, PAIR_FIELDS, read_records
 from rlhflow.fsutil import file_md5
 from rlhfops import stage_lock
-from rlhfops.labeling import ADMIN, label_studio, load_secrets
+from rlhfops.labeling import ADMIN, ANSWER_STATES, label_studio, load_secrets
 
 # the stages the labels change under dvc repro, Label Studio's start and Chromium: minutes on 2 cores
 pytestmark = [pytest.mark.slow, pytest.mark.system]
@@ -130,6 +131,12 @@ def test_labels_clicked_in_label_studio_retrain_the_reward_model(tmp_path, repro
             page.goto(f"{server.url}/projects/{project}/data?labeling=1")
             page.get_by_text("Which answer is better?").wait_for()
             shoot(page, "labeling")
+            # the answers side by side, each under what became of it; one choice of three; the round's progress
+            a, b = (page.get_by_text(f"Answer {side}", exact=True).bounding_box() for side in "AB")
+            assert abs(a["y"] - b["y"]) < 5 and b["x"] > a["x"] + 200, (a, b)
+            assert sum(page.get_by_text(state, exact=True).count() for state in ANSWER_STATES.values()) == 2
+            assert page.locator("input[type=radio]").count() == 3
+            assert page.get_by_text(re.compile(rf"^Pair \d of {len(pairs)}$")).count() == 1
             for choice in clicks[:-1]:  # a session left half-finished: the last pair waits
                 label_next(page, choice, comment="clearer" if choice == "B is better" else "")
             half = ok(sys.executable, "-m", "tasks.feedback", "collect")

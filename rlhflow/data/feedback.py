@@ -47,11 +47,12 @@ def new_pairs(
     *,
     seed: int,
     policy_run_id: str,
-    both_ended: Sequence[bool] | None = None,
+    classes: tuple[Sequence[str], Sequence[str]] | None = None,
 ) -> list[dict]:
     """Pairs to label: per prompt row (`prompt`, `prompt_messages`), the policy's and the reference's answers in an
     order drawn from `seed`, so that the annotator cannot tell which is which. Pairs of two equal answers are left
-    out: no label can prefer one."""
+    out: no label can prefer one. `classes`: the policy's and the reference's answer classes (ended, cut,
+    degenerate: rlhflow.evaluation.answers), kept per side (answer_a_class, answer_b_class) with `both_ended`."""
     rng = random.Random(seed)
     pairs = []
     for i, (row, policy, reference) in enumerate(zip(prompts, policy_answers, reference_answers, strict=True)):
@@ -68,8 +69,9 @@ def new_pairs(
             "policy_side": side,
             "policy_run_id": policy_run_id,
         }
-        if both_ended is not None:
-            pair["both_ended"] = bool(both_ended[i])
+        if classes is not None:
+            of_a, of_b = (classes[0][i], classes[1][i]) if side == "a" else (classes[1][i], classes[0][i])
+            pair |= {"answer_a_class": of_a, "answer_b_class": of_b, "both_ended": of_a == of_b == "ended"}
         pairs.append(pair)
     return pairs
 
