@@ -1,12 +1,13 @@
-"""PPO in fp32 and in bf16 on the reward-KL frontier: the default pipeline at each precision, KL weight and training
-seed, compared on KL to SFT, the proxy reward PPO optimises, the judge's reward and the judge's win rates (both
-ended, length-controlled): per seed, as means over seeds, paired by seed, and at equal KL.
+"""Two values of one setting on the reward-KL frontier: the default pipeline with each value ("arm") at each KL weight
+and training seed, compared on KL to SFT, the proxy reward PPO optimises, the judge's reward and win rates (both
+ended, length-controlled), the answers' ended share and length, and the proxy's accuracy with and without length
+control: per seed, as means over seeds, paired by seed, and at equal KL.
 
-    .venv/bin/python -m bench.precision_frontier --seeds 3                  # both precisions at the default beta
-    .venv/bin/python -m bench.precision_frontier --seeds 3 --betas 1,0.5    # and at half the KL weight
-    .venv/bin/python -m bench.precision_frontier --seeds 3 --table-only     # the table from MLflow, nothing run
+    .venv/bin/python -m bench.arm_frontier --setting reward_model.length_head --arms false,true --seeds 3
+    .venv/bin/python -m bench.arm_frontier --setting ppo.precision --arms fp32,bf16 --seeds 3 --betas 1,0.5
+    .venv/bin/python -m bench.arm_frontier ... --table-only          # the table from MLflow, nothing run
 
-How it measures: docs/benchmark-methods.md#precision_frontier.
+bench.precision_frontier is this bench for ppo.precision. How it measures: docs/benchmark-methods.md#arm_frontier.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ from rlhflow.evaluation.stats import across_seeds, difference_at_equal_x
 from rlhflow.fsutil import write_text_atomic
 from rlhfops import tracking
 
-PRECISIONS = ("fp32", "bf16")
-REPORT = "reports/precision_frontier.md"
 KL = "eval/kl"
 FIGURES = [  # (row, metric, decimals): the figures PPO optimises first, then the judge's, dev before test
     ("test: KL to SFT, nats", KL, 2),
@@ -37,29 +36,31 @@ FIGURES = [  # (row, metric, decimals): the figures PPO optimises first, then th
     ("test: judge win rate, length-controlled", "eval/judge_win_rate_lc", 3),
     ("test: answers ended", "eval/answers_ended", 3),
     ("test: answer tokens, mean", "eval/answer_tokens", 0),
+    ("test pairs: proxy accuracy", "rm/accuracy", 3),
+    ("test pairs: proxy accuracy, length-controlled", "rm/accuracy_lc", 3),
 ]
 
 
 @dataclass
 class Point:
-    precision: str
+    arm: str  # the setting's value
     beta: str
     seed: int
     cfg: Config
     metrics: dict | None = None  # the finished pipeline run's, once found
 
 
-def make_points(overrides: list[str], scales: list[float], seeds: int) -> list[Point]:
-    """Every (precision, beta, seed) as the sweep runs it: seeds seed, seed + 1, ...; beta: the default times each
+def make_points(setting: str, arms: list[str], overrides: list[str], scales: list[float], seeds: int) -> list[Point]:
+    """Every (arm, beta, seed) as the sweep runs it: seeds seed, seed + 1, ...; beta: the default times each
     scale."""
     base = load_config(overrides=overrides)
     betas = [f"{base.ppo.kl_coef * s:.4g}" for s in scales]
     points = []
-    for precision in PRECISIONS:
+    for arm in arms:
         for beta in betas:
             for seed in range(base.seed, base.seed + seeds):
-                extra = [f"ppo.precision={precision}", f"ppo.kl_coef={beta}", f"seed={seed}"]
-                points.append(Point(precision, beta, seed, load_config(overrides=[*overrides, *extra])))
+                extra = [f"{setting}={arm}", f"ppo.kl_coef={beta}", f"seed={seed}"]
+                points.append(Point(arm, beta, seed, load_config(overrides=[*overrides, *extra])))
     return points
 
 
@@ -86,24 +87,26 @@ def _interval(value: tuple[float, float, float], decimals: int) -> str:
 
 
 def table(points: list[Point]) -> str:
-    """Per figure: each (precision, beta)'s value at each seed with the mean and its 95% Student-t interval; bf16 -
-    fp32 paired by seed at each beta; and bf16 - fp32 at equal KL over every run (`difference_at_equal_x`)."""
+    """Per figure: each (arm, beta)'s value at each seed with the mean and its 95% Student-t interval; the second arm
+    less the first paired by seed at each beta; and the same difference at equal KL over every run
+    (`difference_at_equal_x`)."""
     done = [p for p in points if p.metrics is not None]
-    groups = list(dict.fromkeys((p.precision, p.beta) for p in done))
-    betas = [b for b in dict.fromkeys(p.beta for p in done) if ("fp32", b) in groups and ("bf16", b) in groups]
-    head = ["figure", *(f"{precision}, beta {beta}" for precision, beta in groups)]
-    head += [f"bf16 - fp32, beta {beta}, paired by seed" for beta in betas] + ["bf16 - fp32 at equal KL"]
+    first, second = list(dict.fromkeys(p.arm for p in points))[:2]
+    groups = list(dict.fromkeys((p.arm, p.beta) for p in done))
+    betas = [b for b in dict.fromkeys(p.beta for p in done) if (first, b) in groups and (second, b) in groups]
+    head = ["figure", *(f"{arm}, beta {beta}" for arm, beta in groups)]
+    head += [f"{second} - {first}, beta {beta}, paired by seed" for beta in betas] + [f"{second} - {first} at equal KL"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    by_key = {(p.precision, p.beta, p.seed): p.metrics for p in done}
+    by_key = {(p.arm, p.beta, p.seed): p.metrics for p in done}
     for row, metric, decimals in FIGURES:
         cells = [row]
-        for precision, beta in groups:
-            values = [p.metrics.get(metric, math.nan) for p in done if (p.precision, p.beta) == (precision, beta)]
+        for arm, beta in groups:
+            values = [p.metrics.get(metric, math.nan) for p in done if (p.arm, p.beta) == (arm, beta)]
             cells.append(_summary(values, decimals))
         for beta in betas:
-            seeds = sorted({s for (pr, b, s) in by_key if b == beta and pr == "fp32" and ("bf16", b, s) in by_key})
+            seeds = sorted({s for (a, b, s) in by_key if b == beta and a == first and (second, b, s) in by_key})
             pairs = [
-                by_key["bf16", beta, s].get(metric, math.nan) - by_key["fp32", beta, s].get(metric, math.nan)
+                by_key[second, beta, s].get(metric, math.nan) - by_key[first, beta, s].get(metric, math.nan)
                 for s in seeds
             ]
             cells.append(_interval(across_seeds(pairs), decimals) if len(pairs) > 1 else "")
@@ -112,29 +115,36 @@ def table(points: list[Point]) -> str:
         else:
             x = [p.metrics.get(KL, math.nan) for p in done]
             y = [p.metrics.get(metric, math.nan) for p in done]
-            cells.append(_interval(difference_at_equal_x(x, y, [p.precision == "bf16" for p in done]), decimals))
+            cells.append(_interval(difference_at_equal_x(x, y, [p.arm == second for p in done]), decimals))
         lines.append("| " + " | ".join(cells) + " |")
-    missing = [f"{p.precision} beta {p.beta} seed {p.seed}" for p in points if p.metrics is None]
+    missing = [f"{p.arm} beta {p.beta} seed {p.seed}" for p in points if p.metrics is None]
     return "\n".join(lines) + (f"\n\nNo finished run yet: {', '.join(missing)}." if missing else "")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, *, setting: str | None = None, arms: str | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--setting", default=setting, required=setting is None, help="the params.yaml key compared")
+    parser.add_argument("--arms", default=arms, required=arms is None, help="its two values, comma-separated")
     parser.add_argument("--betas", default="1", help="comma-separated multiples of the default ppo.kl_coef")
     parser.add_argument("--seeds", type=int, default=3, help="training seeds per point")
     parser.add_argument("--table-only", action="store_true", help="no runs: the table from MLflow")
     add_overrides_argument(parser, "params.yaml overrides for every point")
     args = parser.parse_args(argv)
-    points = make_points(args.overrides, [float(s) for s in args.betas.split(",")], args.seeds)
+    arm_values = args.arms.split(",")
+    if len(arm_values) != 2:
+        parser.error(f"--arms takes two values, got {args.arms!r}")
+    points = make_points(
+        args.setting, arm_values, args.overrides, [float(s) for s in args.betas.split(",")], args.seeds
+    )
     if not args.table_only:
         from flows.sweep import rlhf_sweep
 
-        grid = {"ppo.precision": list(PRECISIONS), "ppo.kl_coef": list(dict.fromkeys(p.beta for p in points))}
+        grid = {args.setting: arm_values, "ppo.kl_coef": list(dict.fromkeys(p.beta for p in points))}
         base = load_config(overrides=args.overrides)
         rlhf_sweep(grid=grid, overrides=args.overrides, best_of_n=[], config=base, seeds=args.seeds)
     find_runs(points)
     markdown = table(points)
-    write_text_atomic(points[0].cfg.path(REPORT), markdown + "\n")
+    write_text_atomic(points[0].cfg.path(f"reports/frontier_{args.setting.replace('.', '_')}.md"), markdown + "\n")
     print(markdown)
 
 
