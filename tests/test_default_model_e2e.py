@@ -3,6 +3,8 @@ GGUF loading, the plain safetensors copy, and a PPO update on it. About a minute
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -17,14 +19,17 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def default_model(tmp_path_factory):
     tok = load_tokenizer(DEFAULT_SFT_MODEL)
-    model = load_causal_lm(DEFAULT_SFT_MODEL, pad_token_id=tok.pad_token_id)
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        model = load_causal_lm(DEFAULT_SFT_MODEL, pad_token_id=tok.pad_token_id)
     out = tmp_path_factory.mktemp("sft") / "model"
     save_plain(model, tok, out)
-    return tok, model, out
+    return tok, model, out, said.getvalue()
 
 
 def test_default_model_loads_offline_and_saves_a_plain_copy(default_model):
-    tok, model, out = default_model
+    tok, model, out, said = default_model
+    assert "de-quantizing" not in said and "Loading weights" not in said, said[-2000:]  # no loading bars
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     assert len(tok) == 49_152 and tok.chat_template
     assert tok.pad_token_id != tok.eos_token_id and tok.padding_side == "left"
@@ -40,7 +45,7 @@ def test_default_model_loads_offline_and_saves_a_plain_copy(default_model):
 def test_one_ppo_update_on_the_default_model(default_model, tmp_path):
     from rlhflow.ppo.trainer import PPOTrainer
 
-    tok, _, out = default_model
+    tok, _, out, _ = default_model
     policy = load_causal_lm(str(out), pad_token_id=tok.pad_token_id)
     cfg = PPOConfig(
         steps=1,

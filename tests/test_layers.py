@@ -147,6 +147,7 @@ DEFERRED_IMPORTS = {
     "sklearn": "scikit-learn",
     "transformers.trainer_callback": "transformers' Trainer",  # it loads peft: stages that only score skip it
     "transformers.trainer": "transformers' Trainer",
+    "transformers.modeling_gguf_pytorch_utils": "gguf",
     "trl": "trl",
 }
 

@@ -12,7 +12,8 @@ Weights are read from safetensors (or GGUF); `trust_remote_code` is passed throu
 
 from __future__ import annotations
 
-# peft is imported only to add an adapter: heavy, and optional (lora.enabled).
+# peft is imported only to add an adapter: heavy, and optional (lora.enabled); transformers' gguf loader only to
+# load a GGUF file (it imports the gguf package).
 import contextlib
 import functools
 import importlib.util
@@ -154,14 +155,29 @@ def load_causal_lm(
     picks one for a device); None: transformers' default."""
     src = resolve_model(spec)
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model = AutoModelForCausalLM.from_pretrained(
-        src.location, dtype=dtype, trust_remote_code=trust_remote_code, **src.weights_kwargs(), **extra
-    )
+    with no_gguf_bar() if src.gguf_file else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_pretrained(
+            src.location, dtype=dtype, trust_remote_code=trust_remote_code, **src.weights_kwargs(), **extra
+        )
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
         if model.generation_config is not None:
             model.generation_config.pad_token_id = pad_token_id
     return disable_dropout(model)
+
+
+@contextlib.contextmanager
+def no_gguf_bar():
+    """transformers draws its GGUF dequantization bar with tqdm directly, past disable_progress_bar: while loading, its
+    module's tqdm draws nothing (a GGUF file is read once per run, by the sft stage)."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_loading
+
+    drawing = gguf_loading.tqdm
+    gguf_loading.tqdm = functools.partial(drawing, disable=True)
+    try:
+        yield
+    finally:
+        gguf_loading.tqdm = drawing
 
 
 def load_language_model(model_dir: str | os.PathLike, device) -> tuple[PreTrainedTokenizerBase, torch.nn.Module]:
