@@ -31,6 +31,7 @@ from mlflow.entities import Metric
 from mlflow.utils.credentials import get_default_host_creds
 from mlflow.utils.rest_utils import http_request
 
+from rlhflow.config import credentials
 from rlhflow.config.params import REPO_ROOT, Config, project_root
 from rlhflow.fsutil import write_json_atomic
 from rlhflow.redaction import REDACTED, redact_url, redact_urls, user_info_removed
@@ -151,8 +152,18 @@ def preflight(cfg: Config, timeout: float = PREFLIGHT_TIMEOUT_S) -> None:
             _check_writable_dir(where, uri)
 
 
+# what MLflow sends to a tracking server from the environment: a password or a token
+TRACKING_CREDENTIALS = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+
+
 def _check_server(uri: str, timeout: float) -> None:
     shown = redact(uri)
+    sent = [name for name in TRACKING_CREDENTIALS if os.environ.get(name)]
+    if user_info_removed(uri) != uri:
+        sent.append("the password in the tracking URI")
+    problem = credentials.transport_problem("the tracking URI", uri, " and ".join(sent)) if sent else None
+    if problem:  # the one rule of rlhflow/config/credentials.py, on what MLflow sends by itself
+        raise TrackingUnavailableError(f"{problem}. Nothing was run.")
     try:
         response = http_request(
             get_default_host_creds(uri),

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from rlhflow.config import credentials
 from rlhflow.config.section import Section
 
 
@@ -29,10 +30,30 @@ class FeedbackConfig(Section):
     n_pairs: int = Field(32, ge=1, description="pairs sampled for one round of labelling (feedback split prompts)")
     max_new_tokens: int = Field(96, ge=1, description="answer length of the sampled pairs, in tokens")
     label_studio_url: str = Field(
-        "http://127.0.0.1:8080", description="the Label Studio server (`make label` starts one on this machine)"
+        "http://127.0.0.1:8080",
+        description="the Label Studio server (`make label` starts one on this machine): https, or http on this "
+        "machine, unless feedback.allow_plain_http",
     )
     project: str = Field("rlhf-feedback", description="the Label Studio project the pairs go to")
     token_env: str = Field(
         "LABEL_STUDIO_API_KEY",
-        description="the environment variable holding the Label Studio API token (read at run time, never logged)",
+        description="the environment variable holding the Label Studio API token (read at run time, never logged): "
+        "LABEL_STUDIO_..._API_KEY or LABEL_STUDIO_..._TOKEN, no other credential (rlhflow/config/credentials.py)",
     )
+    allow_plain_http: bool = Field(
+        False,
+        description="let an http:// label_studio_url on another host than this one receive the token, the pairs "
+        "and the labels unencrypted; off: such a URL fails at config load",
+    )
+
+    @model_validator(mode="after")
+    def _the_token_goes_only_where_it_belongs(self) -> FeedbackConfig:
+        problem = credentials.variable_problem("feedback.token_env", self.token_env, credentials.LABEL_STUDIO)
+        if not problem and not self.allow_plain_http:
+            what = f"the API token (${self.token_env}), the pairs and the labels"
+            problem = credentials.transport_problem(
+                "feedback.label_studio_url", self.label_studio_url, what, "feedback.allow_plain_http"
+            )
+        if problem:
+            raise ValueError(problem)
+        return self

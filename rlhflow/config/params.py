@@ -9,16 +9,14 @@ work starts, with the offending key named.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
-import re
 from pathlib import Path
 from typing import Any, ClassVar, Literal
-from urllib.parse import urlsplit
 
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
+from rlhflow.config import credentials
 from rlhflow.config.align import AlignConfig
 from rlhflow.config.evaluate import EvaluateConfig
 from rlhflow.config.feedback import FeedbackConfig
@@ -287,9 +285,8 @@ class JudgeConfig(RewardModelConfig):
     api_key_env: str = Field(
         "OPENAI_API_KEY",
         description="kind=llm: the environment variable holding the endpoint's API key (read at run time, never "
-        "logged): a name of the form <NAME>API_KEY or <NAME>_TOKEN in capitals (OPENAI_API_KEY, MY_JUDGE_TOKEN), "
-        "never one of another service's credentials the pipeline knows (OTHER_SERVICE_CREDENTIALS: HF_TOKEN, "
-        "MLFLOW_TRACKING_TOKEN, PREFECT_API_KEY, ...)",
+        "logged): OPENAI_API_KEY or a name with JUDGE, LLM or VLLM in it ending in _API_KEY or _TOKEN (JUDGE_API_KEY, "
+        "MY_LLM_TOKEN); no other credential of the machine (rlhflow/config/credentials.py)",
     )
     allow_plain_http: bool = Field(
         False,
@@ -305,14 +302,6 @@ class JudgeConfig(RewardModelConfig):
     request_timeout: float = Field(60.0, gt=0, description="kind=llm: seconds per request")
     max_retries: int = Field(2, ge=0, description="kind=llm: retries of a failed request or a malformed verdict")
 
-    # what judge.api_key_env may name: an API key or token, and not the credential of a service the pipeline uses
-    API_KEY_ENV_FORM: ClassVar[re.Pattern] = re.compile(r"[A-Z][A-Z0-9_]*(API_KEY|_TOKEN)")
-    OTHER_SERVICE_CREDENTIALS: ClassVar[frozenset[str]] = frozenset(
-        {"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MLFLOW_TRACKING_TOKEN", "PREFECT_API_KEY", "AWS_SESSION_TOKEN"}
-        | {"AWS_SECURITY_TOKEN", "GITHUB_TOKEN", "GH_TOKEN", "CI_JOB_TOKEN", "DATABRICKS_TOKEN", "WANDB_API_KEY"}
-        | {"ACTIONS_RUNTIME_TOKEN", "ACTIONS_ID_TOKEN_REQUEST_TOKEN", "DVC_STUDIO_TOKEN", "STUDIO_TOKEN"}
-    )
-
     @model_validator(mode="after")
     def _kind_has_its_settings(self) -> JudgeConfig:
         needed = {"trained": [], "reward_model": ["model"], "llm": ["model", "endpoint"]}[self.kind]
@@ -323,45 +312,16 @@ class JudgeConfig(RewardModelConfig):
 
     @model_validator(mode="after")
     def _the_key_goes_only_where_it_belongs(self) -> JudgeConfig:
-        """The API key is read from judge.api_key_env and sent to judge.endpoint: the variable must hold a key
-        meant for it, and the key must not cross the network in clear text unless the user says so."""
-        name = self.api_key_env
-        if not self.API_KEY_ENV_FORM.fullmatch(name) or name in self.OTHER_SERVICE_CREDENTIALS:
-            raise ValueError(
-                f"judge.api_key_env={name!r} does not name a judge API key: it must be an upper-case name ending in "
-                "API_KEY or _TOKEN (e.g. OPENAI_API_KEY) and not another service's credential "
-                f"({', '.join(sorted(self.OTHER_SERVICE_CREDENTIALS))})"
-            )
-        if self.kind == "llm" and self.endpoint and not self.allow_plain_http:
-            scheme, host = self._scheme_and_host(self.endpoint)
-            if scheme != "https" and not (scheme == "http" and self._is_loopback(host)):
-                raise ValueError(
-                    f"judge.endpoint {scheme}://{host}/... is not https: the API key (${name}) and every answer "
-                    "would cross the network unencrypted. Use https, an http endpoint on this host (127.0.0.1, ::1, "
-                    "localhost), or set judge.allow_plain_http=true"
-                )
+        """The API key is read from judge.api_key_env and sent to judge.endpoint: the variable must be a judge's
+        key, and the key must not cross the network in clear text unless the user says so
+        (rlhflow/config/credentials.py)."""
+        problem = credentials.variable_problem("judge.api_key_env", self.api_key_env, credentials.JUDGE)
+        if not problem and self.kind == "llm" and self.endpoint and not self.allow_plain_http:
+            what = f"the API key (${self.api_key_env}) and every answer"
+            problem = credentials.transport_problem("judge.endpoint", self.endpoint, what, "judge.allow_plain_http")
+        if problem:
+            raise ValueError(problem)
         return self
-
-    @staticmethod
-    def _scheme_and_host(url: str) -> tuple[str, str]:
-        """The scheme and host of a URL, lower case (host without user info or port; "" when it has none)."""
-        try:
-            parts = urlsplit(url)
-            return parts.scheme.lower(), (parts.hostname or "")
-        except ValueError:  # a malformed host, e.g. an unclosed IPv6 bracket
-            return url.partition(":")[0].lower(), ""
-
-    @staticmethod
-    def _is_loopback(host: str) -> bool:
-        """127.0.0.0/8, ::1 (an IPv4-mapped loopback address too) or localhost."""
-        if host == "localhost":
-            return True
-        try:
-            address = ipaddress.ip_address(host)
-        except ValueError:
-            return False
-        mapped = getattr(address, "ipv4_mapped", None)
-        return address.is_loopback or bool(mapped and mapped.is_loopback)
 
 
 class TrackingConfig(Section):
