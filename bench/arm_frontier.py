@@ -91,6 +91,9 @@ def table(points: list[Point]) -> str:
     less the first paired by seed at each beta; and the same difference at equal KL over every run
     (`difference_at_equal_x`)."""
     done = [p for p in points if p.metrics is not None]
+    missing = [f"{p.arm} beta {p.beta} seed {p.seed}" for p in points if p.metrics is None]
+    if not done:
+        return f"No finished run yet: {', '.join(missing)}."
     first, second = list(dict.fromkeys(p.arm for p in points))[:2]
     groups = list(dict.fromkeys((p.arm, p.beta) for p in done))
     betas = [b for b in dict.fromkeys(p.beta for p in done) if (first, b) in groups and (second, b) in groups]
@@ -117,7 +120,6 @@ def table(points: list[Point]) -> str:
             y = [p.metrics.get(metric, math.nan) for p in done]
             cells.append(_interval(difference_at_equal_x(x, y, [p.arm == second for p in done]), decimals))
         lines.append("| " + " | ".join(cells) + " |")
-    missing = [f"{p.arm} beta {p.beta} seed {p.seed}" for p in points if p.metrics is None]
     return "\n".join(lines) + (f"\n\nNo finished run yet: {', '.join(missing)}." if missing else "")
 
 

@@ -221,10 +221,10 @@ def first_ratio_recorded():
     ratios: list[float] = []
     policy_loss = core.policy_loss
 
-    def recording(logprobs, old_logprobs, advantages, mask, cliprange):
+    def recording(logprobs, old_logprobs, advantages, mask, *rest, **options):
         if not ratios:
             ratios.append(((logprobs - old_logprobs).exp() - 1).abs().mul(mask).max().item())
-        return policy_loss(logprobs, old_logprobs, advantages, mask, cliprange)
+        return policy_loss(logprobs, old_logprobs, advantages, mask, *rest, **options)
 
     core.policy_loss = recording
     try:

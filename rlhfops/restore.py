@@ -31,9 +31,11 @@ from rlhfops.dvc_yaml import stage_deps
 from rlhfops.hashing import dvc_md5s, file_md5
 from rlhfops.stage_lock import (
     LOCK_FILE,
+    declared_target,
     dvc_repo,
     is_dvc_project,
     is_user_data,
+    load_declared,
     load_lock,
     made_by_stages,
     repo_lock,
@@ -318,7 +320,7 @@ def _declared_stage(repo: Any, name: str, entry: dict[str, Any]) -> Any:
     from dvc.stage.exceptions import StageNotFound
 
     try:
-        dstage = repo.stage.load_one(name=name)
+        dstage = load_declared(repo, name)
     except StageNotFound:
         raise RestoreError(f"stage {name} of the run is not in dvc.yaml") from None
     listed = {o.def_path for o in dstage.outs}
@@ -463,11 +465,11 @@ def _write_lock_entry(dstage: Any, entry: dict[str, Any]) -> None:
 def _checkout_stage(repo: Any, name: str, outputs: Path | None) -> dict[str, str]:
     """DVC checks out the stage's cached outputs as its dvc.lock entry has them (`fetch` brought what was
     missing, `verify_objects` checked it); the uncached ones are copied from the run's artifacts."""
-    dstage = repo.stage.load_one(name=name)
+    dstage = load_declared(repo, name)
     sources = {}
     cached = [o for o in dstage.outs if o.use_cache]
     if cached:
-        repo.checkout(targets=[name], force=True)
+        repo.checkout(targets=[declared_target(repo, name)], force=True)
         sources.update({o.def_path: "dvc cache" for o in cached})
     for out in dstage.outs:
         if out.use_cache:

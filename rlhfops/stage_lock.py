@@ -210,6 +210,17 @@ def dvc_repo(root: Path = REPO_ROOT) -> Iterator[Any]:
         repo.close()
 
 
+def declared_target(repo: Any, name: str) -> str:
+    """Stage `name` of the repository's own dvc.yaml as a DVC target. A bare name means the dvc.yaml of the current
+    directory, which is another project's when the process started elsewhere (a Prefect worker, a test)."""
+    return f"{os.path.join(repo.root_dir, 'dvc.yaml')}:{name}"
+
+
+def load_declared(repo: Any, name: str) -> Any:
+    """DVC's stage `name` from the repository's own dvc.yaml (`declared_target`)."""
+    return repo.stage.load_one(path=os.path.join(repo.root_dir, "dvc.yaml"), name=name)
+
+
 @contextlib.contextmanager
 def repo_lock(repo: Any) -> Iterator[None]:
     """DVC's repository lock (`.dvc/tmp/lock`), as DVC's own commands take it (re-entrant)."""
@@ -263,7 +274,7 @@ def dvc_stage(repo: Any, stage: Stage, cfg: Config) -> Any | None:
     from dvc.stage.exceptions import StageNotFound
 
     try:
-        dstage = repo.stage.load_one(name=stage.name)
+        dstage = load_declared(repo, stage.name)
     except StageNotFound:
         return None
     from dvc.dependency.param import ParamsDependency

@@ -15,6 +15,7 @@ import fcntl
 import functools
 import hashlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -336,10 +337,17 @@ def stage_run(cfg: Config, stage: str, sections: list[str], parent_run_id: str |
     return start_run(cfg, name=stage, params=params, tags={"stage": stage}, parent_run_id=parent_run_id)
 
 
+def valued(metrics: dict[str, float | None], *, keep_nan: bool = False) -> dict[str, float]:
+    """The metrics that have a value. None is no value; so is NaN in a stage's summary (an accuracy over no pairs),
+    left out of MLflow and of metrics/<stage>.json alike so that the two hold the same keys. A training curve
+    (`keep_nan`) keeps its NaN: a loss that diverged must show."""
+    return {k: float(v) for k, v in metrics.items() if v is not None and (keep_nan or not math.isnan(float(v)))}
+
+
 def log_metrics(metrics: dict[str, float], *, run_ids: list[str | None] = (), step: int | None = None) -> None:
     """Log to the active run and to any other given runs (the evaluate stage also logs on the parent)."""
 
-    clean = {k: float(v) for k, v in metrics.items() if v is not None}
+    clean = valued(metrics, keep_nan=step is not None)
     mlflow.log_metrics(clean, step=step)
     now = int(time.time() * 1000)
     batch = [Metric(key, value, now, step or 0) for key, value in clean.items()]
@@ -406,5 +414,5 @@ def link_stage_runs(parent_run_id: str) -> list[str]:
 def write_stage_metrics(cfg: Config, stage: str, metrics: dict[str, float]) -> Path:
     """metrics/<stage>.json: what `dvc metrics show` lists; the same numbers MLflow has."""
     path = cfg.path(cfg.metrics_dir) / f"{stage}.json"
-    write_json_atomic(path, {k: float(v) for k, v in metrics.items()})
+    write_json_atomic(path, valued(metrics))
     return path

@@ -333,7 +333,7 @@ class PolicyEvaluator:
             )
         samples = answer_samples(held_out, parts["test"], reference["test"], judged, judge_scores, kl["test"])
         return PolicyEvaluation(
-            metrics={k: v for k, v in metrics.items() if not math.isnan(v)},  # NaN: "no value", in MLflow and DVC alike
+            metrics={k: v for k, v in metrics.items() if not math.isnan(v)},  # NaN: "no value" (tracking.valued)
             samples=samples,
             buckets=buckets,
             pairs=pairs,
