@@ -20,7 +20,7 @@ from rlhflow.config.params import Config
 from rlhflow.data.feedback import LABEL_FIELDS, PAIR_FIELDS, FeedbackError, labelled_preferences, read_records
 from rlhflow.data.formats import load_preferences
 from rlhflow.data.readers import write_jsonl
-from rlhflow.data.splits import assign_splits, conversation_keys, cross_split_prefix_pairs
+from rlhflow.data.splits import assign_splits, cross_split_prefix_pairs, held_out_keys
 from rlhflow.data.validation import DataValidationError, validate_preferences
 from rlhflow.fsutil import atomic_dir, remove_made
 from rlhflow.models.loading import load_tokenizer
@@ -111,8 +111,8 @@ def read_labelled(cfg: Config, splits: dict):
     if not labels:
         return [], {}
     labelled, counts = labelled_preferences(pairs, labels)
-    held_out = set().union(*(set(conversation_keys(splits[s])) for s in ("judge", "dev", "test") if s in splits))
-    leaked = [int(r) for r, key in zip(labelled["source_row"], conversation_keys(labelled)) if key in held_out]
+    held_out = set().union(*(set(held_out_keys(splits[s])) for s in ("judge", "dev", "test") if s in splits))
+    leaked = [int(r) for r, key in zip(labelled["source_row"], held_out_keys(labelled)) if key in held_out]
     if leaked:
         raise FeedbackError(
             f"{f.pairs_file}: {len(leaked)} labelled pair(s) from a held-out conversation (judge, dev or test), "

@@ -255,3 +255,14 @@ def test_labels_on_a_held_out_conversation_are_refused_by_validate(tmp_path):
 def test_the_feedback_fraction_leaves_training_data():
     with pytest.raises(ValueError, match="validate.feedback_fraction"):
         load_config(overrides=["validate.judge_fraction=0.5", "validate.feedback_fraction=0.4"])
+
+
+def test_a_pair_changed_after_it_was_sampled_keeps_no_label():
+    """A pair's id is recomputed from its texts: a prompt edited in the pairs file (into a held-out conversation,
+    say) no longer matches the pair that was labelled, and nothing is read."""
+    pairs = pairs_of(3)
+    labels = [label(p["pair_id"], "a") for p in pairs]
+    assert len(labelled_preferences(pairs, labels)[0]) == 3
+    pairs[1]["prompt"] += " (edited)"
+    with pytest.raises(FeedbackError, match=r"1 pair\(s\) whose id is not their texts' .*: row 2: pair"):
+        labelled_preferences(pairs, labels)

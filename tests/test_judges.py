@@ -241,9 +241,12 @@ def test_each_answer_stays_in_its_own_block_unexpanded():
     "text, problem",
     [
         ("{instruction} {output_1} {output_2} {output_3}", "unknown placeholder(s) {output_3}"),
-        ("{instruction} {output_1} {output_2} {}", "unknown placeholder(s) {}"),
-        ("{instruction} {output_1!r} {output_2:.20}", "unknown placeholder(s) {output_1!r}, {output_2:.20}"),
-        ('{instruction} {output_1} {output_2} reply {"verdict": 1}', 'unknown placeholder(s) {"verdict": 1}'),
+        ("{instruction} {output_1} {output_2} {}", "unknown placeholder(s) 1 field(s) that are not placeholders"),
+        ("{instruction} {output_1!r} {output_2:.20}", "unknown placeholder(s) {output_1!r}, {output_2:...}"),
+        (
+            '{instruction} {output_1} {output_2} reply {"verdict": 1}',
+            "unknown placeholder(s) 1 field(s) that are not placeholders",
+        ),
         ("{instruction} {output_1} {output_2} }", "Single '}' encountered"),
         ("Which is better, {output_1} or {output_2}?", "lacks the placeholder(s) {instruction}"),
         ("$instruction $output_1 $output_2", "lacks the placeholder(s) {instruction}, {output_1}, {output_2}"),
@@ -386,6 +389,25 @@ def test_a_malformed_reply_is_asked_again_then_counted_and_named(server, caplog)
     # prompt 1: 2 orders x (1 + 2 retries); prompt 0: 2 orders x 2 asks (a retry fixed each); prompt 2: 2
     assert len(srv.requests) == judge.requests == 6 + 4 + 2
     assert "malformed verdict 'I cannot decide.'" in caplog.text
+
+
+def test_a_reply_of_another_json_type_is_a_malformed_verdict(server):
+    """A chat completion whose content is a number, a list of parts, an object or null is a malformed verdict, asked
+    again and counted, never a crash (an int's .strip() raised AttributeError)."""
+    shapes = [1, ["1"], {"text": "1"}, None]
+    srv = server(lambda content, attempt: shapes[attempt % len(shapes)])
+    verdicts = judges.LLMJudge(llm_settings(srv.endpoint, max_retries=3)).compare(PROMPTS[:1], GOOD[:1], BAD[:1])
+    assert verdicts.malformed == 2 and verdicts.malformed_items == [0] and len(srv.requests) == 2 * 4
+
+
+def test_a_template_that_is_no_template_is_refused_without_echoing_it(tmp_path):
+    """judge.template pointing at another file (a JSON key file): the error names the setting and counts the fields
+    that are not placeholders; it shows none of the file's text."""
+    key_file = tmp_path / "service-account.json"
+    key_file.write_text('{"private_key": "-----BEGIN PRIVATE KEY-----MIIEvQ-s3cr3t", "{instruction}": 1}')
+    with pytest.raises(judges.JudgeUnavailableError, match=r"unknown placeholder\(s\) 1 field\(s\) that are not") as e:
+        judges.load_template(str(key_file))
+    assert "s3cr3t" not in str(e.value) and "PRIVATE" not in str(e.value) and "service-account.json" in str(e.value)
 
 
 def test_the_api_key_is_sent_only_in_the_authorization_header(server, monkeypatch, caplog, tmp_path):

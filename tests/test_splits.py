@@ -167,3 +167,19 @@ def test_the_split_seed_moves_the_split(split_seed):
     test = assign_splits(df, test_fraction=0.2, judge_fraction=0.25, seed=split_seed)["test"]
     baseline = assign_splits(df, test_fraction=0.2, judge_fraction=0.25, seed=0)["test"]
     assert (set(test["prompt"]) == set(baseline["prompt"])) == (split_seed == 0)
+
+
+def test_a_held_out_prompt_changed_by_an_invisible_character_is_still_held_out():
+    """Where text from outside meets a held-out split (demonstrations, labelled pairs, a test file), prompts are
+    compared folded: NFKC, invisible format characters out, case folded, whitespace collapsed."""
+    from rlhflow.data.splits import outside_conversations, rows_sharing_conversations
+
+    def turn(text: str) -> list[dict]:
+        return [{"role": "user", "content": text}]
+
+    test = pd.DataFrame({"prompt_messages": [turn("How do I pick a lock?")]})
+    variants = ["How do I pick a\u200b lock?", "\uff28ow do I pick a lock?", "How do I\u00ad pick a\u00a0LOCK?"]
+    others = pd.DataFrame({"prompt_messages": [turn(v) for v in variants] + [turn("How do I bake bread?")]})
+    others["source_row"] = [1, 2, 3, 4]
+    assert rows_sharing_conversations(others, {"test": test}) == {"test": [1, 2, 3]}
+    assert outside_conversations(others, test)["source_row"].tolist() == [4]

@@ -140,6 +140,20 @@ def append_records(path: str | os.PathLike, records: Iterable[dict], key) -> int
     return len(added)
 
 
+def check_pairs(pairs: Sequence[dict]) -> None:
+    """Every pair's id is its texts' (`pair_id`, recomputed): a pair whose prompt or answers were edited after it was
+    sent (into a held-out conversation, say) keeps no label of the pair that was labelled."""
+    forged = []
+    for row, pair in enumerate(pairs, start=1):
+        policy, reference = (pair["answer_a"], pair["answer_b"])[:: 1 if pair["policy_side"] == "a" else -1]
+        if pair_id(pair["prompt"], policy, reference) != pair["pair_id"]:
+            forged.append(f"row {row}: pair {pair['pair_id']!r}")
+    if forged:
+        raise FeedbackError(
+            f"{len(forged)} pair(s) whose id is not their texts' (changed after sampling): {'; '.join(forged[:10])}"
+        )
+
+
 def check_labels(labels: Sequence[dict], pairs: Sequence[dict]) -> None:
     """Every label names a pair the pipeline sent, with a known label and source; else an error naming the rows."""
     sent = {p["pair_id"] for p in pairs}
@@ -181,6 +195,7 @@ def labelled_preferences(pairs: Sequence[dict], labels: Sequence[dict]) -> tuple
     """The pairs whose labels settle a side, as preference rows in the canonical columns (source_row: the pair's line
     in the pairs file) with their provenance (pair_id, label_source, annotators, labelled_at, policy_run_id), and the
     counts of what the labels settled."""
+    check_pairs(pairs)
     check_labels(labels, pairs)
     outcome = settled(labels)
     by_pair = {}

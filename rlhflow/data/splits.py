@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import unicodedata
 from collections.abc import Iterable, Sequence
 
 import pandas as pd
@@ -45,6 +46,22 @@ def conversation_key(prompt_messages: Messages) -> str:
 def conversation_keys(df: pd.DataFrame) -> pd.Series:
     """`conversation_key` per row, from `prompt_messages` (or, in a frame without them, the prompt text)."""
     return _messages(df).map(conversation_key).astype(object)
+
+
+def folded(text: str) -> str:
+    """`text` as the held-out checks compare it: Unicode NFKC (full-width letters, ligatures and compatibility forms
+    as their plain letters), invisible format characters (zero-width spaces and joiners, soft hyphens, byte-order and
+    direction marks) removed, case folded, whitespace collapsed."""
+    text = unicodedata.normalize("NFKC", text)
+    return " ".join("".join(c for c in text if unicodedata.category(c) != "Cf").casefold().split())
+
+
+def held_out_keys(df: pd.DataFrame) -> pd.Series:
+    """`conversation_key` per row, `folded`: what a held-out check compares where text from outside meets a
+    held-out split (a test file, demonstrations, labelled pairs), so that a prompt changed by one invisible
+    character is still the held-out one. The split itself hashes `conversation_keys`: the shipped splits stay as
+    they are."""
+    return conversation_keys(df).map(folded).astype(object)
 
 
 def _messages(df: pd.DataFrame) -> pd.Series:
@@ -124,18 +141,18 @@ def outside_conversations(df: pd.DataFrame, held_out: pd.DataFrame) -> pd.DataFr
     """The rows of `df` whose conversation is not in `held_out`."""
     if not len(df) or not len(held_out):
         return df.reset_index(drop=True)
-    return df[~conversation_keys(df).isin(set(conversation_keys(held_out)))].reset_index(drop=True)
+    return df[~held_out_keys(df).isin(set(held_out_keys(held_out)))].reset_index(drop=True)
 
 
 def rows_sharing_conversations(df: pd.DataFrame, others: dict[str, pd.DataFrame]) -> dict[str, list[int]]:
     """Per frame in `others`: the `source_row`s of `df` whose conversation is one of its conversations (e.g.
     demonstrations that share a conversation with the test or judge split)."""
-    keys = conversation_keys(df)
+    keys = held_out_keys(df)
     found = {}
     for name, other in others.items():
         if not len(other):
             continue
-        rows = df.loc[keys.isin(set(conversation_keys(other))).to_numpy(dtype=bool), "source_row"].tolist()
+        rows = df.loc[keys.isin(set(held_out_keys(other))).to_numpy(dtype=bool), "source_row"].tolist()
         if rows:
             found[name] = rows
     return found

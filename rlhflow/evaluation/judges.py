@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import string
 import threading
 import time
@@ -34,7 +35,7 @@ from rlhflow.data.sources import SourceNotFoundError, resolve_source
 from rlhflow.evaluation.pairs import accuracy_standard_error, evaluate_pairs, length_aware_pair_metrics
 from rlhflow.fsutil import dir_md5
 from rlhflow.models.loading import disable_dropout, resolve_model
-from rlhflow.redaction import REDACTED, redact_urls, user_info_removed
+from rlhflow.redaction import REDACTED, redact_url, redact_urls
 from rlhflow.training.reward_model import NORM_FILE, RewardModel, apply_pooling, prepare_reward_tokenizer
 
 log = logging.getLogger(__name__)
@@ -200,6 +201,9 @@ _PLACEHOLDER_RULE = (
 )
 
 
+_PLACEHOLDER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,31}")
+
+
 def check_template(text: str, where: str) -> None:
     """Each placeholder is there, as a bare `{name}` (no conversion or format spec), and no other field is: a value
     meant for one placeholder never lands in another. `where` names the file in the error."""
@@ -207,15 +211,20 @@ def check_template(text: str, where: str) -> None:
         fields = [(name, conv, spec) for _, name, spec, conv in string.Formatter().parse(text) if name is not None]
     except ValueError as err:
         raise JudgeUnavailableError(f"{where}: {err}; {_PLACEHOLDER_RULE}") from None
-    unknown = sorted(
-        {
-            "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
-            for name, conv, spec in fields
-            if name not in PLACEHOLDERS or conv or spec
-        }
-    )
+    unknown = [(name, conv, spec) for name, conv, spec in fields if name not in PLACEHOLDERS or conv or spec]
     if unknown:
-        raise JudgeUnavailableError(f"{where}: unknown placeholder(s) {', '.join(unknown)}; {_PLACEHOLDER_RULE}")
+        # named by what a placeholder could be called; a field of any other text is counted, never shown: a file that
+        # is no template (a JSON file, a key) would otherwise be echoed into the error
+        shown = sorted(
+            {
+                "{" + name + (f"!{conv}" if conv else "") + (":..." if spec else "") + "}"
+                for name, conv, spec in unknown
+                if _PLACEHOLDER_NAME.fullmatch(name)
+            }
+        )
+        other = len(unknown) - sum(1 for name, _, _ in unknown if _PLACEHOLDER_NAME.fullmatch(name))
+        named = ", ".join(shown + ([f"{other} field(s) that are not placeholders"] if other else []))
+        raise JudgeUnavailableError(f"{where}: unknown placeholder(s) {named}; {_PLACEHOLDER_RULE}")
     missing = [f"{{{p}}}" for p in PLACEHOLDERS if p not in {name for name, _, _ in fields}]
     if missing:
         raise JudgeUnavailableError(f"{where}: lacks the placeholder(s) {', '.join(missing)}; {_PLACEHOLDER_RULE}")
@@ -251,10 +260,10 @@ def as_json(value: Any) -> str:
 
 
 def public_endpoint(endpoint: str) -> str:
-    """The endpoint as it may be shown and logged: scheme, host, port and path. No user info (rlhflow.redaction), and
-    no query or fragment at all: a key may sit there under any name, and the judge's basis stays the same whatever
-    key the query carries."""
-    parts = urlsplit(user_info_removed(endpoint))
+    """The endpoint as it is shown, logged and compared: its scheme, host, port and path as rlhflow.redaction shows
+    every URL, the host lower-cased and no trailing slash, so the judge's basis stays the same whatever key or
+    spelling the URL carries."""
+    parts = urlsplit(redact_url(endpoint))
     return urlunsplit((parts.scheme, parts.netloc.lower(), parts.path.rstrip("/"), "", ""))
 
 
@@ -409,10 +418,13 @@ class LLMJudge(Judge):
 
 
 def _reply_text(response: httpx.Response) -> str:
+    """The reply's text; "" (a malformed verdict) for anything but a chat completion whose content is a string (a
+    number, a list of parts, null)."""
     try:
-        return response.json()["choices"][0]["message"]["content"] or ""
+        content = response.json()["choices"][0]["message"]["content"]
     except (ValueError, KeyError, IndexError, TypeError):
-        return ""  # not a chat completion: a malformed reply
+        return ""
+    return content if isinstance(content, str) else ""
 
 
 def _check_lengths(prompt_messages, answers_a, answers_b) -> None:
