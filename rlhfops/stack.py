@@ -34,10 +34,13 @@ from pathlib import Path
 
 from rlhflow.config.params import REPO_ROOT
 from rlhfops.stack_access import (
+    hba_trust_lines,
     new_auth_string,
     prefect_server_security,
+    private_dir,
     restricted_job_template,
     s3_identities,
+    seaweedfs_security,
     write_private,
 )
 
@@ -177,12 +180,18 @@ class Stack:
         env.update(extra or {})
         return env
 
-    def _spawn(self, name: str, cmd: list[str], env: dict[str, str], cwd: Path | None = None) -> Path:
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str], cwd: Path | None = None, umask: int = -1) -> Path:
         log = self.root / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             self.procs[name] = subprocess.Popen(
-                cmd, env=env, cwd=cwd or self.root, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                cmd,
+                env=env,
+                cwd=cwd or self.root,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                umask=umask,
             )
         return log
 
@@ -202,7 +211,11 @@ class Stack:
 
     def start(self) -> Stack:
         self.root = self.root.resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            private_dir(self.root)  # its secrets, its databases and its objects: the owner's alone
+        except PermissionError as err:
+            raise StackError(str(err)) from None
         self.load_secrets()
         for name in ("postgres", "mlflow", "prefect"):
             self.ports[name] = free_port()
@@ -270,10 +283,11 @@ class Stack:
 
     def _refuse_trust(self, cluster: Path) -> None:
         hba = cluster / "pg_hba.conf"
-        rules = [line.split() for line in hba.read_text().splitlines() if line.strip() and not line.startswith("#")]
-        if any(rule[-1] == "trust" for rule in rules):
+        trusting = hba_trust_lines(hba.read_text())
+        if trusting:
             raise StackError(
-                f"{hba} lets connections in without a password (trust): this cluster predates the stack's "
+                f"{hba} lets connections in without a password (trust, or an include; line(s) "
+                f"{', '.join(map(str, trusting))}): this cluster predates the stack's "
                 f"password; delete {cluster.parent} (its MLflow and Prefect databases go with it) and start again"
             )
 
@@ -282,15 +296,16 @@ class Stack:
         reach ROOT (a home directory of mode 700), a directory under /tmp."""
         data = self.root / "postgres"
         if not _is_root():
-            data.mkdir(exist_ok=True)
-            return data
+            return private_dir(data)
         reach = subprocess.run(["runuser", "-u", "postgres", "--", "test", "-x", str(self.root)], capture_output=True)
         if reach.returncode != 0:
+            # a path anyone can predict: taken only if new or already postgres's own (private_dir refuses the rest)
             data = Path("/tmp") / f"rlhf-stack-pg-{hashlib.md5(str(self.root).encode()).hexdigest()[:12]}"
             self.pg_outside = True
-        data.mkdir(exist_ok=True)
-        shutil.chown(data, "postgres")
-        return data
+        try:
+            return private_dir(data, owner="postgres")
+        except PermissionError as err:
+            raise StackError(str(err)) from None
 
     def _psql(self, sql: str) -> str:
         cmd = ["psql", "-h", HOST, "-p", str(self.ports["postgres"]), "-U", DB_USER, "-d", "postgres", "-tAc", sql]
@@ -306,8 +321,12 @@ class Stack:
 
     def start_s3(self) -> None:
         config = write_private(self.root / "s3.json", json.dumps(s3_identities(self.access_key, self.secret_key)))
-        (self.root / "s3").mkdir(exist_ok=True)
-        log = self._spawn("s3", self.s3_command(config), self._env())
+        private_dir(self.root / "s3")
+        # SeaweedFS reads ./security.toml (the spawn's directory is ROOT): its filer and volume ports then want
+        # tokens signed with these keys, so the S3 API with its key pair is the only way to the objects
+        write_private(self.root / "security.toml", seaweedfs_security())
+        # the stored objects' files: readable by the owner alone
+        log = self._spawn("s3", self.s3_command(config), self._env(), umask=0o077)
         wait_until("SeaweedFS S3", self._make_buckets, 90, self.procs["s3"], log)
 
     def s3_command(self, config: Path) -> list[str]:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import secrets
+import shlex
+import stat
 from pathlib import Path
 
 PREFECT_USER = "rlhf"  # the user part of the Prefect API auth string (`user:password`, HTTP basic auth)
@@ -22,6 +25,67 @@ def write_private(path: Path, text: str) -> Path:
         os.fchmod(fd, 0o600)
         out.write(text)
     return path
+
+
+def private_dir(path: Path, owner: str | None = None) -> Path:
+    """`path` as a directory only its owner can enter. A new one is made with mode 0700 (and handed to `owner`, a
+    user name, when given); an existing one is kept only if it is a real directory owned by `owner` (by default this
+    process's user), then narrowed to 0700. One that someone else made first at a predictable path is refused, never
+    adopted: its maker could read what the stack keeps there."""
+    uid = pwd.getpwnam(owner).pw_uid if owner else os.geteuid()
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        found = os.lstat(path)
+        if not stat.S_ISDIR(found.st_mode) or found.st_uid != uid:
+            kind = "a directory" if stat.S_ISDIR(found.st_mode) else "not a directory"
+            raise PermissionError(
+                f"{path} exists and is {kind} owned by uid {found.st_uid}, not uid {uid}: the stack keeps its "
+                "private state only in a directory it made; remove it or choose another root"
+            ) from None
+    else:
+        if owner:
+            os.chown(path, uid, -1)
+    os.chmod(path, 0o700, follow_symlinks=False)
+    return path
+
+
+HBA_INCLUDES = ("include", "include_if_exists", "include_dir")
+
+
+def hba_trust_lines(text: str) -> list[int]:
+    """The lines of a pg_hba.conf that let a connection in without a password: `trust` as a record's method, read
+    as PostgreSQL reads the file (comments, quotes, backslash continuations, any case), and any `include` (what it
+    pulls in is not checked here). 1-based line numbers of where each record starts."""
+    found, record, start = [], "", 0
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not record:
+            start = number
+        if line.endswith("\\"):
+            record += line[:-1] + " "
+            continue
+        record += line
+        try:
+            fields = shlex.split(record, comments=True, posix=True)
+        except ValueError:  # an unbalanced quote: not a record PostgreSQL reads, but not one to trust either
+            fields = record.split()
+        record = ""
+        if not fields:
+            continue
+        kind = fields[0].lower()
+        # database and user (and the address) come first; "trust" there names a database, user or host
+        method_and_options = fields[3:] if kind == "local" else fields[4:]
+        if kind in HBA_INCLUDES or any(f.lower() == "trust" for f in method_and_options):
+            found.append(start)
+    return found
+
+
+def seaweedfs_security() -> str:
+    """SeaweedFS's security.toml with fresh signing keys: writes and reads on the volume servers and on the filer's
+    HTTP port then want a token signed with them, which only SeaweedFS's own processes (its S3 gateway among them)
+    can make. Without it the filer serves and takes any object on its local port, no key asked."""
+    sections = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read")
+    return "".join(f'[{name}]\nkey = "{secrets.token_urlsafe(32)}"\n' for name in sections)
 
 
 def new_auth_string() -> str:

@@ -213,3 +213,59 @@ def test_the_docker_context_leaves_out_what_git_ignores_and_local_secrets():
     kept = ["params.yaml", ".env.example", "rlhflow/config/params.py", "data/hh-rlhf-harmless/harmless-base.jsonl.gz"]
     assert not [f for f in kept if docker_excludes(docker, f)]
     assert docker_excludes(docker, "rlhflow/__pycache__/config.cpython-311.pyc")
+
+
+# ---- the team stack's private state (rlhfops/stack_access.py; the stack itself: tests/test_team_stack.py) --------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "local all all trust",
+        "host all all 127.0.0.1/32 trust  # the old default",
+        "host all all 127.0.0.1 255.255.255.255 TRUST",
+        'host all all ::1/128 "trust"',
+        "host all all 127.0.0.1/32 \\\n    trust",
+        "hostssl all all samenet trust clientcert=verify-full",
+        "include_dir conf.d",
+        "  local   all all trust#no space before the comment",
+    ],
+)
+def test_a_pg_hba_line_that_trusts_is_found_however_it_is_written(text):
+    from rlhfops.stack_access import hba_trust_lines
+
+    hba = f"# TYPE DATABASE USER ADDRESS METHOD\nlocal all all scram-sha-256\n{text}\n"
+    assert hba_trust_lines(hba) == [3]
+
+
+def test_a_database_or_user_called_trust_is_no_trust_rule():
+    from rlhfops.stack_access import hba_trust_lines
+
+    hba = "local trust trust scram-sha-256\nhost trust all 127.0.0.1/32 scram-sha-256 # trust no one\n"
+    assert hba_trust_lines(hba) == []
+
+
+def test_a_private_directory_is_made_0700_and_never_adopted_from_someone_else(tmp_path):
+    import os
+
+    from rlhfops.stack_access import private_dir
+
+    made = private_dir(tmp_path / "new")
+    assert made.stat().st_mode & 0o777 == 0o700
+    old = tmp_path / "an-older-stack"
+    old.mkdir()
+    old.chmod(0o755)
+    assert private_dir(old).stat().st_mode & 0o777 == 0o700  # the owner's own: narrowed
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (tmp_path / "link").symlink_to(target)
+    with pytest.raises(PermissionError, match="is not a directory owned by"):
+        private_dir(tmp_path / "link")  # a symlink planted at the path: not followed
+    if os.geteuid() == 0:
+        planted = tmp_path / "planted"
+        planted.mkdir()
+        planted.chmod(0o777)
+        os.chown(planted, 65534, 65534)  # made first by another user (nobody)
+        with pytest.raises(PermissionError, match="owned by uid 65534"):
+            private_dir(planted)
+        assert planted.stat().st_mode & 0o777 == 0o777  # refused, left as it was

@@ -350,6 +350,12 @@ def test_seaweedfs_internal_ports_listen_on_loopback_only(stack):
     assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening
     for name in ("weed_master", "weed_volume", "weed_filer", "s3"):
         assert ("127.0.0.1", stack.ports[name]) in listening, name
+    # the filer's own HTTP port, where any local user could read or write an object without the S3 key
+    stack.s3_client().put_object(Bucket="dvc", Key="private", Body=b"an object")
+    filer = f"http://127.0.0.1:{stack.ports['weed_filer']}/buckets/dvc"
+    assert _http_status(f"{filer}/private") == 401 and _http_status(f"{filer}/?pretty=y") == 401
+    assert _http_status(f"{filer}/planted", body={"x": 1}) == 401  # a POST: an upload
+    stack.s3_client().delete_object(Bucket="dvc", Key="private")
 
 
 def test_the_secret_files_are_the_owners_and_no_command_line_holds_a_secret(stack):
@@ -357,6 +363,10 @@ def test_the_secret_files_are_the_owners_and_no_command_line_holds_a_secret(stac
 
     for name in ("stack.env", "s3.json", "secrets.json"):
         assert (stack.root / name).stat().st_mode & 0o777 == 0o600, name
+    for private in (stack.root, stack.root / "s3", stack.pg_data):
+        assert private.stat().st_mode & 0o777 == 0o700, private
+    stored = [f for f in (stack.root / "s3").rglob("*") if f.suffix in (".dat", ".idx")]  # the objects' files
+    assert stored and not [f for f in stored if f.stat().st_mode & 0o077], "a stored file others can read"
     assert not (stack.pg_data / "pwfile").exists()  # initdb's password file lives only while initdb runs
     values = (stack.secret_key, stack.pg_password, stack.auth_string.split(":", 1)[1])
     for proc in stack.procs.values():
