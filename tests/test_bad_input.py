@@ -336,3 +336,49 @@ def test_a_file_past_the_decompressed_limit_fails_naming_file_and_line(tmp_path,
         DataFormatError, match=rf"p\.jsonl\.gz: more than 1048576 bytes once decompressed .*line {stop}\b"
     ):
         readers.read_file(path, None)
+
+
+def _malformed_files(good: str) -> dict[str, bytes]:
+    """Name -> content of a file each reader must refuse with the project's error: cut, deep, wrong type, not UTF-8,
+    a line past the (lowered) line limit, binary noise."""
+    deep = '{"prompt": "p", "x": ' + "[" * 40 + "]" * 40 + "}"
+    deeper = '{"prompt": "p", "x": ' + "[" * 200_000 + "]" * 200_000 + "}"  # past Python's recursion limit
+    return {
+        "cut": (good + "\n" + good[: len(good) // 2] + "\n").encode(),
+        "deep": (good + "\n" + deep + "\n").encode(),
+        "deeper": (good + "\n" + deeper + "\n").encode(),
+        "a_list": (good + "\n[1, 2]\n").encode(),
+        "not_utf8": (good + "\n").encode() + b'{"prompt": "\xff\xfe"}\n',
+        "long_line": (good + "\n" + json.dumps({"prompt": "a" * (1 << 20)}) + "\n").encode(),
+        "noise": bytes(range(256)) * 8,
+    }
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".json", "feedback"])
+def test_every_reader_refuses_malformed_and_oversized_files_with_its_own_error(suffix, tmp_path, monkeypatch):
+    """Fuzz-style: each input reader (JSONL plain and gzipped, a JSON list, the feedback round's files) fed cut,
+    deeply nested, wrongly typed, undecodable, overlong and random files raises only the project's error, naming the
+    file and the row or line, never a traceback of another kind (RecursionError, UnicodeDecodeError...)."""
+    from rlhflow.data import readers
+    from rlhflow.data.errors import DataFormatError
+    from rlhflow.data.feedback import FeedbackError, read_records
+
+    monkeypatch.setattr(readers, "MAX_LINE_BYTES", 1 << 20)  # the same check as 16 MiB, on smaller files
+    good = json.dumps(row(0))
+    for name, content in _malformed_files(good).items():
+        if suffix == ".json":  # the same records as items of a list
+            lines = content.split(b"\n")
+            content = b"[" + b",\n".join(line for line in lines if line) + b"]" if name != "noise" else content
+        path = tmp_path / f"{name}{'.jsonl' if suffix == 'feedback' else suffix}"
+        path.write_bytes(gzip.compress(content) if suffix == ".jsonl.gz" else content)
+        with pytest.raises((DataFormatError, FeedbackError)) as refused:
+            if suffix == "feedback":
+                read_records(path, ["prompt"])
+            else:
+                readers.read_file(path, None)
+        message = str(refused.value)
+        where = r"\b(line|item|row)s? \d|not a preference file: it starts with"  # noise: refused at its first byte
+        assert str(path) in message and re.search(where, message), (name, message)
+        assert len(message) < 2000, (name, "an error that echoes the file")
+        if name.startswith("deep"):
+            assert "MAX_NESTING" in message, message

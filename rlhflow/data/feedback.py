@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from rlhflow.data.errors import DataFormatError
+from rlhflow.data.readers import bounded_lines, json_record
 from rlhflow.fsutil import atomic_file
 
 LABELS = ("a", "b", "tie", "skip")
@@ -83,19 +85,22 @@ def read_records(path: str | os.PathLike, fields: Sequence[str]) -> list[dict]:
     if not path.exists():
         return []
     records, bad = [], []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            bad.append(f"line {number}: not JSON")
-            continue
-        missing = [f for f in fields if not isinstance(record, dict) or f not in record]
-        if missing:
-            bad.append(f"line {number}: no {', '.join(missing)}")
-        else:
-            records.append(record)
+    try:  # line by line within the readers' bounds (bytes a line, bytes in all, nesting), as every input is read
+        for number, raw in bounded_lines(path):
+            if not raw.strip():
+                continue
+            try:
+                record = json_record(raw.decode("utf-8"), f"{path}: line {number}")
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                bad.append(f"line {number}: not JSON")
+                continue
+            missing = [f for f in fields if not isinstance(record, dict) or f not in record]
+            if missing:
+                bad.append(f"line {number}: no {', '.join(missing)}")
+            else:
+                records.append(record)
+    except DataFormatError as err:
+        raise FeedbackError(str(err)) from None
     if bad:
         raise FeedbackError(f"{path}: {len(bad)} unreadable row(s): {'; '.join(bad[:5])}")
     return records

@@ -37,6 +37,46 @@ _CHUNK = 1 << 20  # bytes read at a time from JSON files
 # params: no setting of a run should change what reading a file may cost.
 MAX_LINE_BYTES = 16 << 20
 MAX_DECOMPRESSED_BYTES = 4 << 30
+# Levels of lists and objects in one record: a preference row has 3 (messages: a list of objects); past Python's own
+# recursion limit a deeper one would end in a RecursionError traceback instead of an error naming the row
+MAX_NESTING = 32
+
+
+def json_record(text: str, where: str) -> Any:
+    """`text` decoded as JSON, nested at most MAX_NESTING levels; `where` ("FILE: line N") names it in the error.
+    Invalid JSON raises json.JSONDecodeError, for the caller to gather."""
+    try:
+        value = json.loads(text)
+        too_deep = nesting(value) > MAX_NESTING
+    except RecursionError:
+        too_deep = True
+    if too_deep:
+        raise DataFormatError(
+            f"{where}: nested deeper than {MAX_NESTING} levels of lists and objects (rlhflow.data.readers.MAX_NESTING)"
+        )
+    return value
+
+
+def nesting(value: Any) -> int:
+    """Levels of lists and objects in a decoded JSON value, counted up to MAX_NESTING + 1."""
+    depth, level = 0, [value]
+    while depth <= MAX_NESTING:
+        level = [v for v in level if isinstance(v, (dict, list))]
+        if not level:
+            break
+        depth += 1
+        level = [item for v in level for item in (v.values() if isinstance(v, dict) else v)]
+    return depth
+
+
+def bounded_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) of each line of `path`, gunzipped when gzipped, within MAX_LINE_BYTES a line and
+    MAX_DECOMPRESSED_BYTES in all (DataFormatError past either, naming the line)."""
+    line_no = 0
+    with _BoundedFile(path) as f:
+        while raw := f.readline(line_no + 1):
+            line_no += 1
+            yield line_no, raw
 
 
 def read_rows(
@@ -167,37 +207,35 @@ def _iter_jsonl(path: Path, max_rows: int | None) -> Iterator[tuple[int, Any]]:
     problems: list[str] = []
     bad_lines: list[int] = []
     count = 0
-    offset, line_no = 0, 0
-    with _BoundedFile(path) as f:
-        while raw := f.readline(line_no + 1):
-            line_no += 1
-            line_offset, offset = offset, offset + len(raw)
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                bad_lines.append(line_no)
-                problems.append(
-                    f"line {line_no}: not UTF-8 (byte 0x{raw[err.start]:02x} at byte offset {line_offset + err.start})"
-                )
-                continue
-            if line_no == 1:
-                text = text.lstrip("\ufeff")
-            if not text.strip():
-                continue
-            count += 1
-            _check_max_rows(path, count, max_rows, f"line {line_no}")
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as err:
-                bad_lines.append(line_no)
-                problems.append(f"line {line_no}: invalid JSON ({err.msg} at column {err.colno})")
-                continue
-            if not isinstance(obj, dict):
-                bad_lines.append(line_no)
-                problems.append(f"line {line_no}: expected a JSON object, got {type(obj).__name__}")
-                continue
-            if not problems:
-                yield line_no, obj
+    offset = 0
+    for line_no, raw in bounded_lines(path):
+        line_offset, offset = offset, offset + len(raw)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            bad_lines.append(line_no)
+            problems.append(
+                f"line {line_no}: not UTF-8 (byte 0x{raw[err.start]:02x} at byte offset {line_offset + err.start})"
+            )
+            continue
+        if line_no == 1:
+            text = text.lstrip("\ufeff")
+        if not text.strip():
+            continue
+        count += 1
+        _check_max_rows(path, count, max_rows, f"line {line_no}")
+        try:
+            obj = json_record(text, f"{path}: line {line_no}")
+        except json.JSONDecodeError as err:
+            bad_lines.append(line_no)
+            problems.append(f"line {line_no}: invalid JSON ({err.msg} at column {err.colno})")
+            continue
+        if not isinstance(obj, dict):
+            bad_lines.append(line_no)
+            problems.append(f"line {line_no}: expected a JSON object, got {type(obj).__name__}")
+            continue
+        if not problems:
+            yield line_no, obj
     if problems:
         shown = "; ".join(problems[:5]) + (f"; ... ({len(problems) - 5} more)" if len(problems) > 5 else "")
         raise DataFormatError(f"{path}: {len(problems)} unreadable line(s) {rows_text(bad_lines)}: {shown}")
@@ -234,10 +272,19 @@ class _TextStream:
         self.file.close()
 
 
+_DECODER = json.JSONDecoder()
+
+
+def _item_problem(obj: Any, item: int, too_deep: bool = False) -> str | None:
+    """What makes item `item` of a JSON list no record: nested too deep (or past Python's reach), or not an object."""
+    if too_deep or nesting(obj) > MAX_NESTING:
+        return f"item {item} nests lists and objects deeper than MAX_NESTING={MAX_NESTING} levels"
+    return None if isinstance(obj, dict) else f"item {item} is a {type(obj).__name__}, expected an object"
+
+
 def _iter_json_array(path: Path, max_rows: int | None) -> Iterator[tuple[int, Any]]:
     """Yield (item number, object) from a JSON list without holding the whole file in memory."""
     stream = _TextStream(path)
-    decoder = json.JSONDecoder()
     buf, pos, eof, lines_dropped = "", 0, False, 0
 
     def refill(size: int = _CHUNK) -> None:
@@ -266,8 +313,7 @@ def _iter_json_array(path: Path, max_rows: int | None) -> Iterator[tuple[int, An
         pos += 1
         item = 0
         while True:
-            c = next_char()
-            if c == "]":
+            if (c := next_char()) == "]":
                 return
             if item > 0:
                 if c != ",":
@@ -278,17 +324,19 @@ def _iter_json_array(path: Path, max_rows: int | None) -> Iterator[tuple[int, An
             _check_max_rows(path, item, max_rows, f"item {item}")
             while True:  # a value cut by the chunk boundary fails or ends at the buffer's end: read on
                 try:
-                    obj, end = decoder.raw_decode(buf, pos)
+                    obj, end = _DECODER.raw_decode(buf, pos)
                     if (end < len(buf) or eof) and end - pos <= MAX_LINE_BYTES:  # a longer one fails below
                         break
                 except json.JSONDecodeError as err:
                     if eof:
                         raise fail(f"{err.msg} (item {item})", err.pos) from None
+                except RecursionError:  # deeper than Python reads
+                    raise fail(_item_problem(None, item, too_deep=True), pos) from None
                 if len(buf) - pos > MAX_LINE_BYTES:  # characters: at least as many bytes
                     raise fail(f"item {item} is longer than MAX_LINE_BYTES={MAX_LINE_BYTES} bytes", pos)
                 refill(max(_CHUNK, len(buf)))
-            if not isinstance(obj, dict):
-                raise fail(f"item {item} is a {type(obj).__name__}, expected an object", pos)
+            if problem := _item_problem(obj, item):
+                raise fail(problem, pos)
             pos = end
             yield item, obj
     finally:
