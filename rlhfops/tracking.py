@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import sqlite3
 import subprocess
 import tempfile
 import time
@@ -151,6 +152,30 @@ def preflight(cfg: Config, timeout: float = PREFLIGHT_TIMEOUT_S) -> None:
             where = Path(uri.removeprefix("file://") if uri.startswith("file:") else uri)
         if where is not None:
             _check_writable_dir(where, uri)
+        if scheme == "sqlite" and where is not None:
+            _check_mlflow_database(sqlite_path(uri))
+
+
+# tables every MLflow sqlite store has (its schema migrations and its experiments)
+MLFLOW_TABLES = {"alembic_version", "experiments"}
+
+
+def _check_mlflow_database(path: Path) -> None:
+    """A sqlite tracking store is new (no file, or an empty one) or MLflow's: a tracking URI that names another
+    application's database would get MLflow's tables added to it. Read only; refused naming the file."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)) as db:
+            tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.DatabaseError as err:
+        raise TrackingUnavailableError(f"{path}: not a sqlite database ({err}); nothing was run") from None
+    if not MLFLOW_TABLES <= tables:
+        raise TrackingUnavailableError(
+            f"{path} is a sqlite database but not an MLflow tracking store (no {', '.join(sorted(MLFLOW_TABLES))} "
+            "table): the tracking URI must name a new file or an MLflow store, never another application's "
+            "database; nothing was run"
+        )
 
 
 # what MLflow sends to a tracking server from the environment: a password or a token

@@ -86,6 +86,30 @@ def test_unwritable_sqlite_store_fails_the_preflight(tmp_path):
     assert (tmp_path / "store").is_dir()
 
 
+def test_a_tracking_uri_naming_another_applications_database_is_refused_untouched(tmp_path):
+    """A sqlite store is new or MLflow's: another application's database (or a file that is no database) fails the
+    preflight naming the file, and gets no MLflow table."""
+    import sqlite3
+
+    from rlhflow.config.params import load_config
+    from rlhfops.tracking import TrackingUnavailableError, preflight
+
+    other = tmp_path / "app.db"
+    with sqlite3.connect(other) as db:
+        db.execute("CREATE TABLE users (name TEXT)")
+    before = other.read_bytes()
+    with pytest.raises(
+        TrackingUnavailableError, match=r"app\.db is a sqlite database but not an MLflow tracking store"
+    ):
+        preflight(load_config(None, [f"tracking.tracking_uri=sqlite:///{other}"]))
+    assert other.read_bytes() == before
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    with pytest.raises(TrackingUnavailableError, match=r"notes\.txt: not a sqlite database"):
+        preflight(load_config(None, [f"tracking.tracking_uri=sqlite:///{notes}"]))
+    assert notes.read_text() == "my notes\n"
+
+
 # ---- a stage killed mid-write ---------------------------------------------------------------------------
 
 
