@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -208,6 +209,8 @@ def atomic_file(path: str | os.PathLike, *, binary: bool = False) -> Iterator[IO
     succeeds and the file is on disk (written in a marked temp dir beside it, flushed, then os.replace); on error
     the temp dir is removed. Temp dirs of killed earlier writers are removed first."""
     path = Path(path)
+    if path.is_symlink():  # replacing it would drop the link; writing through it, change what it points at
+        raise ForeignPathError(f"{path} is a symbolic link: an output file is written only where no link stands")
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(path)
     # not mkstemp: its files are private (0600), and outputs must get the usual permissions (umask)
@@ -220,10 +223,19 @@ def atomic_file(path: str | os.PathLike, *, binary: bool = False) -> Iterator[IO
             yield f
             f.flush()
             os.fsync(f.fileno())
+        _keep_narrower_mode(tmp, path)
         os.replace(tmp, path)
         fsync_dir(path.parent)
     finally:
         remove_made(tmp_dir)
+
+
+def _keep_narrower_mode(new: Path, old: Path) -> None:
+    """A file replaced gives its group and others no access it did not give them: one its owner made private (0600)
+    stays private. The owner's own bits are the new file's (a read-only output, as DVC may leave one, is not
+    inherited)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.chmod(new, stat.S_IMODE(os.stat(new).st_mode) & (stat.S_IMODE(os.stat(old).st_mode) | stat.S_IRWXU))
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

@@ -21,6 +21,7 @@ from rlhflow.fsutil import (
     prepare_checkpoint_dir,
     remove_made,
     remove_stale_temps,
+    write_text_atomic,
 )
 
 
@@ -121,3 +122,21 @@ def test_a_killed_swap_puts_the_previous_output_back(tmp_path):
     (old / "train.jsonl").write_text("previous")
     remove_stale_temps(tmp_path / "validated")
     assert (tmp_path / "validated" / "train.jsonl").read_text() == "previous"
+
+
+def test_a_replaced_file_keeps_its_privacy_and_a_link_is_neither_followed_nor_replaced(tmp_path):
+    """An output file the owner made private (0600) stays so when a stage writes it again; a symbolic link at an
+    output's path (to a private file elsewhere, say) is refused: neither its target nor the link changes."""
+    private = tmp_path / "metrics.json"
+    private.write_text("{}\n")
+    private.chmod(0o600)
+    write_text_atomic(private, '{"a": 1}\n')
+    assert private.read_text() == '{"a": 1}\n' and private.stat().st_mode & 0o777 == 0o600
+    target = tmp_path / "elsewhere" / "secret.txt"
+    target.parent.mkdir()
+    target.write_text("private\n")
+    link = tmp_path / "report.md"
+    link.symlink_to(target)
+    with pytest.raises(ForeignPathError, match="is a symbolic link"):
+        write_text_atomic(link, "report\n")
+    assert link.is_symlink() and target.read_text() == "private\n"
