@@ -1,5 +1,6 @@
 # make run   - set up (first time), then the whole pipeline flow on params.yaml (the shipped hh-rlhf data)
 # make test  - set up (first time), then the test suite
+# make test-fast - the tests that start no process, server or browser (the loop while editing; minutes)
 # make lint  - set up (first time), then ruff: lint and format check (configured in pyproject.toml)
 # make ui    - set up (first time), then a Prefect server, an MLflow server and the pipeline's deployments (Ctrl-C stops all)
 # make stack - set up (first time), then the team stack: PostgreSQL, S3, MLflow and Prefect servers, 2 workers (Ctrl-C stops all)
@@ -33,7 +34,7 @@ export GX_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-e2e test-stack stack lint format bench ui docs dvc-yaml clean label lock
+.PHONY: setup run test test-fast test-e2e test-stack stack lint format bench ui docs dvc-yaml clean label lock
 
 $(STAMP): $(LOCK) pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,11 +52,16 @@ setup: $(STAMP)
 run: setup
 	$(BIN)/python -m flows.pipeline $(ARGS)
 
-# the suite in TEST_WORKERS processes, a module per worker at a time (tests/conftest.py); TEST_WORKERS=0: one process.
-# The 25 slowest tests close the output: where the time goes
+# the suite in TEST_WORKERS processes, a module per worker at a time, the slowest files first (tests/conftest.py:
+# SLOWEST_FILES); TEST_WORKERS=0: one process. The 25 slowest tests close the output: where the time goes
 TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: setup browser $(LABEL_STAMP)
-	$(BIN)/python -m pytest -q -m "not stack" -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not stack" $(XDIST) --durations=25 $(PYTEST_ARGS)
+
+# the unit tests: none starts a process, a server or a browser (a test that does fails unless marked system)
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not system and not e2e and not stack" $(XDIST) --durations=10 $(PYTEST_ARGS)
 
 test-stack: setup postgres
 	$(BIN)/python -m pytest -q -m stack $(PYTEST_ARGS)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from rlhflow.config.align import training_budget
 from rlhflow.config.params import Config, add_overrides_argument, load_config
 
+# A light door: MLflow, Prefect, scipy and matplotlib (tracking, the sweep, the plots) are imported where used.
+
 ALGORITHMS = ["ppo", "grpo", "rloo", "dpo"]
 ONLINE = ("ppo", "grpo", "rloo")
 REPORT = "reports/align_compare.md"

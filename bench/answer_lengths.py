@@ -17,16 +17,12 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 from rlhflow.config.params import load_config
-from rlhflow.evaluation.answers import Answers, ended_within
-from rlhflow.evaluation.held_out import evaluation_prompts
-from rlhflow.models.loading import load_causal_lm, load_tokenizer
-from tasks.evaluation_setup import evaluation_sampling
+
+# A light door: torch, transformers and the evaluation's modules are imported in main(), so --help answers at once.
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", action="append", required=True, help="name=model_dir (repeatable)")
     parser.add_argument("--test-file", default="data/validated/test.jsonl")
@@ -45,7 +41,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--json", default="bench/.work/answer_lengths.json")
     parser.add_argument("--set", action="append", default=[], help="params.yaml override, as for the pipeline")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import torch
+
+    from rlhflow.evaluation.answers import Answers, ended_within
+    from rlhflow.evaluation.held_out import evaluation_prompts
+    from rlhflow.models.loading import load_causal_lm, load_tokenizer
+    from tasks.evaluation_setup import evaluation_sampling
 
     cfg = load_config(overrides=args.set)
     base = dataclasses.replace(evaluation_sampling(cfg), max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)

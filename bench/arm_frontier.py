@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from bench.align_compare import _pipeline_runs
 from rlhflow.config.params import Config, add_overrides_argument, load_config
-from rlhflow.evaluation.stats import across_seeds, difference_at_equal_x
 from rlhflow.fsutil import write_text_atomic
-from rlhfops import tracking
+
+# A light door: scipy, MLflow and Prefect (stats, tracking, the sweep) are imported where used: --help answers at once.
 
 KL = "eval/kl"
 FIGURES = [  # (row, metric, decimals): the figures PPO optimises first, then the judge's, dev before test
@@ -66,6 +66,8 @@ def make_points(setting: str, arms: list[str], overrides: list[str], scales: lis
 
 def find_runs(points: list[Point]) -> None:
     """Each point's newest finished pipeline run, by its parameters' digest."""
+    from rlhfops import tracking
+
     digests = {id(p): tracking.params_digest(p.cfg) for p in points}
     runs = _pipeline_runs(points[0].cfg, set(digests.values()))
     for p in points:
@@ -74,6 +76,8 @@ def find_runs(points: list[Point]) -> None:
 
 
 def _summary(values: list[float], decimals: int) -> str:
+    from rlhflow.evaluation.stats import across_seeds
+
     shown = ", ".join(f"{v:.{decimals}f}" for v in values)
     if len(values) < 2:
         return shown
@@ -90,6 +94,8 @@ def table(points: list[Point]) -> str:
     """Per figure: each (arm, beta)'s value at each seed with the mean and its 95% Student-t interval; the second arm
     less the first paired by seed at each beta; and the same difference at equal KL over every run
     (`difference_at_equal_x`)."""
+    from rlhflow.evaluation.stats import across_seeds, difference_at_equal_x
+
     done = [p for p in points if p.metrics is not None]
     missing = [f"{p.arm} beta {p.beta} seed {p.seed}" for p in points if p.metrics is None]
     if not done:

@@ -16,18 +16,24 @@ import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from bench.flops import MATMUL_SHAPE
-from rlhflow.data.readers import read_jsonl
-from rlhflow.models.kv_cache import new_kv_cache
-from rlhflow.models.loading import bf16_is_native, load_causal_lm, load_tokenizer, pick_device
-from rlhflow.models.sampling import Sampling
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# A light door: torch, transformers and rlhflow.models are imported in the functions that use them: --help is quick.
+
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}  # the torch dtype of each precision, by name
 SETTINGS = ("dynamic", "preallocated", "compiled")
+
+
+def dtype_of(precision: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, PRECISIONS[precision])
 
 
 @dataclass
@@ -42,6 +48,8 @@ class Shape:
 
     @classmethod
     def of(cls, model: nn.Module) -> Shape:
+        from torch import nn
+
         c = model.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
@@ -59,6 +67,8 @@ class Shape:
 
 def read_bandwidth_gbs(device: torch.device, mib: int = 512, repeats: int = 5) -> float:
     """GB/s of summing a float32 tensor of `mib` MiB (read once), median of `repeats`."""
+    import torch
+
     x = torch.ones(mib * 2**20 // 4, device=device)
     x.sum()
     times = []
@@ -71,6 +81,8 @@ def read_bandwidth_gbs(device: torch.device, mib: int = 512, repeats: int = 5) -
 
 def matmul_gflops(rows: int, hidden: int, width: int, dtype: torch.dtype, device: torch.device) -> float:
     """GFLOP/s of [rows, hidden] @ [hidden, width] in `dtype` on `device`, median of 20 after 3 warm-ups."""
+    import torch
+
     a, b = torch.randn(rows, hidden, device=device).to(dtype), torch.randn(hidden, width, device=device).to(dtype)
     times = []
     for _ in range(23):
@@ -83,12 +95,24 @@ def matmul_gflops(rows: int, hidden: int, width: int, dtype: torch.dtype, device
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)
 
 
-@torch.no_grad()
 def step_seconds(model, setting: str, rows: int, context: int, steps: int) -> float:
     """Median seconds of a decode step of `rows` rows after a `context`-token prompt (random tokens, greedy)."""
+    import torch
+
+    with torch.no_grad():
+        return _step_seconds(model, setting, rows, context, steps)
+
+
+def _step_seconds(model, setting: str, rows: int, context: int, steps: int) -> float:
+    import torch
+
+    from rlhflow.models.kv_cache import new_kv_cache
+
     device = next(model.parameters()).device
     ids = torch.randint(100, model.config.vocab_size - 100, (rows, context), device=device)
     capacity = context + steps + 3
@@ -132,7 +156,9 @@ class Limits:
     bandwidth_gbs: float  # reading float32 memory
 
     def row(self, shape: Shape, setting: str, precision: str, rows: int, context: int, seconds: float) -> str:
-        element = torch.finfo(PRECISIONS[precision]).bits // 8
+        import torch
+
+        element = torch.finfo(dtype_of(precision)).bits // 8
         weights, kv = shape.bytes_read(rows, context, element)
         gflops = shape.flops(rows, context) / seconds / 1e9
         gbs = (weights + kv) / seconds / 1e9
@@ -166,6 +192,10 @@ def decoder_table(model, tokenizer, prompts: list, settings: list[str], precisio
     """The evaluation's decoder (ended rows leave the batch) on `prompts`, greedy, per KV cache: each call's
     seconds (the compiled cache's first call compiles its shapes), the answer tokens, and whether its answers
     equal the first setting's."""
+    import torch
+
+    from rlhflow.models.sampling import Sampling
+
     sampling = Sampling(
         temperature=1.0, top_k=1, top_p=1.0, repetition_penalty=1.0, max_new_tokens=96, max_prompt_length=192,
         stop_strings=(), seed=0, batch_size=len(prompts), kv_cache="preallocated",
@@ -188,13 +218,15 @@ def decoder_table(model, tokenizer, prompts: list, settings: list[str], precisio
 
 
 def answers_main(args, device) -> None:
+    from rlhflow.data.readers import read_jsonl
+    from rlhflow.models.loading import load_causal_lm, load_tokenizer
+
     prompts = list(read_jsonl(args.prompts)["prompt_messages"][: args.answers])
     tokenizer = load_tokenizer(args.model)
     print("| KV cache | precision | prompts | first call s | second call s | answer tokens | same answers |")
     print("|---|---|---:|---:|---:|---:|---|")
     for precision in args.precisions.split(","):
-        dtype = PRECISIONS[precision]
-        model = load_causal_lm(args.model).to(device=device, dtype=dtype).eval()
+        model = load_causal_lm(args.model).to(device=device, dtype=dtype_of(precision)).eval()
         for row in decoder_table(model, tokenizer, prompts, args.settings.split(","), precision):
             print(row, flush=True)
 
@@ -217,6 +249,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    import torch
+
+    from rlhflow.models.loading import bf16_is_native, load_causal_lm, pick_device
+
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)
@@ -228,7 +264,7 @@ def main(argv=None) -> None:
     )
     print(HEADER)
     for precision in args.precisions.split(","):
-        dtype = PRECISIONS[precision]
+        dtype = dtype_of(precision)
         if dtype != torch.float32 and not bf16_is_native(device):
             print(f"| {precision}: not measured, {device} has no native {precision} |||||||||||")
             continue

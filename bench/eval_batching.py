@@ -18,6 +18,8 @@ import time
 
 from rlhflow.config.params import add_overrides_argument, load_config
 
+# A light door: torch, transformers and pandas are imported inside the functions that use them: --help is quick.
+
 
 def padded_apart(queries, answers, pad_token_id: int, batch_size: int, by_length: bool, device):
     """The earlier layout of a scoring batch: prompts left-padded to the longest prompt, responses right-padded to

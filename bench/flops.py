@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# A light door: torch is imported inside the functions that use it, so commands importing this answer --help at once.
 
 MATMUL_SHAPE = (512, 576, 1536)  # (tokens, hidden, MLP width)
 
@@ -25,6 +29,9 @@ class LinearFlops:
         self._handle = None
 
     def _hook(self, module: nn.Module, inputs: tuple, output) -> None:
+        import torch
+        from torch import nn
+
         if not isinstance(module, nn.Linear) or not inputs:
             return
         rows = inputs[0].numel() // module.in_features
@@ -39,6 +46,8 @@ class LinearFlops:
         return self.forward + self.trained
 
     def __enter__(self) -> LinearFlops:
+        from torch import nn
+
         self._handle = nn.modules.module.register_module_forward_hook(self._hook)
         return self
 
@@ -50,6 +59,8 @@ class LinearFlops:
 
 def matmul_gflops(dtype: torch.dtype, repeats: int = 20) -> float:
     """Median GFLOP/s of a MATMUL_SHAPE matmul in `dtype` at the current thread count (after a warm-up)."""
+    import torch
+
     m, k, n = MATMUL_SHAPE
     a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
     for _ in range(3):

@@ -19,6 +19,8 @@ from pathlib import Path
 from bench.common import last_result, sync
 from bench.ppo_precision import PROMPTS, SMOLLM2_SHAPE, first_ratio_recorded
 
+# A light door: torch and transformers are imported inside the functions that use them, so --help answers at once.
+
 GiB = 2**30
 SHAPES: dict[str, dict] = {
     "tiny": dict(

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# A light door: torch and rlhflow.models are imported inside the functions that use them, so --help answers at once.
 
 SETTINGS = {"bf16": False, "bf16, fp32 output layer": True}
 
@@ -20,6 +24,8 @@ def differences(
     policy, tokenizer, prompts, *, fp32_head: bool, max_prompt_length: int, args
 ) -> dict[str, torch.Tensor]:
     """Per response token (flattened): the sampled log-probs as decoded, from a bf16 full pass and from fp32."""
+    import torch
+
     from rlhflow.models.generation import generate
     from rlhflow.models.loading import linear_weights_to, output_layer_in_fp32
     from rlhflow.models.logits import logprobs_from_logits
@@ -88,6 +94,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    import torch
+
     if args.threads:
         torch.set_num_threads(args.threads)
 

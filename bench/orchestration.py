@@ -22,6 +22,8 @@ from pathlib import Path
 
 from rlhflow.config.params import add_overrides_argument, set_args
 
+# A light door: Prefect, MLflow and the stages (flows.pipeline, rlhfops.tracking) are imported where they are used.
+
 REPO = Path(__file__).resolve().parents[1]
 # the default params.yaml, shortened so that one path takes a few minutes on 2 CPU cores
 SHORTENED = [

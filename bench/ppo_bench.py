@@ -20,6 +20,8 @@ from pathlib import Path
 from bench.common import PHASES
 from bench.workloads import CPU_WORKLOADS, GPU_WORKLOADS, WORKLOADS, prepare
 
+# A light door: torch and transformers are imported inside the functions that use them, so --help answers at once.
+
 REPO = Path(__file__).resolve().parents[1]
 ENGINES = ("ours", "trl")
 # Our engine's memory modes, run in each round after the A B pair (same workload; TRL has neither): the value head

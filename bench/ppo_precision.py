@@ -22,6 +22,8 @@ from pathlib import Path
 from bench.common import last_result
 from bench.flops import MATMUL_SHAPE
 
+# A light door: torch, transformers and pandas are imported inside the functions that use them: --help is quick.
+
 MEMORY_SETTINGS = {
     "fp32": dict(precision="fp32"),
     "bf16": dict(precision="bf16"),

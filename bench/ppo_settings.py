@@ -21,9 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-import pandas as pd
-
 from rlhflow.config.params import add_overrides_argument, set_args
+
+# A light door: pandas and scipy are imported inside the functions that use them, so --help answers at once.
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,6 +64,8 @@ TIMERS = ["time/generation_s", "time/forward_s", "time/scoring_s", "time/trainin
 
 
 def run_setting(name: str, overrides: list[str], work: Path, threads: int) -> dict:
+    import pandas as pd
+
     out = work / name
     paths = [
         f"ppo.out_dir={out}/policy",
@@ -160,6 +162,13 @@ def main(argv: list[str] | None = None) -> None:
         for name in names:
             print(f"  {name}: {SETTINGS[name][0]}")
         return
+    print_ratios(rows, names)
+
+
+def print_ratios(rows: list[dict], names: list[str]) -> None:
+    """One seed per setting: a table of each setting's figures, its time and memory as ratios against the first."""
+    import pandas as pd
+
     base = rows[0]
     print(f"\nPPO settings on the default pipeline ({base['updates']} updates each; ratios against {base['setting']})")
     table = pd.DataFrame(rows).set_index("setting")

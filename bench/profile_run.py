@@ -27,6 +27,8 @@ from pathlib import Path
 from bench.orchestration import TINY, root_overrides
 from rlhflow.config.params import add_overrides_argument, load_config, set_args
 
+# A light door: Prefect and the stages (flows.pipeline) are imported inside the function that runs them.
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "bench" / ".work" / "profile_run.json"
 # what the Makefile exports for `make run`; set before Prefect is imported, which reads some of them then
@@ -229,10 +231,10 @@ def dvc_cache_in(root: Path):
 
 def profile_flow(argv: list[str]) -> dict:
     """`flows.pipeline.main(argv)` with every TIMED function clocked, each stage's rows apart."""
-    from flows import pipeline
+    from flows import pipeline, pipeline_flow
 
     clock = Clock()
-    run_or_skip = pipeline.run_or_skip
+    run_or_skip = pipeline_flow.run_or_skip
     ran: dict[str, bool] = {}
 
     def run_or_skip_clocked(name, cfg, parent_id, force):
@@ -241,14 +243,14 @@ def profile_flow(argv: list[str]) -> dict:
         ran[name] = outcome.ran
         return outcome, metrics
 
-    pipeline.run_or_skip = run_or_skip_clocked  # what run_pipeline calls for each stage
+    pipeline_flow.run_or_skip = run_or_skip_clocked  # what run_pipeline calls for each stage
     try:
         with timers(clock):
             start = time.perf_counter()
             pipeline.main(argv)
             total = time.perf_counter() - start
     finally:
-        pipeline.run_or_skip = run_or_skip
+        pipeline_flow.run_or_skip = run_or_skip
     clock.row(OUTSIDE)["wall_s"] = total - sum(row["wall_s"] for name, row in clock.rows.items() if name != OUTSIDE)
     outside = finished(clock.rows.pop(OUTSIDE))
     stages = {name: {**finished(row), "ran": ran[name]} for name, row in clock.rows.items()}

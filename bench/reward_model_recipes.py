@@ -14,9 +14,8 @@ import tempfile
 import time
 
 from rlhflow.config.params import DEFAULT_ENCODER, RewardModelConfig, load_config
-from rlhflow.data.readers import read_jsonl
-from rlhflow.evaluation.pairs import evaluate_pairs
-from rlhflow.training.reward_model import train_reward_model
+
+# A light door: torch, transformers and pandas (training, scoring, reading the splits) are imported where they are used.
 
 PROMPT_VIEWS = {
     "dialogue": lambda messages: messages,
@@ -26,6 +25,8 @@ PROMPT_VIEWS = {
 
 
 def validated_splits() -> dict[str, list[dict]]:
+    from rlhflow.data.readers import read_jsonl
+
     cfg = load_config()
     validated = cfg.path(cfg.validate_.out_dir)
     splits = {}
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("recipes", nargs="+", help="JSON: reward_model params, data, prompt, backbone, seed")
     args = parser.parse_args(argv)
+    from rlhflow.evaluation.pairs import evaluate_pairs
+    from rlhflow.training.reward_model import train_reward_model
 
     splits = validated_splits()
     data = {"proxy": splits["train"], "all": splits["train"] + splits["judge"]}

@@ -10,7 +10,7 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
+# A light door: torch and transformers are imported inside the functions that use them, so --help answers at once.
 
 BENCH_EOS = "<|bench_eos|>"  # appended past the model's vocabulary: never sampled
 
@@ -117,6 +117,7 @@ def _smollm2_tokenizer():
 
 def _policy_and_tokenizer(model: str):
     """(causal LM in float32, tokenizer) for a workload's model."""
+    import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
     from rlhflow.models.loading import load_causal_lm
@@ -185,6 +186,7 @@ def model_shape(policy, dtype: str) -> dict:
 
 def prepare(workload: Workload, root: str | Path, *, force: bool = False) -> Path:
     """Write the workload directory under `root` (once: reused when it exists) and return it."""
+    import torch
     from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 

@@ -10,307 +10,29 @@ and accelerator stages hold a training slot. The whole behaviour: docs/prefect.m
 
 from __future__ import annotations
 
+# A light door: prefect, mlflow, dvc and torch load with the flow (flows/pipeline_flow.py), after --help has answered.
 import argparse
-import errno
-import importlib
-import json
 import sys
 import time
-from typing import Literal
 
-import mlflow
-from prefect import flow, task
-from prefect.artifacts import create_link_artifact, create_markdown_artifact
-from prefect.cache_policies import NO_CACHE
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-from prefect.runtime import flow_run
-from prefect.tasks import exponential_backoff
-
-from flows import report
-from rlhflow.config.params import Config, apply_overrides, config_from_dict, load_config, parse_config_args
-from rlhflow.evaluation import judges
-from rlhfops import launch, restore, run_record, stage_lock, tracking, workspace
-from rlhfops.stages import STAGE_NAMES, STAGES, get_stage
+from rlhflow.config.params import parse_config_args
+from rlhfops.stages import STAGE_NAMES
 from rlhfops.temporary_server import start_temporary_server
-from rlhfops.training_slot import reset_server_limit, training_slot
-
-StageName = Literal[tuple(STAGE_NAMES)]  # an enum in the parameter form
-
-# Stages that load models on the accelerator (Stage.accelerator) hold one slot of this Prefect global concurrency
-# limit.
-TRAINING_LIMIT = "rlhf-training"
-TRAINING_LIMIT_DEFAULT_SLOTS = 1
-
-# errors a retry may fix, by class name where the class belongs to a library imported lazily
-_TRANSIENT_NAMES = {
-    "OperationalError",
-    "LockError",
-    "ConnectError",
-    "ConnectTimeout",
-    "ReadTimeout",
-    "RemoteProtocolError",
-}
+from rlhfops.training_slot import TRAINING_LIMIT, reset_server_limit
 
 
-# a full disk or quota, as an OSError's errno or in the message of what wraps it (sqlite, torch, safetensors)
-_DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
-_DISK_FULL_MESSAGES = ("no space left on device", "disk quota exceeded", "database or disk is full")
+def __getattr__(name: str):
+    """The flow `rlhf_pipeline`, its tasks and helpers, as names of this module (PEP 562): `from flows.pipeline import
+    rlhf_pipeline` and the entrypoint `flows/pipeline.py:rlhf_pipeline` load flows/pipeline_flow.py at first use."""
+    if name.startswith("__"):  # a probe for a module dunder (__path__, __wrapped__, ...) loads nothing
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from flows import pipeline_flow
 
-
-def _disk_full(err: BaseException) -> bool:
-    """Whether `err`, or an error it was raised from or while handling, says the disk or quota is full."""
-    seen: set[int] = set()
-    current: BaseException | None = err
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in _DISK_FULL_ERRNOS:
-            return True
-        if any(text in str(current).lower() for text in _DISK_FULL_MESSAGES):
-            return True
-        current = current.__cause__ or current.__context__
-    return False
-
-
-def is_transient(err: BaseException) -> bool:
-    """A failure a retry may fix: the network, a server restarting, a busy database or lock; not a missing file, a
-    bad setting, a directory that is no git repository or a full disk, which fail the same way every time (a full
-    disk retried only fills it again)."""
-    if isinstance(err, (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError)):
-        return False
-    if _disk_full(err):
-        return False
-    if isinstance(err, (ConnectionError, TimeoutError, OSError)):
-        return True
-    return any(cls.__name__ in _TRANSIENT_NAMES for cls in type(err).__mro__)
-
-
-def _retry_if_transient(task, task_run, state) -> bool:
-    err = getattr(state, "data", None)
-    return is_transient(err) if isinstance(err, BaseException) else True
-
-
-# Transient failures (a busy disk, a Prefect or MLflow server restarting) are retried: 2, 4, 8 s (+ jitter); other
-# errors fail at once.
-TRANSIENT_RETRIES = dict(
-    retries=3,
-    retry_delay_seconds=exponential_backoff(backoff_factor=2),
-    retry_jitter_factor=0.5,
-    retry_condition_fn=_retry_if_transient,
-    cache_policy=NO_CACHE,
-)
-
-
-def selected_stages(cfg: Config, stages: list[str] | None) -> list[str]:
-    names = list(stages) if stages else [s.name for s in STAGES]
-    unknown = [n for n in names if n not in STAGE_NAMES]
-    if unknown:
-        raise ValueError(f"unknown stage(s) {unknown}; stages: {STAGE_NAMES}")
-    # demo_data runs even when another file is the input, as under `dvc repro`: every stage of dvc.yaml then has
-    # its dvc.lock entry after a flow run (it writes a small deterministic file in well under a second)
-    return [n for n in STAGE_NAMES if n in names]  # pipeline order, whatever order they were given in
-
-
-def with_overrides(cfg: Config | None, overrides: list[str] | None) -> Config:
-    """A flow's `config` parameter (None: params.yaml, read now, as the run starts) with `overrides` applied."""
-    cfg = load_config() if cfg is None else cfg
-    return config_from_dict(apply_overrides(cfg.to_params(), overrides)) if overrides else cfg
-
-
-@task(name="ensure-training-limit", **TRANSIENT_RETRIES)
-def ensure_training_limit(limit: str = TRAINING_LIMIT) -> int:
-    """Create the global concurrency limit `limit` with TRAINING_LIMIT_DEFAULT_SLOTS when it does not exist; a
-    limit the user changed (`prefect gcl update`) is left as it is. Returns its slots."""
-
-    with get_client(sync_client=True) as client:
-        try:
-            return client.read_global_concurrency_limit_by_name(limit).limit
-        except ObjectNotFound:
-            pass
-        try:
-            client.create_global_concurrency_limit(
-                GlobalConcurrencyLimitCreate(name=limit, limit=TRAINING_LIMIT_DEFAULT_SLOTS)
-            )
-        except ObjectAlreadyExists:  # another run created it in between
-            pass
-        return client.read_global_concurrency_limit_by_name(limit).limit
-
-
-@task(name="check-up-to-date", **TRANSIENT_RETRIES)
-def check_up_to_date(name: str, cfg: Config) -> list[str]:
-    """Why the stage must run (empty: it is up to date)."""
-    return stage_lock.why_stale(get_stage(name), cfg)
-
-
-@task(name="record-stage", **TRANSIENT_RETRIES)
-def record_stage(name: str, cfg: Config) -> None:
-    stage_lock.record_run(get_stage(name), cfg)
-
-
-@task(name="log-lineage", **TRANSIENT_RETRIES)
-def log_lineage(cfg: Config, names: list[str]) -> dict:
-    """The parent run's `dvc.lock`, `params.yaml` and uncached outputs (what `flows.restore` reads back); a run
-    with overrides also becomes a DVC experiment."""
-    return run_record.log_run_lineage(cfg, names)
-
-
-@task(name="push-outputs", **TRANSIENT_RETRIES)
-def push_outputs(lock: dict, cfg: Config, remote: str | None) -> None:
-    """The run's data and models to a DVC remote, for `flows.restore` on another machine."""
-
-    sent = restore.push_run(lock, cfg, remote)
-    mlflow.set_tag("dvc.remote", remote or "default")
-    print(f"pushed {sent} new object(s) to the DVC remote {remote or '(default)'}")
-
-
-@task(name="publish-report", **TRANSIENT_RETRIES)
-def publish_report(markdown: str, run_url: str | None) -> None:
-    create_markdown_artifact(
-        markdown,
-        key=report.REPORT_KEY,
-        description="RLHF pipeline run: stages, metrics, validation, evaluation samples",
-    )
-    if run_url:
-        create_link_artifact(
-            run_url,
-            link_text="MLflow run",
-            key=report.LINK_KEY,
-            description="This run's MLflow parent run (stage runs, metrics, models)",
-        )
-
-
-@task(name="launched-stage", retries=0, cache_policy=NO_CACHE)
-def launched_stage(name: str, cfg: Config, parent_run_id: str) -> dict[str, float]:
-    """A data-parallel stage in `launch.<stage>` processes (rlhfops/launch.py); no retries, as for every stage."""
-    return launch.run_in_processes(name, cfg, parent_run_id)
-
-
-def recorded_metrics(cfg: Config, name: str) -> dict[str, float]:
-    """metrics/<stage>.json of the last run of a skipped stage (its wall time is not this run's)."""
-    path = cfg.path(cfg.metrics_dir) / f"{name}.json"
-    metrics = json.loads(path.read_text()) if path.exists() else {}
-    return {k: v for k, v in metrics.items() if not k.startswith("time/")}
-
-
-def run_or_skip(name: str, cfg: Config, parent_id: str, force: bool) -> tuple[report.StageOutcome, dict[str, float]]:
-    reasons = ["forced"] if force else check_up_to_date(name, cfg)
-    if not reasons:
-        metrics = recorded_metrics(cfg, name)
-        print(f"{name}: skipped, up to date (deps, params and outputs as recorded after its last run)")
-        tracking.log_metrics(metrics)  # the parent run still shows the stage's figures
-        return report.StageOutcome(name, ran=False, reason="up to date"), metrics
-    print(f"{name}: running ({'; '.join(reasons[:3])}{'; ...' if len(reasons) > 3 else ''})")
-    start = time.perf_counter()
-    if launch.processes(name, cfg) > 1:  # `accelerate launch` of the stage's CLI, under this parent run
-        metrics = launched_stage.with_options(name=name)(name, cfg, parent_id)
-    else:
-        metrics = importlib.import_module(f"tasks.{name}").task(cfg, parent_id)
-    seconds = time.perf_counter() - start
-    record_stage(name, cfg)
-    return report.StageOutcome(name, ran=True, seconds=seconds, reason=reasons[0]), metrics
-
-
-def run_pipeline(
-    cfg: Config,
-    stages: list[str] | None = None,
-    force: bool = False,
-    push: bool = False,
-    remote: str | None = None,
-    parent_run: str | None = None,
-) -> dict[str, float]:
-    """The body of every flow here: the selected stages, in order, in one MLflow parent run (nested under the
-    MLflow run `parent_run`, a sweep's, when given); with `push`, their outputs then go to the DVC remote `remote`
-    (default: DVC's default remote)."""
-    names = selected_stages(cfg, stages)
-    tracking.preflight(cfg)  # an unreachable tracking server fails here, in seconds, not after training
-    judges.preflight(cfg.judge)  # so does a judge endpoint or model that cannot be used
-    if push:
-        restore.check_remote(remote)  # so does a push with no DVC remote to go to
-    # one run at a time per workspace: a second run waits here for the whole first run (rlhfops/workspace.py)
-    with workspace.exclusive(this_run_name()):
-        return _run_stages(cfg, names, force, push, remote, parent_run)
-
-
-def this_run_name() -> str:
-    """How other runs waiting for the workspace name this one: the Prefect flow run, else the command."""
-
-    name = flow_run.get_name() if flow_run.get_id() else None
-    return f"pipeline flow run {name!r}" if name else f"pipeline run ({' '.join(sys.argv[:1] + sys.argv[1:4])})"
-
-
-def _run_stages(
-    cfg: Config, names: list[str], force: bool, push: bool, remote: str | None, parent_run: str | None
-) -> dict[str, float]:
-    slots = ensure_training_limit() if any(get_stage(n).accelerator for n in names) else 0
-    results: dict[str, float] = {}
-    outcomes: list[report.StageOutcome] = []
-    run_url, error = None, None
-    run_name = "pipeline" if names == selected_stages(cfg, None) else "stages: " + ",".join(names)
-    try:
-        with tracking.pipeline_run(cfg, run_name=run_name, parent_run_id=parent_run) as parent:
-            uri = tracking.tracking_uri(cfg)
-            run_url = report.mlflow_run_url(uri, parent.info.experiment_id, parent.info.run_id)
-            print(
-                f"MLflow parent run {parent.info.run_id} in experiment {cfg.tracking.experiment!r} at "
-                f"{tracking.redact(uri)}: {run_url} (all runs: "
-                f"{report.mlflow_experiment_url(uri, parent.info.experiment_id)})"
-            )
-            for name in names:
-                if get_stage(name).accelerator:  # a second pipeline run waits here for the first one's stage
-                    with training_slot(name, TRAINING_LIMIT, slots):
-                        outcome, metrics = run_or_skip(name, cfg, parent.info.run_id, force)
-                else:
-                    outcome, metrics = run_or_skip(name, cfg, parent.info.run_id, force)
-                outcomes.append(outcome)
-                results.update(metrics)
-            skipped = [o.name for o in outcomes if not o.ran]
-            if skipped:
-                mlflow.set_tag("skipped_stages", ",".join(skipped))
-            tracking.log_metrics({k: v for k, v in results.items() if k.startswith("time/")})
-            lock = log_lineage(cfg, names)
-            if push:
-                push_outputs(lock, cfg, remote)
-    except BaseException as err:
-        error = tracking.redact(f"{type(err).__name__}: {err}")[:2000]
-        raise
-    finally:
-        if run_url or error:
-            try:
-                publish_report(report.report_markdown(cfg, outcomes, results, run_url, error), run_url)
-            except Exception as err:  # never hide the pipeline's own error behind a reporting one
-                if error is None:
-                    raise
-                print(f"could not publish the run report: {err}")
-    print(report.summary_table(results))
-    return results
-
-
-@flow(name="rlhf-pipeline", log_prints=True)
-def rlhf_pipeline(
-    config: Config | None = None,
-    stages: list[StageName] | None = None,
-    force: bool = False,
-    overrides: list[str] | None = None,
-    push: bool = False,
-    remote: str | None = None,
-    parent_run: str | None = None,
-) -> dict[str, float]:
-    """The RLHF pipeline: demo_data -> validate -> sft -> reward_model -> judge -> ppo -> evaluate.
-
-    Args:
-        config: every hyperparameter (params.yaml; its values are the defaults)
-        stages: run only these stages (in pipeline order), reading earlier outputs from disk; empty: all
-        force: run every stage even when it is up to date
-        overrides: params.yaml overrides applied on top of `config`, e.g. ["ppo.kl_coef=0.1"]
-        push: after the run, push its data and models to a DVC remote (restorable on another machine)
-        remote: the DVC remote to push to (`dvc remote list`); empty: DVC's default remote
-        parent_run: the MLflow run to nest this run's parent run under (a sweep's run); empty: none
-    """
-    return run_pipeline(with_overrides(config, overrides), stages, force, push, remote, parent_run)
+    return getattr(pipeline_flow, name)
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The command line; the flow, Prefect and MLflow are loaded once it is parsed."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument(
         "--stages", default=None, help=f"comma-separated subset of stages to run: {', '.join(STAGE_NAMES)}"
@@ -335,6 +57,8 @@ def main(argv: list[str] | None = None) -> None:
         "--stages a,b runs a subset, --force runs stages that are up to date too.",
         parents=(pre,),
     )
+    from flows.pipeline_flow import rlhf_pipeline
+
     start = time.perf_counter()
     start_temporary_server()
     stages = args.stages.split(",") if args.stages else None

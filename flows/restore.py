@@ -11,37 +11,30 @@ unless every recorded path is one its stage writes, inside the workspace, and ev
 
 from __future__ import annotations
 
+# A light door: prefect, mlflow and dvc load with the flow (flows/restore_flow.py), after --help has answered.
 import argparse
 import sys
 
-from prefect import flow
-
-from rlhflow.config.params import Config, load_config, parse_config_args
-from rlhfops import restore
+from rlhflow.config.params import parse_config_args
 from rlhfops.temporary_server import start_temporary_server
 
 
-@flow(name="restore-run", log_prints=True)
-def restore_run(run_id: str, remote: str | None = None, config: Config | None = None) -> list[dict]:
-    """Put an MLflow parent run's data, models and metrics back into the workspace.
+def __getattr__(name: str):
+    """The flow `restore_run`, as a name of this module (PEP 562) loaded at first use: `from flows.restore import
+    restore_run` gives the flow."""
+    if name.startswith("__"):  # a probe for a module dunder (__path__, __wrapped__, ...) loads nothing
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from flows import restore_flow
 
-    Args:
-        run_id: the pipeline's MLflow parent run
-        remote: the DVC remote to pull missing objects from; empty: DVC's default remote
-        config: params (the tracking store is read from them); empty: params.yaml
-    """
-    restored = restore.restore(run_id, config or load_config(), remote)
-    for r in restored:
-        print(f"{'ok      ' if r.ok else 'MISMATCH'} {r.stage:14s} {r.path}  {r.md5}  ({r.source})")
-    bad = [r.path for r in restored if not r.ok]
-    if bad:
-        raise restore.RestoreError(f"{len(bad)} output(s) differ from run {run_id}'s record: {bad}")
-    print(f"restored {len(restored)} output(s) of run {run_id}; dvc.lock holds its entries")
-    return [vars(r) for r in restored]
+    return getattr(restore_flow, name)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (its exit status); the flow, Prefect, MLflow and DVC are loaded once it is parsed."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):  # `RUN_ID --help` lists the params options
+        print(__doc__.strip())
+        return 0
     if not argv or argv[0].startswith("-"):
         print(__doc__.strip(), file=sys.stderr)
         return 2
@@ -50,10 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     pre.add_argument("--remote", default=None, help="DVC remote to pull from (default: DVC's default remote)")
     known, rest = pre.parse_known_args(argv[1:])
     cfg, _ = parse_config_args(rest, "Restore a pipeline run's outputs (the tracking store is read from params).")
+    from flows.restore_flow import restore_run
+    from rlhfops.restore import RestoreError
+
     try:
         start_temporary_server()
         restore_run(argv[0], known.remote, cfg)
-    except restore.RestoreError as err:
+    except RestoreError as err:
         print(f"restore failed: {err}", file=sys.stderr)
         return 1
     return 0

@@ -11,8 +11,7 @@ lets only its own UI's origin call it from a browser (docs/prefect.md, docs/secu
 
 from __future__ import annotations
 
-# prefect and the flows are imported inside the functions that use them: the --start-servers process only
-# starts the servers and a child process that serves, and never needs them.
+# A light door: prefect, mlflow and the flows are imported inside the functions that use them, after --help answers.
 import argparse
 import inspect
 import os
@@ -23,18 +22,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-import mlflow
-from prefect import serve
-from prefect.types.entrypoint import EntrypointType
-
-from flows.feedback import feedback_round
-from flows.pipeline import ensure_training_limit, rlhf_pipeline
 from flows.report import MODEL_TRAINING_VIEW
-from flows.restore import restore_run
-from flows.stage_flows import STAGE_FLOWS
-from flows.sweep import rlhf_sweep
 from rlhflow.config.params import REPO_ROOT, Config, load_config
-from rlhfops import tracking
 from rlhfops.stack_access import new_auth_string, prefect_server_security, write_private
 
 DEFAULT_HOST = "127.0.0.1"
@@ -59,8 +48,17 @@ def with_form_defaults(flow, params):
 
 
 def deployments() -> list:
+    """The served deployments: the pipeline, the sweep, the feedback round, the restore and one per stage."""
+    from prefect.types.entrypoint import EntrypointType
+
+    from flows.feedback_flow import feedback_round
+    from flows.pipeline_flow import rlhf_pipeline
+    from flows.restore_flow import restore_run
+    from flows.stage_flows import STAGE_FLOWS
+    from flows.sweep_flow import rlhf_sweep
+
     params = load_config()  # params.yaml now: the defaults of every deployment's parameter form
-    # flow runs import the flows by module (flows.pipeline.rlhf_pipeline), whatever the current directory
+    # flow runs import the flows by module (flows.pipeline_flow.rlhf_pipeline), whatever the current directory
     common = dict(tags=["rlhf"], entrypoint_type=EntrypointType.MODULE_PATH)
     served = [
         with_form_defaults(rlhf_pipeline, params).to_deployment(
@@ -98,6 +96,9 @@ def deployments() -> list:
 
 def serve_deployments(limit: int | None = None) -> None:
     """Register the deployments and run their flow runs until interrupted (blocks)."""
+    from prefect import serve
+
+    from flows.pipeline_flow import ensure_training_limit
 
     os.chdir(REPO_ROOT)  # flow runs start in the repository, as `make run` does
     print(f"training concurrency limit 'rlhf-training': {ensure_training_limit.fn()} slot(s)")
@@ -161,6 +162,7 @@ def ui_client_env(prefect_url: str) -> tuple[dict[str, str], Path]:
 def mlflow_ui_link(mlflow_url: str, tracking_uri: str, experiment: str) -> str:
     """The experiment's runs in the UI's model-training view once the store has the experiment; before, the
     experiment list in that view."""
+    import mlflow
 
     found = mlflow.MlflowClient(tracking_uri).get_experiment_by_name(experiment)
     where = f"/{found.experiment_id}/runs" if found else ""
@@ -171,6 +173,7 @@ def start_servers_and_serve(host: str, prefect_port: int, mlflow_port: int) -> i
     """A Prefect server and an MLflow server (the project's tracking store, its artifacts served), both on
     `host`; then the deployments, in a child process pointed at them. Returns when any of them exits or on
     Ctrl-C, having stopped the others."""
+    from rlhfops import tracking
 
     cfg = load_config()
     uri = tracking.tracking_uri(cfg)

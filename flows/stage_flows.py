@@ -1,13 +1,13 @@
 """One Prefect flow per stage of rlhfops.stages.STAGES, for the per-stage deployments (flows/serve.py): each runs
 that stage alone on the outputs earlier stages left on disk, in its own MLflow parent run, with the same skipping,
-concurrency limit, retries and report as the full pipeline (flows/pipeline.py). They are built from the stage list
-and bound as module attributes (`flows.stage_flows.ppo`, ...), so a deployment's entrypoint can import them."""
+concurrency limit, retries and report as the full pipeline (flows/pipeline_flow.py). They are built from the stage
+list and bound as module attributes (`flows.stage_flows.ppo`, ...), so a deployment's entrypoint can import them."""
 
 from __future__ import annotations
 
 from prefect import flow
 
-from flows.pipeline import run_pipeline, with_overrides
+from flows.pipeline_flow import run_pipeline, with_overrides
 from rlhflow.config.params import Config
 from rlhfops.stages import STAGES, Stage
 from rlhfops.tracking import flatten

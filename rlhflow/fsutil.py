@@ -12,7 +12,7 @@ import re
 import shutil
 import stat
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -245,6 +245,14 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 
 def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:
     write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True, default=float) + "\n")
+
+
+def write_jsonl_atomic(records: Iterable[dict], path: str | os.PathLike) -> Path:
+    """JSON Lines, one record a line (non-ASCII text kept as it is), written whole or not at all."""
+    with atomic_file(path) as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return Path(path)
 
 
 def prepare_checkpoint_dir(ckpt_dir: str | os.PathLike, fingerprint: str, *, setting: str) -> Path:

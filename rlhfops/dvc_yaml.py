@@ -8,6 +8,7 @@ does not run leaves it up to date. The stages themselves never import this modul
 
 from __future__ import annotations
 
+import argparse
 import sys
 from functools import cache
 from typing import Any
@@ -57,5 +58,13 @@ def dvc_yaml() -> str:
     return header + yaml.safe_dump({"stages": stages, "plots": PLOTS}, sort_keys=False, width=120)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m rlhfops.dvc_yaml", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.parse_args(argv)
     sys.stdout.write(dvc_yaml())
+
+
+if __name__ == "__main__":
+    main()

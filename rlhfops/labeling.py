@@ -245,7 +245,15 @@ def serve(argv: list[str] | None = None) -> None:
                 time.sleep(3600)
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] != ["serve"]:
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):  # `serve --help` lists serve's options
+        print(__doc__.strip())
+        return
+    if argv[:1] != ["serve"]:
         sys.exit("usage: python -m rlhfops.labeling serve [--root DIR] [--port PORT]")
-    serve(sys.argv[2:])
+    serve(argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -11,6 +11,7 @@ a params file, the parent MLflow run's id and `FLOW_ENV` (the flow holds the wor
 
 from __future__ import annotations
 
+# A light door: torch is imported inside the function that asks it for a GPU, so --help answers before it loads.
 import importlib
 import json
 import os
@@ -20,8 +21,6 @@ import sys
 import tempfile
 from collections import deque
 from pathlib import Path
-
-import torch
 
 from rlhflow.config.params import REPO_ROOT, Config, parse_config_args, write_params
 from rlhfops.stage_runner import cli
@@ -34,8 +33,10 @@ def processes(stage: str, cfg: Config) -> int:
 
 
 def accelerate_config(cfg: Config) -> Path:
+    """launch.accelerate_config, else the project's own: DDP where there is a GPU, two CPU processes where not."""
     if cfg.launch.accelerate_config:
         return cfg.path(cfg.launch.accelerate_config)
+    import torch
 
     return REPO_ROOT / "configs" / "accelerate" / ("ddp.yaml" if torch.cuda.is_available() else "cpu_2proc.yaml")
 
@@ -91,6 +92,9 @@ def run_in_processes(stage: str, cfg: Config, parent_run_id: str | None) -> dict
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):  # `STAGE --help` lists the stage's options and the params keys
+        print(__doc__.strip())
+        return
     if not argv or argv[0].startswith("-"):
         sys.exit("usage: python -m rlhfops.launch STAGE [--params FILE] [--set key=value ...]")
     stage, args = argv[0], argv[1:]

@@ -12,7 +12,7 @@ What each service is, its secrets and ports: docs/scaling.md, A team's stack; do
 
 from __future__ import annotations
 
-# boto3 (requirements-team.txt) and psutil are imported where used: only the team stack's commands need them.
+# A light door: boto3 (requirements-team.txt) and psutil are imported where used, by the stack's commands alone.
 import argparse
 import base64
 import contextlib

@@ -3,12 +3,17 @@
 A stage module defines `run(cfg, ctx) -> dict[str, float]` (its metrics) and ends with
 `task = stage_task(NAME, run)` and `if __name__ == "__main__": cli(NAME, run)`. The Prefect flow and
 `python -m tasks.<stage>` (what dvc.yaml calls) therefore run exactly the same code.
+
+A stage's door is light: importing this module loads none of the stack. Prefect is loaded when the flow calls a
+stage's task (a stage run by DVC or by hand never loads it), MLflow and the DVC record when the stage runs, after
+its command line is parsed (`--help` answers at once).
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -22,12 +27,11 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
-from prefect import task  # noqa: E402
-from prefect.cache_policies import NO_CACHE  # noqa: E402
-
+# A light door: prefect, mlflow (rlhfops.tracking) and DVC's record (rlhfops.stage_lock) load inside the functions
+# that use them.
 from rlhflow.config.params import REPO_ROOT, Config, parse_config_args  # noqa: E402
 from rlhflow.training import distributed  # noqa: E402
-from rlhfops import stage_lock, tracking, workspace  # noqa: E402
+from rlhfops import workspace  # noqa: E402
 from rlhfops.stages import FLOW_ENV, get_stage, parent_run_option  # noqa: E402
 
 
@@ -87,6 +91,8 @@ class StageContext:
     def log_metrics(self, metrics: dict[str, float], step: int | None = None, *, on_parent: bool = False) -> None:
         if not self.main_process:
             return
+        from rlhfops import tracking
+
         tracking.log_metrics(metrics, step=step, run_ids=[self.parent_run_id] if on_parent else [])
 
 
@@ -99,6 +105,8 @@ def run_stage(name: str, body: StageBody, cfg: Config, parent_run_id: str | None
     Under `accelerate launch` with several processes, only the main process (rank 0) opens the run and writes
     the metrics file; in data parallel stages (`Stage.data_parallel`) the others run the body with
     `ctx.main_process` False (they train their data shard and must write nothing). They return no metrics."""
+    from rlhfops import tracking  # mlflow: loaded once the stage runs
+
     distributed.init()
     stage = get_stage(name)
     if not distributed.is_main_process():
@@ -117,15 +125,34 @@ def run_stage(name: str, body: StageBody, cfg: Config, parent_run_id: str | None
     return metrics
 
 
-def stage_task(name: str, body: StageBody):
-    """The stage as a Prefect task: no retries (training is not idempotent), no result caching."""
+class StageTask:
+    """The stage as a Prefect task: no retries (training is not idempotent), no result caching. Called inside a
+    flow it runs as that flow's task run; the Prefect task is built at its first call, so that importing a stage
+    module (its command line, `dvc repro`) does not load Prefect."""
 
-    @task(name=name, retries=0, cache_policy=NO_CACHE)
-    def _task(cfg: Config, parent_run_id: str | None = None) -> dict[str, float]:
-        with redirected_prints_not_logged():
-            return run_stage(name, body, cfg, parent_run_id)
+    def __init__(self, name: str, body: StageBody):
+        self.name, self.body = name, body
 
-    return _task
+    @functools.cached_property
+    def prefect_task(self):
+        from prefect import task
+        from prefect.cache_policies import NO_CACHE
+
+        name, body = self.name, self.body
+
+        @task(name=name, retries=0, cache_policy=NO_CACHE)
+        def _task(cfg: Config, parent_run_id: str | None = None) -> dict[str, float]:
+            with redirected_prints_not_logged():
+                return run_stage(name, body, cfg, parent_run_id)
+
+        return _task
+
+    def __call__(self, cfg: Config, parent_run_id: str | None = None) -> dict[str, float]:
+        return self.prefect_task(cfg, parent_run_id)
+
+
+def stage_task(name: str, body: StageBody) -> StageTask:
+    return StageTask(name, body)
 
 
 def holding_the_workspace(name: str):
@@ -154,6 +181,8 @@ def record_by_hand(name: str, cfg: Config) -> None:
     if outside:
         print(f"{name}: not recorded in the lock: its output {outside[0]} lies outside the project {REPO_ROOT}")
         return
+    from rlhfops import stage_lock  # DVC: loaded to record a run, not to start one
+
     stage_lock.record_run(stage, cfg)
     print(f"{name}: recorded ({stage_lock.LOCK_FILE if stage_lock.is_dvc_project() else 'the flow lock'})")
 
@@ -161,6 +190,8 @@ def record_by_hand(name: str, cfg: Config) -> None:
 def cli(name: str, body: StageBody, argv: list[str] | None = None) -> None:
     description = f"Run the {name} stage alone: {get_stage(name).description}."
     cfg, args = parse_config_args(argv, description, (parent_run_option(),))
+    from rlhfops import tracking  # mlflow: after the command line is parsed, so that --help answers at once
+
     try:
         tracking.preflight(cfg)  # an unreachable tracking server fails here, in seconds, not after training
         with holding_the_workspace(name):

@@ -5,11 +5,9 @@ starts the server before its flow, holding an exclusive flock in $PREFECT_HOME w
 
 from __future__ import annotations
 
-# Prefect's server app is imported only to start one: heavy, and a run on a server never needs it.
+# A light door: prefect, and Prefect's server app only to start one, are imported inside the function that starts it.
 import fcntl
 import os
-
-from prefect.settings import get_current_settings
 
 from rlhfops.training_slot import lock_dir, on_a_server
 
@@ -20,6 +18,8 @@ def start_temporary_server() -> None:
     """Start this process's temporary Prefect server (the one every flow run in it then talks to), unless the
     process talks to a running server or temporary servers are switched off. Waits while another process of the
     same Prefect home starts its own."""
+    from prefect.settings import get_current_settings
+
     if on_a_server() or not get_current_settings().server.ephemeral.enabled:
         return
     from prefect.server.api.server import SubprocessASGIServer

@@ -11,30 +11,32 @@ machines that share a Prefect server (docs/prefect.md#the-training-slot).
 
 from __future__ import annotations
 
+# A light door: prefect is imported inside the functions that talk to it, so --help answers before it loads.
 import contextlib
 import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
-from prefect.concurrency.sync import concurrency
-from prefect.settings import get_current_settings
-
 from rlhfops.locks import read_holder, try_flock, write_holder
 
+# Stages that load models on the accelerator (Stage.accelerator) hold one slot of this Prefect global concurrency
+# limit (flows/pipeline_flow.py creates it).
+TRAINING_LIMIT = "rlhf-training"
 NOTICE_S = 600.0  # while waiting, say so this often
 POLL_S = 1.0
 
 
 def on_a_server() -> bool:
     """Whether this process talks to a running Prefect server rather than starting a temporary one."""
+    from prefect.settings import get_current_settings
 
     return bool(get_current_settings().api.url)
 
 
 def lock_dir() -> Path:
+    from prefect.settings import get_current_settings
+
     return Path(get_current_settings().home).expanduser() / "locks"
 
 
@@ -82,6 +84,7 @@ def local_slot(stage: str, limit: str, slots: int, log=print) -> Iterator[None]:
 def server_slot(stage: str, limit: str, lease_s: float, log=print) -> Iterator[None]:
     """Hold one slot of the Prefect server's global concurrency limit `limit`; say every NOTICE_S of waiting how to
     free a slot that a killed run left taken before its lease expires."""
+    from prefect.concurrency.sync import concurrency
 
     waited = 0.0
     slot = contextlib.ExitStack()  # entered apart from the stage, so a TimeoutError from the stage is not caught
@@ -118,6 +121,8 @@ def training_slot(stage: str, limit: str, slots: int, lease_s: float = 300.0, lo
 def reset_server_limit(limit: str) -> tuple[int, int]:
     """Mark every slot of the server's limit `limit` free (a killed run left one taken); returns (slots taken
     before, after)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
 
     with get_client(sync_client=True) as client:
         before = client.read_global_concurrency_limit_by_name(limit).active_slots

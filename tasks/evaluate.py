@@ -13,19 +13,9 @@ from __future__ import annotations
 
 import json
 import tempfile
-
-import mlflow
+from typing import TYPE_CHECKING
 
 from rlhflow.config.params import Config
-from rlhflow.data.readers import read_jsonl
-from rlhflow.evaluation import report
-from rlhflow.evaluation.compare import EvaluatedModels, PolicyEvaluator
-from rlhflow.evaluation.held_out import REFERENCE_FILE, HeldOutData, HeldOutPrompts, held_out_files, load_reference
-from rlhflow.evaluation.metrics import saved_held_out_perplexity
-from rlhflow.evaluation.pairs import saved_pair_scores
-from rlhflow.models.loading import load_language_model, pick_device, resolve_precision
-from rlhflow.training.reward_model import RewardModel
-from rlhfops import promotion, registry
 from rlhfops.hashing import dir_md5, file_md5
 from rlhfops.stage_runner import StageContext, cli, stage_task
 from tasks.evaluation_setup import (
@@ -35,11 +25,21 @@ from tasks.evaluation_setup import (
     sft_answers_key,
 )
 
+# A light door: torch, transformers, mlflow, pandas and scipy (the models, the evaluation, the registry) are imported
+# inside the functions that use them, so the stage's --help and its checks answer before any of them loads.
+if TYPE_CHECKING:
+    from rlhflow.evaluation.compare import EvaluatedModels, PolicyEvaluator
+    from rlhflow.evaluation.held_out import HeldOutData
+
 NAME = "evaluate"
 
 
 def load_evaluated_models(inputs: EvaluationInputs) -> EvaluatedModels:
     """The SFT model, the policy, the proxy and the judge, loaded once on the configured device."""
+    from rlhflow.evaluation.compare import EvaluatedModels
+    from rlhflow.models.loading import load_language_model, pick_device, resolve_precision
+    from rlhflow.training.reward_model import RewardModel
+
     device = pick_device(inputs.device)
     tokenizer, sft = load_language_model(inputs.sft_dir, device)
     _, policy = load_language_model(inputs.policy_dir, device)  # the same tokenizer as SFT's
@@ -57,6 +57,11 @@ def load_evaluated_models(inputs: EvaluationInputs) -> EvaluatedModels:
 def read_held_out_data(inputs: EvaluationInputs) -> HeldOutData:
     """The held-out prompts with the SFT model's answers to them, the test and dev pairs, and what the sft and
     reward_model stages saved about the test pairs (perplexity, pair scores)."""
+    from rlhflow.data.readers import read_jsonl
+    from rlhflow.evaluation.held_out import REFERENCE_FILE, HeldOutData, HeldOutPrompts, held_out_files, load_reference
+    from rlhflow.evaluation.metrics import saved_held_out_perplexity
+    from rlhflow.evaluation.pairs import saved_pair_scores
+
     settings, files = inputs.settings, held_out_files(inputs.validated_dir)
     held_out = HeldOutPrompts.load(files, settings.n_prompts, settings.samples_per_prompt)
     key = sft_answers_key(settings, held_out, files, inputs.sft_dir)
@@ -88,6 +93,7 @@ def evaluation_basis(inputs: EvaluationInputs) -> dict[str, str]:
 def registered_head_to_head(client, name: str, result, compare):
     """`compare(model_dir, challenge)` against the registered version's model dir, on the dev split: the head to
     head that `promotion.challenge_champion` calls; None without a dev split (nothing is chosen on the test split)."""
+    from rlhfops import registry
 
     def head_to_head(version, challenge: int):
         if result.dev is None:
@@ -101,6 +107,10 @@ def registered_head_to_head(client, name: str, result, compare):
 def champion_decisions(inputs: EvaluationInputs, promote: str, client, evaluator: PolicyEvaluator, result) -> list:
     """The champion rule's decision for the registered reward model and policy this run trained, each against the
     version its alias points to (rlhflow/evaluation/champion.py); applied only once the stage succeeded."""
+    from rlhflow.models.loading import load_language_model
+    from rlhflow.training.reward_model import RewardModel
+    from rlhfops import promotion, registry
+
     device = evaluator.models.device
 
     def policy_against(model_dir: str, challenge: int):
@@ -129,6 +139,12 @@ def champion_decisions(inputs: EvaluationInputs, promote: str, client, evaluator
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
+    import mlflow
+
+    from rlhflow.evaluation import report
+    from rlhflow.evaluation.compare import PolicyEvaluator
+    from rlhfops import promotion
+
     inputs = evaluation_inputs(cfg)  # the stage's reading of params.yaml; what follows uses these values
     algorithm, promote = cfg.align.algorithm, cfg.evaluate.promote
     registering = cfg.tracking.log_models and cfg.tracking.register_models

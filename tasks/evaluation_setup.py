@@ -7,14 +7,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlhflow.config.params import Config, JudgeConfig
-from rlhflow.evaluation.held_out import HeldOutPrompts, as_precision, reference_key
-from rlhflow.evaluation.judges import load_judge
-from rlhflow.evaluation.settings import EvaluationSettings
 from rlhflow.fsutil import dir_md5, file_md5
-from rlhflow.models.loading import load_language_model, resolve_precision
-from rlhflow.models.sampling import Sampling
+
+# A light door: what loads torch, transformers and pandas (rlhflow.evaluation, rlhflow.models) is imported inside the
+# functions that use it, so the stages that import this module answer --help and their checks before any of it loads.
+if TYPE_CHECKING:
+    from rlhflow.evaluation.held_out import HeldOutPrompts
+    from rlhflow.evaluation.settings import EvaluationSettings
+    from rlhflow.models.sampling import Sampling
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,8 @@ def evaluation_sampling(cfg: Config) -> Sampling:
     """evaluate's temperature (default: PPO's), top-p (default: PPO's), repetition penalty and its own seed
     (`evaluate.seed`), PPO's prompt cut, top-k, stop strings and KV cache. Every model compared samples on the same
     random streams; a training-seed sweep keeps the same streams."""
+    from rlhflow.models.sampling import Sampling
+
     e, p = cfg.evaluate, cfg.ppo
     return Sampling(
         temperature=cfg.eval_temperature,
@@ -72,6 +77,8 @@ def evaluation_sampling(cfg: Config) -> Sampling:
 
 
 def evaluation_settings(cfg: Config) -> EvaluationSettings:
+    from rlhflow.evaluation.settings import EvaluationSettings
+
     e = cfg.evaluate
     return EvaluationSettings(
         sampling=evaluation_sampling(cfg),
@@ -89,6 +96,8 @@ def evaluation_settings(cfg: Config) -> EvaluationSettings:
 
 def load_evaluation_judge(inputs: EvaluationInputs, device):
     """The judge (the judge section: a trained reward model, a scoring function or an LLM endpoint)."""
+    from rlhflow.evaluation.judges import load_judge
+
     return load_judge(inputs.judge, inputs.judge_dir, batch_size=inputs.judge.eval_batch_size, device=device)
 
 
@@ -97,6 +106,8 @@ def sft_answers_key(
 ) -> dict:
     """What the sft_answers stage's answers to `held_out`, drawn from the split `files`, are keyed by
     (rlhflow.evaluation.held_out.reference_key)."""
+    from rlhflow.evaluation.held_out import reference_key
+
     return reference_key(
         settings,
         sft_md5=dir_md5(sft_dir),
@@ -107,5 +118,8 @@ def sft_answers_key(
 
 def sft_in_precision(sft_dir: Path, precision: str, device):
     """The SFT model and its tokenizer, the model in the sampling precision: (tokenizer, model)."""
+    from rlhflow.evaluation.held_out import as_precision
+    from rlhflow.models.loading import load_language_model, resolve_precision
+
     tokenizer, sft = load_language_model(sft_dir, device)
     return tokenizer, as_precision(sft, resolve_precision(precision, device))

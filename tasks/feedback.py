@@ -16,34 +16,27 @@ import dataclasses
 import os
 import sys
 from datetime import datetime, timezone
-
-import mlflow
-from prefect import task
-from prefect.cache_policies import NO_CACHE
+from typing import TYPE_CHECKING
 
 from rlhflow.config.params import Config, parse_config_args
-from rlhflow.data.feedback import (
-    LABEL_FIELDS,
-    PAIR_FIELDS,
-    FeedbackError,
-    append_records,
-    check_labels,
-    label_key,
-    new_pairs,
-    read_records,
-)
-from rlhflow.evaluation.answers import Answers
-from rlhflow.evaluation.held_out import HeldOutPrompts
-from rlhflow.evaluation.human import agreement_metrics, human_win_metrics, judged_pairs
 from rlhflow.fsutil import dir_md5
-from rlhflow.models.loading import load_language_model, pick_device
-from rlhfops import registry, tracking
 from rlhfops.labeling import LabelingError, LabelStudio, read_labels
 from tasks.evaluation_setup import evaluation_inputs, evaluation_sampling, load_evaluation_judge
+
+# A light door: torch, transformers, numpy, mlflow, pandas and prefect (the models and answers, the pairs and labels
+# files, the tracking and registry, the steps' Prefect task) are imported inside the functions that use them, so
+# `--help` and a step's checks answer before any of them loads.
+if TYPE_CHECKING:
+    from rlhflow.evaluation.answers import Answers
+    from rlhflow.evaluation.held_out import HeldOutPrompts
 
 
 def policy_run_id(cfg: Config) -> str:
     """The MLflow run that registered the policy in ppo.out_dir (by its weights' md5), else `unregistered:<md5>`."""
+    import mlflow
+
+    from rlhfops import registry
+
     version = registry.version_of_model_dir(mlflow.MlflowClient(), registry.POLICY, cfg.path(cfg.ppo.out_dir))
     return version.run_id if version is not None else f"unregistered:{dir_md5(cfg.path(cfg.ppo.out_dir))}"
 
@@ -51,6 +44,9 @@ def policy_run_id(cfg: Config) -> str:
 def answer(sampling, model_dir, prompts: HeldOutPrompts, device, *, stream: int, degenerate: float) -> Answers:
     """A model's answers on random stream `stream` (added to the sampling seed): on one shared stream a policy near
     the SFT model repeats its answers word for word, and such a pair tells nothing."""
+    from rlhflow.evaluation.answers import Answers
+    from rlhflow.models.loading import load_language_model
+
     tokenizer, model = load_language_model(model_dir, device)
     outputs = dataclasses.replace(sampling, seed=sampling.seed + stream).sample(model, tokenizer, prompts.all())
     return Answers.from_outputs(outputs, degenerate)
@@ -59,6 +55,10 @@ def answer(sampling, model_dir, prompts: HeldOutPrompts, device, *, stream: int,
 def sample(cfg: Config) -> dict[str, float]:
     """New pairs on the feedback split: the policy's answer and the SFT model's, sampled with the evaluation's
     settings at feedback.max_new_tokens, appended to feedback.pairs_file."""
+    from rlhflow.data.feedback import FeedbackError, append_records, new_pairs
+    from rlhflow.evaluation.held_out import HeldOutPrompts
+    from rlhflow.models.loading import pick_device
+
     split_file = cfg.path(cfg.validate_.out_dir) / "feedback.jsonl"
     if not split_file.exists():
         raise FeedbackError(f"{split_file}: no feedback split; validate with validate.feedback_fraction > 0 first")
@@ -91,6 +91,8 @@ def label_studio(cfg: Config) -> LabelStudio:
 
 def send(cfg: Config) -> dict[str, float]:
     """The pairs of feedback.pairs_file that the Label Studio project does not hold yet."""
+    from rlhflow.data.feedback import PAIR_FIELDS, read_records
+
     pairs = read_records(cfg.path(cfg.feedback.pairs_file), PAIR_FIELDS)
     server = label_studio(cfg)
     sent = server.send(server.project(cfg.feedback.project), pairs)
@@ -106,6 +108,8 @@ def judge_pairs(judge, pairs: list[dict]):
 
 def load_feedback_judge(cfg: Config):
     """The judge section's judge on the configured device, loaded as the evaluation loads it."""
+    from rlhflow.models.loading import pick_device
+
     inputs = evaluation_inputs(cfg)
     return load_evaluation_judge(inputs, pick_device(inputs.device))
 
@@ -122,6 +126,10 @@ def collect(cfg: Config) -> dict[str, float]:
     """The project's labels appended to feedback.labels_file (each label once), and what all labels so far say: the
     policy's win rate over the SFT model by people, and how often the judge and the length rule agree with them.
     A label for a pair the pipeline never sent fails the step before anything is written."""
+    from rlhflow.data.feedback import LABEL_FIELDS, PAIR_FIELDS, append_records, check_labels, label_key, read_records
+    from rlhflow.evaluation.human import agreement_metrics, human_win_metrics, judged_pairs
+    from rlhfops import tracking
+
     pairs = read_records(cfg.path(cfg.feedback.pairs_file), PAIR_FIELDS)
     server = label_studio(cfg)
     new, waiting = read_labels(server.tasks(server.project(cfg.feedback.project)))
@@ -146,6 +154,8 @@ def collect(cfg: Config) -> dict[str, float]:
 def ai_label(cfg: Config) -> dict[str, float]:
     """The judge's labels on the pairs no AI label covers yet (RLAIF: the judge section's model, an LLM endpoint
     included), appended to feedback.labels_file marked source `ai`; validate takes them as it takes people's."""
+    from rlhflow.data.feedback import LABEL_FIELDS, PAIR_FIELDS, append_records, label_key, read_records
+
     pairs = read_records(cfg.path(cfg.feedback.pairs_file), PAIR_FIELDS)
     labels_file = cfg.path(cfg.feedback.labels_file)
     done = {x["pair_id"] for x in read_records(labels_file, LABEL_FIELDS) if x["source"] == "ai"}
@@ -166,10 +176,13 @@ def ai_label(cfg: Config) -> dict[str, float]:
 
 
 BODIES = {"sample": sample, "send": send, "collect": collect, "ai_label": ai_label}
+USAGE = f"usage: python -m tasks.feedback {{{','.join(BODIES)}}} [--set key=value ...]"
 
 
 def run_step(step: str, cfg: Config, parent_run_id: str | None = None) -> dict[str, float]:
     """One step in its MLflow run (`feedback_<step>`), its metrics logged there."""
+    from rlhfops import tracking
+
     name = f"feedback_{step}"
     params = {"feedback": cfg.section("feedback")}
     with tracking.start_run(cfg, name=name, params=params, tags={"stage": name}, parent_run_id=parent_run_id):
@@ -178,16 +191,32 @@ def run_step(step: str, cfg: Config, parent_run_id: str | None = None) -> dict[s
     return metrics
 
 
-@task(name="feedback", retries=0, cache_policy=NO_CACHE)
-def feedback_task(step: str, cfg: Config, parent_run_id: str | None = None) -> dict[str, float]:
-    return run_step(step, cfg, parent_run_id)
+def __getattr__(name: str):
+    """`feedback_task`, the steps' Prefect task (`run_step`; no retries, no result caching), built when a flow first
+    imports it: a step run from the command line loads no Prefect."""
+    if name != "feedback_task":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from prefect import task
+    from prefect.cache_policies import NO_CACHE
+
+    @task(name="feedback", retries=0, cache_policy=NO_CACHE)
+    def feedback_task(step: str, cfg: Config, parent_run_id: str | None = None) -> dict[str, float]:
+        return run_step(step, cfg, parent_run_id)
+
+    globals()[name] = feedback_task  # built once
+    return feedback_task
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{USAGE}\n\n{__doc__}")
+        return
     if not argv or argv[0] not in BODIES:
-        sys.exit(f"usage: python -m tasks.feedback {{{','.join(BODIES)}}} [--set key=value ...]")
+        sys.exit(USAGE)
     cfg, _ = parse_config_args(argv[1:], f"feedback step {argv[0]}: {BODIES[argv[0]].__doc__.splitlines()[0]}")
+    from rlhflow.data.feedback import FeedbackError  # pandas: once the command line is parsed
+
     try:
         metrics = run_step(argv[0], cfg)
     except (FeedbackError, LabelingError, FileNotFoundError) as err:

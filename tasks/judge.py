@@ -10,23 +10,22 @@ Either way its accuracy on the held-out test pairs, beside the length rule, is l
 
 from __future__ import annotations
 
-import mlflow
-
 from rlhflow.config.params import Config
-from rlhflow.data.readers import read_jsonl
-from rlhflow.evaluation import judges
-from rlhflow.evaluation.pairs import LENGTH_AWARE_METRICS
 from rlhflow.fsutil import atomic_dir, write_json_atomic
-from rlhflow.models.loading import pick_device
-from rlhfops import registry, tracking
 from rlhfops.stage_runner import StageContext, cli, stage_task
 from tasks.pairwise_training import held_out_metrics, train_pairwise_model
 
+# A light door: torch, transformers, mlflow and pandas (the judges, the readers, the tracking and registry) are
+# imported inside the functions that use them, so the stage's --help and its checks answer before any of them loads.
+
 NAME = "judge"
-REGISTERED_NAME = registry.JUDGE
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
+    from rlhflow.evaluation import judges
+    from rlhflow.evaluation.pairs import LENGTH_AWARE_METRICS
+    from rlhfops import registry
+
     if cfg.judge.kind != "trained" and not ctx.main_process:
         return {}  # nothing to train: the main process measures the judge alone
     judges.preflight(cfg.judge)  # an unreachable endpoint or a model that is no reward model fails in seconds
@@ -39,7 +38,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
             split="judge",
             prefix="judge",
             model_name=NAME,
-            registered_name=REGISTERED_NAME,
+            registered_name=registry.JUDGE,
             seed=cfg.judge.seed,
         )
     else:
@@ -52,6 +51,12 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
 def measure_given_judge(cfg: Config, ctx: StageContext) -> dict[str, float]:
     """A judge this stage does not train: what it is (params, and judge.json in judge.out_dir with its basis) and
     its accuracy on the held-out test pairs, measured and named as the trained judge's is."""
+    import mlflow
+
+    from rlhflow.data.readers import read_jsonl
+    from rlhflow.evaluation import judges
+    from rlhflow.models.loading import pick_device
+    from rlhfops import tracking
 
     test_file = cfg.path(cfg.validate_.out_dir) / "test.jsonl"
     if not test_file.exists():

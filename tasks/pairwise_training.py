@@ -8,17 +8,14 @@ import tempfile
 from pathlib import Path
 from typing import Protocol
 
-import mlflow
-
 from rlhflow.config.params import Config, JudgeConfig, RewardModelConfig
-from rlhflow.data.readers import read_jsonl
-from rlhflow.evaluation.pairs import LENGTH_AWARE_METRICS, evaluate_pairs, save_pair_scores
 from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir, remove_made
 from rlhflow.training import distributed
-from rlhflow.training.reward_model import train_reward_model
-from rlhfops import registry, tracking
 from rlhfops.hashing import inputs_fingerprint
-from rlhfops.serving.reward import RewardPyfunc
+
+# A light door: torch, transformers, mlflow, pandas and trl (the reward model's training and scoring, the readers, the
+# tracking and registry) are imported inside the functions that use them, so the reward_model and judge stages answer
+# --help and their checks before any of it loads.
 
 
 class StageLog(Protocol):
@@ -38,6 +35,7 @@ def held_out_metrics(prefix: str, held_out: dict[str, float]) -> dict[str, float
     """A model's figures on the held-out test pairs (`rlhflow.evaluation.pairs.evaluate_pairs` metrics, or a judge's
     `rlhflow.evaluation.judges.pair_metrics`), under the stage's names: `<prefix>/accuracy`, `<prefix>/accuracy_se`,
     the length rule and its intervals, `<prefix>/eval_pairs`, and `<prefix>/margin` where scores give one."""
+    from rlhflow.evaluation.pairs import LENGTH_AWARE_METRICS
 
     metrics = {
         f"{prefix}/accuracy": held_out["accuracy"],
@@ -88,6 +86,9 @@ def resumable_checkpoint_dir(cfg: Config, ctx: StageLog, rm_cfg: RewardModelConf
 def training_rows(train_file: Path, labelled_repeats: int, main_process: bool) -> tuple[list[dict], list[Path], int]:
     """The split's rows, and beside them the labelled pairs validate wrote (labelled.jsonl, from people's labels)
     `labelled_repeats` times each; the files they come from (logged as the run's datasets); the labelled count."""
+    from rlhflow.data.readers import read_jsonl
+    from rlhfops import tracking
+
     rows, files = read_jsonl(train_file).to_dict("records"), [train_file]
     labelled_file = train_file.with_name("labelled.jsonl")
     labelled = read_jsonl(labelled_file).to_dict("records") if labelled_repeats and labelled_file.exists() else []
@@ -115,6 +116,13 @@ def train_pairwise_model(
     """Train a reward model (the proxy or the judge) on one validated split (and, `labelled_repeats` > 0, the
     labelled pairs), score the test split, log and register it (as `model_name` in the run, `registered_name` in the
     registry). Metrics are named `<prefix>/accuracy`, `<prefix>/accuracy_se`, `<prefix>/margin`, ..."""
+    import mlflow
+
+    from rlhflow.data.readers import read_jsonl
+    from rlhflow.evaluation.pairs import evaluate_pairs, save_pair_scores
+    from rlhflow.training.reward_model import train_reward_model
+    from rlhfops import registry
+    from rlhfops.serving.reward import RewardPyfunc
 
     train_file, test_file = split_files(cfg, split)
     train_rows, train_files, labelled = training_rows(train_file, labelled_repeats, ctx.main_process)

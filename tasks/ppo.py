@@ -16,40 +16,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlflow
-import pandas as pd
-import torch
-
 from rlhflow import fsutil
 from rlhflow.config.params import Config
-from rlhflow.data.readers import read_jsonl
 from rlhflow.fsutil import atomic_dir, remove_made, write_text_atomic
 from rlhflow.fsutil import prepare_checkpoint_dir as keep_or_clear
-from rlhflow.models.loading import (
-    attn_implementation_for,
-    enable_tf32,
-    load_causal_lm,
-    load_tokenizer,
-    pick_device,
-    resolve_precision,
-    save_plain,
-)
-from rlhflow.ppo.checkpoints import RESUMABLE_SETTINGS
-from rlhflow.ppo.reward_and_critic import in_precision, load_reward_source, make_critic
-from rlhflow.ppo.trainer import PPOTrainer
-from rlhflow.training import align, distributed
-from rlhfops import registry
+from rlhflow.training import distributed
 from rlhfops.hashing import inputs_fingerprint
-from rlhfops.serving.policy import PolicyPyfunc
 from rlhfops.stage_runner import StageContext, cli, stage_task
 
+# A light door: torch, transformers, trl, peft, mlflow and pandas (the models, the PPO engine and trl's trainers, the
+# readers, the tracking and registry) are imported inside the functions that use them, so the stage's --help and its
+# checks answer before any of them loads.
+
 NAME = "ppo"
-REGISTERED_NAME = registry.POLICY
 
 
 def checkpoint_fingerprint(cfg: Config) -> str:
     """What a checkpoint must have been made from to be resumed: the same PPO settings (the run length and memory
     knobs aside), seed, SFT model, reward model and training prompts."""
+    from rlhflow.ppo.checkpoints import RESUMABLE_SETTINGS
 
     files = [
         cfg.path(cfg.sft.out_dir) / "model.safetensors",
@@ -130,6 +115,8 @@ def align_fingerprint(cfg: Config) -> str:
 
 
 def write_history(path, history: list[dict]) -> None:
+    import pandas as pd
+
     write_text_atomic(path, pd.DataFrame(history).to_csv(index=False))
 
 
@@ -167,16 +154,26 @@ def finish(cfg: Config, ctx: StageContext, trained: TrainedPolicy) -> dict[str, 
 def register_policy(cfg: Config, out_dir, algorithm: str) -> None:
     """Log and register the policy (once the stage has succeeded); the run and the version say which algorithm made
     it."""
+    import mlflow
+
+    from rlhfops import registry
+    from rlhfops.serving.policy import PolicyPyfunc
 
     mlflow.set_tag("algorithm", algorithm)
-    version = registry.log_model_dir(cfg, out_dir, name="policy", wrapper=PolicyPyfunc, registered_name=REGISTERED_NAME)
+    version = registry.log_model_dir(cfg, out_dir, name="policy", wrapper=PolicyPyfunc, registered_name=registry.POLICY)
     if version is not None:
-        mlflow.MlflowClient().set_model_version_tag(REGISTERED_NAME, version, "algorithm", algorithm)
+        mlflow.MlflowClient().set_model_version_tag(registry.POLICY, version, "algorithm", algorithm)
 
 
 def train_trl(cfg: Config, ctx: StageContext) -> TrainedPolicy | None:
     """GRPO, RLOO or DPO with trl (rlhflow/training/align.py), under the same contract as PPO: settings checked before
     any model loads, Trainer checkpoints resumed after a kill, the policy in ppo.out_dir, metrics/ppo_history.csv."""
+    import mlflow
+    import torch
+
+    from rlhflow.data.readers import read_jsonl
+    from rlhflow.models.loading import enable_tf32, load_causal_lm, load_tokenizer, pick_device, save_plain
+    from rlhflow.training import align
 
     algorithm = cfg.align.algorithm
     device = distributed.local_device(pick_device(cfg.device))
@@ -236,6 +233,10 @@ def trl_summary(history: list[dict[str, float]]) -> dict[str, float]:
 
 def train_ppo(cfg: Config, ctx: StageContext) -> TrainedPolicy | None:
     """The project's PPO engine (rlhflow.ppo.trainer), resuming from a checkpoint of the same inputs."""
+    import torch
+
+    from rlhflow.ppo.reward_and_critic import in_precision, make_critic
+    from rlhflow.ppo.trainer import PPOTrainer
 
     device, dtype, tokenizer, policy, prompts = load_ppo_inputs(cfg)
     torch.manual_seed(cfg.seed)
@@ -270,6 +271,7 @@ def train_ppo(cfg: Config, ctx: StageContext) -> TrainedPolicy | None:
 
 def reward_source(cfg: Config, device):
     """(score_fn, reward model): ppo.reward_fn, or the reward model stage's model (rlhflow.ppo.reward_and_critic)."""
+    from rlhflow.ppo.reward_and_critic import load_reward_source
 
     rm_dir = cfg.path(cfg.reward_model.out_dir)
     return load_reward_source(cfg.ppo, rm_dir, batch_size=cfg.reward_model.eval_batch_size, device=device)
@@ -277,6 +279,15 @@ def reward_source(cfg: Config, device):
 
 def load_ppo_inputs(cfg: Config):
     """The device and precision, the SFT tokenizer and policy, and the distinct training prompts."""
+    from rlhflow.data.readers import read_jsonl
+    from rlhflow.models.loading import (
+        attn_implementation_for,
+        enable_tf32,
+        load_causal_lm,
+        load_tokenizer,
+        pick_device,
+        resolve_precision,
+    )
 
     device = distributed.local_device(pick_device(cfg.device))
     dtype = resolve_precision(cfg.ppo.precision, device)  # the trainer resolves the same from cfg.ppo

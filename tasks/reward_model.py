@@ -6,15 +6,18 @@ another one."""
 from __future__ import annotations
 
 from rlhflow.config.params import Config
-from rlhfops import registry
 from rlhfops.stage_runner import StageContext, cli, stage_task
 from tasks.pairwise_training import train_pairwise_model
 
+# A light door: mlflow (the registry's names) is imported inside run, torch, transformers, trl and pandas by
+# tasks/pairwise_training.py where it trains, so the stage's --help and its checks answer before any of them loads.
+
 NAME = "reward_model"
-REGISTERED_NAME = registry.REWARD_MODEL
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
+    from rlhfops import registry
+
     return train_pairwise_model(
         cfg,
         ctx,
@@ -22,7 +25,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
         split="train",
         prefix="rm",
         model_name=NAME,
-        registered_name=REGISTERED_NAME,
+        registered_name=registry.REWARD_MODEL,
         seed=cfg.seed,
         labelled_repeats=cfg.feedback.labelled_repeats,
     )

@@ -13,25 +13,16 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-import mlflow
-import torch
-
 from rlhflow.config.params import Config
-from rlhflow.data.formats import load_demonstrations
-from rlhflow.data.readers import read_jsonl
 from rlhflow.data.sources import resolve_source
-from rlhflow.data.splits import rows_sharing_conversations
-from rlhflow.data.validation import DEMONSTRATION_TEXT_COLUMNS, validate_preferences
-from rlhflow.evaluation.metrics import perplexity, save_held_out_perplexity
 from rlhflow.fsutil import atomic_dir, prepare_checkpoint_dir, remove_made
-from rlhflow.models.loading import load_causal_lm, load_tokenizer, pick_device, save_plain
-from rlhflow.models.sampling import Sampling
 from rlhflow.training import distributed
-from rlhflow.training.sft import demonstration_dataset, sft_trainer, train_sft
-from rlhfops import registry, tracking
 from rlhfops.hashing import dir_md5, file_md5, inputs_fingerprint
-from rlhfops.serving.policy import PolicyPyfunc
 from rlhfops.stage_runner import StageContext, cli, prints_to_stdout, stage_task
+
+# A light door: torch, transformers, trl, peft, mlflow, pandas and great_expectations (the model, the training, the
+# demonstrations' reading and suite, the tracking and registry) are imported inside the functions that use them, so
+# the stage's --help and its checks answer before any of them loads.
 
 NAME = "sft"
 REGISTERED_NAME = "rlhf-sft"
@@ -42,6 +33,10 @@ def checked_demonstrations(cfg: Config, tokenizer, report_dir: Path):
     """The validated demonstrations of `sft.train_data`. Raises a DataFormatError (unreadable file, missing
     columns, wrong types), a DataValidationError (blank or over-long rows beyond validate's policy, duplicates) or
     a ValueError (conversations of the test or judge split), each naming the rows."""
+    from rlhflow.data.formats import load_demonstrations
+    from rlhflow.data.readers import read_jsonl
+    from rlhflow.data.splits import rows_sharing_conversations
+    from rlhflow.data.validation import DEMONSTRATION_TEXT_COLUMNS, validate_preferences
 
     source = cfg.path(cfg.sft.train_data)
     validated = cfg.path(cfg.validate_.out_dir)
@@ -90,6 +85,14 @@ def checkpoint_fingerprint(cfg: Config) -> str:
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
+    import torch
+
+    from rlhflow.data.readers import read_jsonl
+    from rlhflow.evaluation.metrics import perplexity, save_held_out_perplexity
+    from rlhflow.models.loading import load_causal_lm, load_tokenizer, pick_device, save_plain
+    from rlhfops import registry
+    from rlhfops.serving.policy import PolicyPyfunc
+
     s = cfg.sft
     if s.train and distributed.world_size() > 1:  # the other processes do not run this stage: a Trainer would wait
         raise ValueError("sft.train trains in one process: run the sft stage without accelerate launch")
@@ -138,6 +141,10 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
 
 def demonstrations(cfg: Config, tokenizer):
     """The checked demonstrations as trl's dataset, with what was kept and left out: (dataset, metrics)."""
+    import mlflow
+
+    from rlhflow.training.sft import demonstration_dataset
+    from rlhfops import tracking
 
     s = cfg.sft
     with tempfile.TemporaryDirectory() as report_dir:
@@ -161,6 +168,7 @@ def demonstrations(cfg: Config, tokenizer):
 
 def fine_tune(cfg: Config, ctx: StageContext, model, tokenizer, dataset):
     """trl's SFTTrainer on the demonstrations, resuming a checkpoint of the same inputs; the trained model."""
+    from rlhflow.training.sft import sft_trainer, train_sft
 
     checkpoint_dir = prepare_checkpoint_dir(
         cfg.path(cfg.sft.checkpoint_dir), checkpoint_fingerprint(cfg), setting="sft.checkpoint_dir"
@@ -176,6 +184,7 @@ def fine_tune(cfg: Config, ctx: StageContext, model, tokenizer, dataset):
 
 def log_samples(cfg: Config, model, tokenizer, rows) -> None:
     """A few answers of the model to held-out prompts, as an MLflow table."""
+    import mlflow
 
     outs = sample_settings(cfg).sample(model, tokenizer, list(rows["prompt_messages"]))
     responses = [t for o in outs for t in o.texts]
@@ -185,6 +194,7 @@ def log_samples(cfg: Config, model, tokenizer, rows) -> None:
 def sample_settings(cfg: Config):
     """The SFT model's sample answers: as PPO samples (its prompt cut, top-k / top-p, stop strings), at the
     evaluation temperature, with the run's seed."""
+    from rlhflow.models.sampling import Sampling
 
     return Sampling(
         temperature=cfg.eval_temperature,

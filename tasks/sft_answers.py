@@ -6,16 +6,7 @@ SFT model, the test split, the sampling settings, the proxy or the judge (rlhflo
 from __future__ import annotations
 
 from rlhflow.config.params import Config
-from rlhflow.evaluation.held_out import (
-    REFERENCE_FILE,
-    HeldOutPrompts,
-    held_out_files,
-    reference_record,
-    sample_reference,
-)
 from rlhflow.fsutil import atomic_dir, write_json_atomic
-from rlhflow.models.loading import pick_device
-from rlhflow.training.reward_model import RewardModel
 from rlhfops.stage_runner import StageContext, cli, stage_task
 from tasks.evaluation_setup import (
     evaluation_inputs,
@@ -24,10 +15,23 @@ from tasks.evaluation_setup import (
     sft_in_precision,
 )
 
+# A light door: torch, transformers and pandas (the models, the held-out prompts) are imported inside run, so the
+# stage's --help and its checks answer before any of them loads.
+
 NAME = "sft_answers"
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
+    from rlhflow.evaluation.held_out import (
+        REFERENCE_FILE,
+        HeldOutPrompts,
+        held_out_files,
+        reference_record,
+        sample_reference,
+    )
+    from rlhflow.models.loading import pick_device
+    from rlhflow.training.reward_model import RewardModel
+
     inputs = evaluation_inputs(cfg)  # the stage's reading of params.yaml; what follows uses these values
     settings, files = inputs.settings, held_out_files(inputs.validated_dir)
     device = pick_device(inputs.device)

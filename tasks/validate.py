@@ -14,18 +14,13 @@ from __future__ import annotations
 
 import shutil
 
-import mlflow
-
 from rlhflow.config.params import Config
-from rlhflow.data.feedback import LABEL_FIELDS, PAIR_FIELDS, FeedbackError, labelled_preferences, read_records
-from rlhflow.data.formats import load_preferences
-from rlhflow.data.readers import write_jsonl
-from rlhflow.data.splits import assign_splits, cross_split_prefix_pairs, held_out_keys
-from rlhflow.data.validation import DataValidationError, validate_preferences
 from rlhflow.fsutil import atomic_dir, remove_made
-from rlhflow.models.loading import load_tokenizer
-from rlhfops import tracking
 from rlhfops.stage_runner import StageContext, cli, stage_task
+
+# A light door: pandas, great_expectations, torch, transformers and mlflow (the readers and splits, the suite, the
+# tokenizer, the tracking) are imported inside the functions that use them, so the stage's --help and its checks answer
+# before any of them loads.
 
 NAME = "validate"
 
@@ -37,6 +32,13 @@ def _source(cfg: Config, value: str) -> str:
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
+    import mlflow
+
+    from rlhflow.data.splits import cross_split_prefix_pairs
+    from rlhflow.data.validation import DataValidationError
+    from rlhflow.models.loading import load_tokenizer
+    from rlhfops import tracking
+
     splits, shared_with_test = read_splits(cfg)
     labelled, label_counts = read_labelled(cfg, splits)
     if len(labelled):
@@ -72,6 +74,8 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
 def read_splits(cfg: Config):
     """The preference data split by conversation (with `data.test_preferences`, that file is the test split), and
     how many training rows were left out for sharing a conversation with it."""
+    from rlhflow.data.formats import load_preferences
+    from rlhflow.data.splits import assign_splits
 
     v = cfg.validate_
     data = load_preferences(_source(cfg, cfg.data.preferences), hf_split=cfg.data.hf_split, max_rows=v.max_rows)
@@ -105,6 +109,9 @@ def read_labelled(cfg: Config, splits: dict):
     """The labelled pairs of feedback.labels_file as preference rows (rlhflow/data/feedback.py), and the counts of
     what the labels settled. A labelled prompt from a held-out conversation (judge, dev, test) fails: people's
     labels on it would leak into training."""
+    from rlhflow.data.feedback import LABEL_FIELDS, PAIR_FIELDS, FeedbackError, labelled_preferences, read_records
+    from rlhflow.data.splits import held_out_keys
+
     f = cfg.feedback
     pairs = read_records(cfg.path(f.pairs_file), PAIR_FIELDS)
     labels = read_records(cfg.path(f.labels_file), LABEL_FIELDS)
@@ -129,6 +136,8 @@ def read_labelled(cfg: Config, splits: dict):
 def validate_and_write(cfg: Config, splits: dict, tokenizer, failed_dir):
     """The suite on every split; the kept rows written as the splits and the report beside them, each replaced
     whole. On a failed expectation nothing is replaced and the report goes to `failed_dir`."""
+    from rlhflow.data.readers import write_jsonl
+    from rlhflow.data.validation import DataValidationError, validate_preferences
 
     out_dir, report_dir = cfg.path(cfg.validate_.out_dir), cfg.path(cfg.validate_.report_dir)
     with atomic_dir(report_dir, setting="validate.report_dir") as tmp_report:

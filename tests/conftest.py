@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import fcntl
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -83,21 +84,42 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-@pytest.fixture(scope="session")
-def prefect_test_api(tmp_path_factory) -> Iterator[str]:
-    """One temporary Prefect server per test process (its own sqlite database), as `prefect_test_harness` starts
-    one but shared by the modules that need it: a start takes about 10 s. Yields its API URL; stopped at the end."""
-    from prefect.server.api.server import SubprocessASGIServer
-    from prefect.settings import PREFECT_SERVER_DATABASE_CONNECTION_URL, temporary_settings
+_PREFECT_API: list[str] = []
 
-    database = tmp_path_factory.mktemp("prefect-server") / "prefect.db"
-    with temporary_settings({PREFECT_SERVER_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{database}"}):
-        server = SubprocessASGIServer(port=free_port())
-        server.start(timeout=180)
-    try:
-        yield server.api_url
-    finally:
-        server.stop()
+
+def shared_prefect_api() -> str:
+    """This test process's Prefect server (its own sqlite database in the suite's Prefect home), started at first
+    need and stopped at exit: the flows of every test in the process run on it, in-process (`prefect_server`) or
+    as commands (`with_prefect_api`), instead of each flow command starting a temporary server of its own (about
+    15 s and 9 CPU-seconds a start). Its API URL."""
+    if not _PREFECT_API:
+        from prefect.server.api.server import SubprocessASGIServer
+        from prefect.settings import PREFECT_SERVER_DATABASE_CONNECTION_URL, temporary_settings
+
+        database = Path(os.environ["PREFECT_HOME"]) / f"server-{os.getpid()}.db"
+        with temporary_settings({PREFECT_SERVER_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{database}"}):
+            server = SubprocessASGIServer(port=free_port())
+            server.start(timeout=180)
+        atexit.register(server.stop)
+        _PREFECT_API.append(server.api_url)
+    return _PREFECT_API[0]
+
+
+def starts_a_flow(cmd: tuple[str, ...] | list[str]) -> bool:
+    """Whether `cmd` is `python -m flows.<name> ...`, a flow's command line."""
+    return any(a == "-m" and b.startswith("flows.") for a, b in zip(cmd, cmd[1:]))
+
+
+def with_prefect_api(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a flow command: it talks to this test process's Prefect server. Tests where a temporary server's
+    start is what they check (test_concurrent_runs, test_quiet_logs, test_training_slot) leave it out."""
+    return {**env, "PREFECT_API_URL": shared_prefect_api()}
+
+
+@pytest.fixture(scope="session")
+def prefect_test_api() -> str:
+    """The test process's Prefect server (shared_prefect_api) as a fixture."""
+    return shared_prefect_api()
 
 
 @pytest.fixture(scope="module")
@@ -189,12 +211,14 @@ def copy_project(dest: Path, *, untracked: bool = True) -> None:
 
 
 def repo_runner(repo: Path, timeout: float = 900) -> Callable[..., subprocess.CompletedProcess]:
-    """`run(*cmd)`: a command run in `repo` with the project's venv first on PATH, its output captured as text."""
+    """`run(*cmd)`: a command run in `repo` with the project's venv first on PATH, its output captured as text; a flow
+    command talks to the test process's Prefect server."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(repo)}
     env.pop("MLFLOW_TRACKING_URI", None)  # mlflow.set_tracking_uri in earlier tests exports it
 
     def run(*cmd: str) -> subprocess.CompletedProcess:
-        return subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
+        run_env = with_prefect_api(env) if starts_a_flow(cmd) else env
+        return subprocess.run(cmd, cwd=repo, env=run_env, capture_output=True, text=True, timeout=timeout)
 
     return run
 
@@ -383,12 +407,19 @@ def mlflow_server(root: Path) -> Iterator[str]:
                 time.sleep(0.5)
             yield url
         finally:
-            proc.terminate()  # the server stops its workers on SIGTERM (~3 s) ...
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=20)
-            with contextlib.suppress(ProcessLookupError):  # ... and whatever is left of its group is killed
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """Stop a server started in its own process group: SIGTERM to the whole group at once (the parent alone passes
+    it on to its workers only after its own shutdown), then SIGKILL to whatever of the group is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def _answers_api(url: str) -> bool:
@@ -401,3 +432,59 @@ def _answers_api(url: str) -> bool:
             return response.status == 200
     except OSError:
         return False
+
+
+# ---- the suite's order and its markers ------------------------------------------------------------------------
+
+# The files that take longest (`--durations` of `make test`, two workers), longest first: the suite hands them out
+# first (`--no-loadscope-reorder` keeps this order; xdist would otherwise start with the files that hold the most
+# tests, and a one-test file of five minutes would start last and run alone at the end).
+SLOWEST_FILES = (
+    "test_lineage.py",
+    "test_feedback_browser.py",
+    "test_launch.py",
+    "test_evaluate.py",
+    "test_bench_smoke.py",
+    "test_prefect_server.py",
+    "test_align.py",
+    "test_sft_train.py",
+    "test_sweep.py",
+    "test_real_data.py",
+    "test_mlflow_ui.py",
+    "test_restore_safety.py",
+    "test_flow_skipping.py",
+    "test_faults.py",
+    "test_distributed.py",
+    "test_stage_deps.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOWEST_FILES)))  # stable: the rest keep their order
+
+
+LAUNCHING_MARKERS = ("system", "e2e", "stack")
+platform.processor()  # MLflow's import asks it, which runs `uname -p` once a process: here, before any test's guard
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The markers are true: a test not marked `system` (nor `e2e` or `stack`) that starts a process or a server,
+    in its fixtures or its body, fails naming what it started, so `make test-fast` holds only tests that start
+    nothing (but git, which the config's path check asks what it tracks: milliseconds)."""
+    if any(item.get_closest_marker(m) for m in LAUNCHING_MARKERS):
+        yield
+        return
+    real_init = subprocess.Popen.__init__
+
+    def refuse(self, args, *more, **kwargs):
+        if Path(str(args[0] if isinstance(args, list | tuple) else args).split()[0]).name == "git":
+            return real_init(self, args, *more, **kwargs)  # the config's path check asks git what it tracks
+        raise AssertionError(f"{item.nodeid} starts a process ({args!r}): mark it `system`")
+
+    subprocess.Popen.__init__ = refuse
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__ = real_init

@@ -71,10 +71,11 @@ def settings_of(cfg) -> align.AlignSettings:
 
 
 @pytest.mark.parametrize("algorithm", TRL_ALGORITHMS)
+@pytest.mark.system
 def test_each_algorithm_trains_and_evaluate_reads_its_policy(upstream, algorithm):
     from rlhflow.models.loading import load_causal_lm
     from rlhflow.training.reward_model import RewardModel
-    from tasks.ppo import REGISTERED_NAME
+    from rlhfops.registry import POLICY as REGISTERED_NAME
 
     root, base = upstream
     overrides = [*base, *ALIGN_OVERRIDES, f"align.algorithm={algorithm}"]
@@ -323,7 +324,7 @@ def test_settings_the_data_rules_out_fail_before_any_model_loads(
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(ppo, "load_causal_lm", no_model)
+    monkeypatch.setattr("rlhflow.models.loading.load_causal_lm", no_model)  # the stage imports it when it runs
     cfg = load_config(
         overrides=[
             f"align.algorithm={algorithm}",
@@ -418,6 +419,7 @@ def test_the_parameter_form_offers_the_algorithm_as_a_choice():
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_killed_grpo_stage_resumes_from_its_trainer_checkpoint(tmp_path, tiny_model_dir):
     """SIGKILL once the second Trainer checkpoint is complete; the rerun resumes from the last complete one, logs every
     step in its own MLflow run, and writes the policy."""

@@ -265,6 +265,7 @@ def test_bad_parameters_fail_the_flow_before_any_work(override, pattern, prefect
 
 
 @pytest.mark.parametrize("module", ["tasks.validate", "flows.pipeline"])
+@pytest.mark.system
 def test_bad_parameters_fail_the_cli_before_any_work(module, tmp_path, tiny_model_dir):
     """All three kinds at once: the error lists each key (exit status 2, no traceback, nothing written)."""
     overrides = tiny_pipeline_overrides(tmp_path, tiny_model_dir) + [override for override, _ in BAD_PARAMS]
@@ -297,6 +298,7 @@ print("peak growth KiB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - be
 """
 
 
+@pytest.mark.system
 def test_a_gigabyte_line_in_a_small_gzip_fails_naming_file_and_line_in_bounded_memory(tmp_path):
     from rlhflow.data.readers import MAX_LINE_BYTES
 

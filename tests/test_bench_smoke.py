@@ -28,6 +28,7 @@ def work_dir(tmp_path_factory) -> Path:
     return work
 
 
+@pytest.mark.system
 def test_tiny_workload_and_our_runner(work_dir):
     """EOS lies past the model's vocabulary, so every response runs to max_new_tokens; the runner reports each
     measured update with phases that fit inside its wall time, and a peak RSS."""
@@ -117,6 +118,7 @@ def test_driver_against_trl(work_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_orchestration_overhead_on_tiny_models():
     """Both paths run every stage (the flow's times come from its metrics files, the direct loop's from its own
     clock); wall and CPU seconds for each; the flow's model logging is clocked inside its stage bodies; the last
@@ -150,6 +152,7 @@ def test_orchestration_overhead_on_tiny_models():
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_stage_profile_on_tiny_models(tmp_path):
     """Every stage ran and has a row; in each row (and outside the stages, and in total) the categories are
     non-negative and with `other` add up to the wall time, in the JSON and in the printed table; generation in ppo
@@ -287,6 +290,7 @@ def test_precision_stages_sets_every_stages_precision_key():
     assert args[::2] == ["--set"] * len(PRECISION_KEYS) and set(args[1::2]) == {f"{k}=bf16" for k in PRECISION_KEYS}
 
 
+@pytest.mark.system
 def test_gpu_ppo_runs_its_settings_and_reports_what_does_not_fit(tmp_path):
     """bench.gpu_ppo on the CPU with the tiny shape: every run reports its update, and the table shows a run that
     failed (here an unknown setting) with its error's last line."""

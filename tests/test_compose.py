@@ -166,6 +166,7 @@ def _default_process_template() -> dict:
     return json.loads(done.stdout)
 
 
+@pytest.mark.system
 def test_the_work_pools_job_template_lets_no_flow_run_choose_its_command_or_environment(prefect_server):
     """Prefect's own code on the template both use (`python -m rlhfops.stack pool` in compose, Stack.create_pool
     in `make stack`): job variables naming the command, the environment (whole, or one variable in Prefect's

@@ -110,6 +110,7 @@ tracking.setup(load_config(overrides=[f"tracking.tracking_uri={sys.argv[1]}"]))
 """
 
 
+@pytest.mark.system
 def test_runs_started_together_on_a_new_sqlite_store_all_set_it_up(tmp_path):
     """Three processes set up tracking at the same moment on a store no run has made yet: MLflow creates its tables
     on first use, and all three must go on (not "table ... already exists")."""

@@ -80,6 +80,7 @@ def test_command_line_reads_params_and_overrides(tmp_path):
     assert exit_.value.code == 2
 
 
+@pytest.mark.system
 def test_importing_the_flows_reads_no_params_yaml():
     hook = "import sys; sys.addaudithook(lambda e, a: e == 'open' and 'params.yaml' in str(a[0]) and print(a[0]))"
     code = f"{hook}; import flows.pipeline, flows.stage_flows, flows.serve"

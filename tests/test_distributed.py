@@ -169,6 +169,7 @@ def root(tmp_path_factory, tiny_model_dir) -> Path:
     return root
 
 
+@pytest.mark.system
 def test_reward_model_two_processes_equal_one_process_with_the_same_global_batch(root, tiny_model_dir, one_thread):
     single = run_single_process("reward_model", overrides(root, tiny_model_dir, "one"))
 
@@ -190,6 +191,7 @@ def test_reward_model_two_processes_equal_one_process_with_the_same_global_batch
     assert not (root / "two" / "rm_checkpoints").exists()  # Trainer checkpoints (DDP) removed once finished
 
 
+@pytest.mark.system
 def test_ppo_two_processes_equal_one_process_with_the_same_global_batch(root, tiny_model_dir, one_thread):
     single = run_single_process("ppo", overrides(root, tiny_model_dir, "one"))
 
@@ -215,6 +217,7 @@ def test_ppo_two_processes_equal_one_process_with_the_same_global_batch(root, ti
     assert not (root / "two" / "checkpoints").exists()  # rank 0 wrote the checkpoints and removed them at the end
 
 
+@pytest.mark.system
 def test_ppo_killed_in_two_processes_resumes_to_the_uninterrupted_run(root, tiny_model_dir):
     """SIGKILL the whole 2-process launch inside update 2 (after update 1's checkpoint), launch again: rank 0 reads the
     checkpoint and sends weights, optimiser and every stream to rank 1, and the run ends where the uninterrupted

@@ -124,6 +124,7 @@ def test_relative_links_resolve(md: Path):
     assert not broken, f"{md.relative_to(REPO)} links to missing files: {broken}"
 
 
+@pytest.mark.system
 def test_mkdocs_build_strict(tmp_path):
     if importlib.util.find_spec("mkdocs") is None:
         pytest.skip("mkdocs is not installed (pip install mkdocs==1.6.1, as in requirements-dev.txt)")

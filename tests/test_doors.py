@@ -52,7 +52,8 @@ def test_help_loads_none_of_the_stack(module):
 def test_a_stage_loads_only_what_its_work_and_tracking_use(tmp_path):
     """demo_data writes one small file: its run loads MLflow (its tracking) and no torch, transformers, Great
     Expectations, Prefect or DVC."""
-    overrides = [o for o in tiny_pipeline_overrides(tmp_path, tmp_path / "no-model") if o.startswith(("data.", "metrics"))]
+    tiny = tiny_pipeline_overrides(tmp_path, tmp_path / "no-model")
+    overrides = [o for o in tiny if o.startswith(("data.", "metrics"))]
     overrides.append(f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db")
     code, loaded = loaded_by("tasks.demo_data", *[a for o in overrides for a in ("--set", o)])
     assert code in (0, None)

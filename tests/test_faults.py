@@ -64,6 +64,7 @@ def test_unreachable_tracking_server_fails_the_flow_in_seconds(prefect_server, t
     assert list(tmp_path.iterdir()) == []  # no stage ran: not even the demo data was written
 
 
+@pytest.mark.system
 def test_unreachable_tracking_server_fails_a_stage_cli_before_it_starts(tmp_path, tiny_model_dir):
     uri = f"http://127.0.0.1:{closed_port()}"
     overrides = tiny_pipeline_overrides(tmp_path, tiny_model_dir, tracking=False) + [f"tracking.tracking_uri={uri}"]
@@ -209,6 +210,7 @@ def test_a_checkpoint_whose_state_a_kill_cut_short_is_not_resumed_from(tmp_path)
     assert last_complete_checkpoint(tmp_path) == tmp_path / "checkpoint-4"
 
 
+@pytest.mark.system
 def test_killed_reward_model_training_resumes_from_its_last_checkpoint(tmp_path, tiny_model_dir):
     import mlflow
     import pandas as pd

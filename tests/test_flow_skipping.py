@@ -90,6 +90,7 @@ def test_new_upstream_output_makes_the_downstream_stage_stale(tmp_path):
     ]
 
 
+@pytest.mark.system
 def test_hashes_are_dvcs_own(tmp_path):
     """The md5 the flow records for a directory is the one `dvc add` writes."""
     data = tmp_path / "data"

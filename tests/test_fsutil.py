@@ -91,6 +91,7 @@ def test_prepare_checkpoint_dir_keeps_the_same_inputs_and_clears_its_own_of_othe
     assert remove_made(ckpt) and not ckpt.exists()
 
 
+@pytest.mark.system
 def test_stale_temp_cleanup_removes_only_what_the_pipeline_made(tmp_path):
     pid = dead_pid()
     final = tmp_path / "validated"
@@ -114,6 +115,7 @@ def test_stale_temp_cleanup_removes_only_what_the_pipeline_made(tmp_path):
     assert (foreign_old / "canary.txt").read_text() == "mine three"
 
 
+@pytest.mark.system
 def test_a_killed_swap_puts_the_previous_output_back(tmp_path):
     pid = dead_pid()
     old = tmp_path / f".validated.old-{pid}-0a1b2c3d"

@@ -131,6 +131,7 @@ def test_the_compiled_decoder_draws_the_eager_tokens_when_greedy(tok, model, mon
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_transformers_generate_compiles_with_the_compiled_cache(tok, model):
     """PPO's rollouts (transformers' generate, keeping the sampling pass's logits): the same greedy tokens and
     close logits with the step compiled."""
@@ -156,6 +157,7 @@ def test_the_compiled_shapes_come_in_a_few_sizes_and_cuda_uses_graphs():
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_ppo_rollouts_with_the_compiled_cache_draw_the_eager_tokens(tok, tmp_path):
     """One PPO rollout, greedy (top-k 1), with the step compiled and eager: the same responses and old log-probs."""
     from tests.test_ppo_trainer import make_trainer

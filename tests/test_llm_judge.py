@@ -200,6 +200,7 @@ def wait_for_log(server: Server, count: int, timeout: float = 5.0) -> int:
     return server.answered()
 
 
+@pytest.mark.system
 def test_verdicts_from_a_real_server_two_requests_per_prompt_malformed_counted(tiny_server, monkeypatch, caplog):
     monkeypatch.setenv(KEY_ENV, SECRET)
     settings = tiny_server.settings(max_retries=1)
@@ -223,6 +224,7 @@ def test_verdicts_from_a_real_server_two_requests_per_prompt_malformed_counted(t
     assert SECRET not in json.dumps(judge.describe()) and judge.describe()["judge/endpoint"] == tiny_server.endpoint
 
 
+@pytest.mark.system
 def test_the_judge_stage_with_an_llm_judge_logs_what_it_is_and_never_the_key(tiny_server, tmp_path, monkeypatch):
     import mlflow
 
@@ -245,6 +247,7 @@ def test_the_judge_stage_with_an_llm_judge_logs_what_it_is_and_never_the_key(tin
     assert not [text for text in logged if SECRET in text]
 
 
+@pytest.mark.system
 def test_adversarial_answers_reach_the_real_server_each_in_its_own_block_unexpanded(tiny_server, relay_to):
     from transformers import AutoTokenizer
 

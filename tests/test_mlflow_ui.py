@@ -1,5 +1,6 @@
-"""The MLflow UI of a finished pipeline run, as a person sees it: headless Chromium (Debian's `chromium`, driven by
-Playwright; `make browser` installs it, and no browser is ever downloaded) against a real `mlflow server`.
+"""A finished pipeline run on tiny models, checked in its MLflow store and on disk, then its MLflow UI as a person sees
+it: headless Chromium (Debian's `chromium`, driven by Playwright; `make browser` installs it, and no browser is ever
+downloaded) against a real `mlflow server`.
 
 The experiment's runs page must list the parent run and, once expanded, one child run per stage; the parent run's
 page must show its stage runs and the evaluation metrics with the values MLflow stored. Screenshots land in
@@ -8,6 +9,7 @@ test-artifacts/ (their paths are printed) whether the checks pass or fail."""
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 from pathlib import Path
 
@@ -15,7 +17,8 @@ import pytest
 from conftest import CHECKOUT, mlflow_server, tiny_pipeline_overrides
 
 from flows.report import mlflow_experiment_url, mlflow_run_url
-from rlhfops.stages import STAGE_NAMES
+from rlhfops.hashing import file_md5
+from rlhfops.stages import STAGE_NAMES, STAGES
 
 # a whole tiny pipeline run, then an MLflow server and Chromium: about 2 min on 2 cores
 pytestmark = [pytest.mark.slow, pytest.mark.system]
@@ -34,13 +37,72 @@ TIMEOUT_MS = 60_000  # the SPA's first load on a busy 2-core machine takes ~10 s
 
 
 @pytest.fixture(scope="module")
-def finished_run(prefect_server, tmp_path_factory, tiny_model_dir, one_thread) -> Path:
-    """A whole pipeline run on tiny models, tracked to <root>/mlflow.db (artifacts in <root>/mlartifacts)."""
+def finished_pipeline(prefect_server, tmp_path_factory, tiny_model_dir, one_thread) -> tuple[Path, dict]:
+    """A whole pipeline run on tiny models, tracked to <root>/mlflow.db (artifacts in <root>/mlartifacts): its root
+    and the flow's results."""
     from flows.pipeline import rlhf_pipeline
 
     root = tmp_path_factory.mktemp("ui_run")
-    rlhf_pipeline(overrides=tiny_pipeline_overrides(root, tiny_model_dir))
-    return root
+    return root, rlhf_pipeline(overrides=tiny_pipeline_overrides(root, tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def finished_run(finished_pipeline) -> Path:
+    return finished_pipeline[0]
+
+
+def test_flow_runs_every_stage_and_tracks_them(finished_pipeline):
+    """The flow run that the UI shows: every stage a child run of one parent run, with its params, metrics, datasets,
+    models and registered versions, and the stages' outputs and metrics files on disk."""
+    import mlflow
+
+    tmp_path, results = finished_pipeline
+    for key in EVAL_METRICS:
+        assert key in results
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    exp = client.get_experiment_by_name("rlhf")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1
+    parent = parents[0]
+    children = {r.data.tags["stage"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert set(children) == {s.name for s in STAGES}
+    assert all(r.info.status == "FINISHED" for r in runs)
+    for key in EVAL_METRICS:  # evaluation metrics on the parent run too
+        assert parent.data.metrics[key] == pytest.approx(results[key])
+    assert parent.data.params["ppo.kl_coef"] == "0.05"
+    assert children["ppo"].data.params["ppo.steps"] == "2"
+    assert "ppo/kl" in children["ppo"].data.metrics and "ppo/score_mean" in children["ppo"].data.metrics
+    assert len(client.get_metric_history(children["ppo"].info.run_id, "ppo/kl")) == 2
+    # the SFT model's perplexity on the same rows: measured once, by the sft stage, and taken by evaluate
+    assert children["evaluate"].data.metrics["eval/perplexity_sft"] == children["sft"].data.metrics["sft/perplexity"]
+
+    # datasets are run inputs whose digest is the DVC md5 of the validated files
+    digests = {d.dataset.name: d.dataset.digest for d in children["validate"].inputs.dataset_inputs}
+    assert digests["preferences-train"] == file_md5(tmp_path / "data/validated/train.jsonl")
+    assert digests["preferences-test"] == file_md5(tmp_path / "data/validated/test.jsonl")
+
+    # models registered from the successful run, alias `candidate`
+    for name, stage in [("rlhf-reward-model", "reward_model"), ("rlhf-policy", "ppo")]:
+        version = client.get_model_version_by_alias(name, "candidate")
+        assert version.run_id == children[stage].info.run_id
+
+    # the parent run lists its stages' datasets, logged models and registered versions
+    assert {"preferences-train", "preferences-test"} <= {d.dataset.name for d in parent.inputs.dataset_inputs}
+    stage_models = {m.model_id for c in children.values() for m in c.outputs.model_outputs}
+    assert stage_models and {m.model_id for m in parent.outputs.model_outputs} == stage_models
+    registered = parent.data.tags["registered_models"].split(", ")
+    assert {"rlhf-reward-model/1", "rlhf-policy/1"} <= set(registered)
+
+    # stage outputs and metrics files on disk
+    for s in STAGES:
+        if s.metrics:
+            assert (tmp_path / "metrics" / f"{s.name}.json").exists()
+    assert json.loads((tmp_path / "metrics/evaluate.json").read_text())["eval/kl"] == pytest.approx(results["eval/kl"])
+    assert (tmp_path / "models/policy/model.safetensors").exists()
+    assert (tmp_path / "reports/validation/validation.html").exists()
+    assert (tmp_path / "metrics/ppo_history.csv").read_text().startswith("step,")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import copy_project, tiny_pipeline_overrides
+from conftest import copy_project, tiny_pipeline_overrides, with_prefect_api
 
 
 def _export(dest: Path, model_dir: Path) -> dict[str, str]:
@@ -25,7 +25,7 @@ def _export(dest: Path, model_dir: Path) -> dict[str, str]:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(dest)}
     env.pop("MLFLOW_TRACKING_URI", None)
     env["GIT_CEILING_DIRECTORIES"] = str(dest.parent)  # no git repository above the export either
-    return env
+    return with_prefect_api(env)
 
 
 @pytest.mark.system

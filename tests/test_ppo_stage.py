@@ -63,6 +63,7 @@ def ppo_command(overrides: list[str]) -> list[str]:
     return stage_command("tasks.ppo", overrides)
 
 
+@pytest.mark.system
 def test_killed_ppo_stage_resumes_and_ends_like_an_uninterrupted_run(tmp_path, stage_inputs, tiny_model_dir):
     full_root, killed_root = tmp_path / "full", tmp_path / "killed"
     for root in (full_root, killed_root):

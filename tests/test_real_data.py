@@ -38,6 +38,7 @@ JUDGE_METRICS = [
 ]
 
 
+@pytest.mark.system
 def test_shipped_data_passes_validate_with_the_default_tokenizer(tmp_path):
     overrides = [
         f"validate.out_dir={tmp_path}/validated",

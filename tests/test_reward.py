@@ -163,7 +163,7 @@ def test_recipe_bench_chooses_on_dev_and_reads_the_test_split_only_for_the_chose
         scored.append((split_of[rows[0]["prompt_messages"][-1]["content"]], id(rm)))
         return evaluate_pairs(rm, rows, **kw)
 
-    monkeypatch.setattr(bench, "evaluate_pairs", spy)
+    monkeypatch.setattr("rlhflow.evaluation.pairs.evaluate_pairs", spy)  # the bench imports it when it runs
     recipe = {"backbone": str(tiny_model_dir), "max_length": 64, "batch_size": 8, "warmup_ratio": 0.0}
     bench.main([json.dumps({**recipe, "learning_rate": lr}) for lr in (1e-6, 3e-3, 1e-5)])
     out = capsys.readouterr().out

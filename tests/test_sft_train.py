@@ -374,6 +374,7 @@ def stage_overrides(root: Path, model_dir: Path, train_data: Path, *extra: str) 
     ]
 
 
+@pytest.mark.system
 def test_bad_demonstrations_fail_the_stage_before_training(validated, tiny_model_dir):
     root = validated.parent
     empty = root / "empty.jsonl"
@@ -398,6 +399,7 @@ def test_training_refuses_a_multi_process_launch(monkeypatch):
 SFT_ROWS, SFT_BATCH, SFT_CHECKPOINT_EVERY = 96, 2, 4
 
 
+@pytest.mark.system
 def test_killed_sft_training_resumes_from_its_last_checkpoint(validated, tiny_model_dir):
     import mlflow
 

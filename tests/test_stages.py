@@ -1,5 +1,6 @@
 """One stage list drives both the Prefect flow and dvc.yaml."""
 
+import pytest
 import yaml
 
 from rlhflow.config.params import REPO_ROOT, load_config
@@ -99,33 +100,43 @@ def test_code_deps_are_the_import_closure_of_the_stage_module():
     )
 
 
+# Imports each stage module in turn in one process, forgetting the project's modules between them (the stack, once
+# loaded, stays): per stage, the project files that importing it ran, as JSON lines.
+CODE_DEPS_PROBE = """
+import importlib, json, sys
+root = sys.argv[1]
+for module in sys.argv[2:]:
+    for name in [n for n in sys.modules if n.split(".")[0] in ("rlhflow", "rlhfops", "tasks")]:
+        del sys.modules[name]
+    importlib.import_module(module)
+    files = [m.__file__ for m in list(sys.modules.values()) if getattr(m, "__file__", None)]
+    print(json.dumps([f for f in files if f.startswith(root + "/") and "/.venv/" not in f]))
+"""
+
+
+@pytest.mark.system
 def test_code_deps_cover_what_importing_the_module_loads():
     """An independent check of the static walk: the project modules that importing each stage's module actually
     loads (module-level imports; the walk also sees the deferred ones) are among its deps."""
+    import json
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    probe = (
-        "import importlib, sys; importlib.import_module(sys.argv[1]); "
-        "print('\\n'.join(m.__file__ for m in list(sys.modules.values()) if getattr(m, '__file__', None)))"
+    out = subprocess.run(
+        [sys.executable, "-c", CODE_DEPS_PROBE, str(REPO_ROOT), *(s.module for s in STAGES)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     )
-    for s in STAGES:
-        out = subprocess.run(
-            [sys.executable, "-c", probe, s.module],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-        )
-        assert out.returncode == 0, out.stderr[-2000:]
-        loaded = {
-            str(Path(f).resolve().relative_to(REPO_ROOT))
-            for f in out.stdout.split()
-            if f.startswith(str(REPO_ROOT) + "/") and "/.venv/" not in f
-        }
+    assert out.returncode == 0, out.stderr[-2000:]
+    reports = out.stdout.strip().splitlines()
+    assert len(reports) == len(STAGES), out.stdout[-2000:]
+    for s, report in zip(STAGES, reports):
+        loaded = {str(Path(f).resolve().relative_to(REPO_ROOT)) for f in json.loads(report)}
         assert loaded, s.name
         assert not [f for f in loaded if not _covered(s, f)], s.name
 

@@ -89,6 +89,7 @@ def test_the_best_point_is_chosen_on_the_dev_split_and_seeds_are_aggregated():
     assert "point/ppo.kl_coef_0.1/eval_kl_ci_low" in metrics
 
 
+@pytest.mark.system
 def test_sweep_help_lists_every_option_and_params_key():
     import subprocess
     import sys

@@ -53,6 +53,7 @@ def _holder(code: str, *args: str, env: dict | None = None) -> Iterator[subproce
 
 
 @pytest.mark.timeout(120)  # a slot a killed holder kept would leave this test waiting for good
+@pytest.mark.system
 def test_a_waiting_stage_names_the_holder_and_enters_once_the_holder_is_killed(tmp_path, monkeypatch):
     monkeypatch.setattr(slot_module, "NOTICE_S", 0.2)
     monkeypatch.setattr(slot_module, "POLL_S", 0.05)
@@ -75,6 +76,7 @@ def test_a_waiting_stage_names_the_holder_and_enters_once_the_holder_is_killed(t
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.system
 def test_two_slots_let_two_stages_in_and_a_third_waits(tmp_path, monkeypatch):
     monkeypatch.setattr(slot_module, "NOTICE_S", 0.1)
     monkeypatch.setattr(slot_module, "POLL_S", 0.05)
@@ -94,6 +96,7 @@ def test_two_slots_let_two_stages_in_and_a_third_waits(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.system
 def test_a_run_killed_holding_the_slot_on_the_temporary_server_leaves_nothing_taken(tmp_path):
     """What `make run` does: no PREFECT_API_URL, so each process starts Prefect's temporary server on the shared
     database. A stage killed with SIGKILL inside its slot; the next one enters at once, and the concurrency limit

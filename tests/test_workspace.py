@@ -32,6 +32,7 @@ def hold_in_another_process(root, seconds: float) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.system
 def test_a_second_run_stops_at_once_naming_the_first(tmp_path):
     proc = hold_in_another_process(tmp_path, 60)
     try:
@@ -43,6 +44,7 @@ def test_a_second_run_stops_at_once_naming_the_first(tmp_path):
         proc.wait()
 
 
+@pytest.mark.system
 def test_a_second_run_waits_for_the_first_and_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(workspace, "POLL_S", 0.1)
     monkeypatch.setattr(workspace, "NOTICE_S", 0.5)
@@ -58,6 +60,7 @@ def test_a_second_run_waits_for_the_first_and_says_so(tmp_path, monkeypatch):
     assert workspace.holder(tmp_path) == {}  # nobody holds it now
 
 
+@pytest.mark.system
 def test_a_killed_run_leaves_the_workspace_free(tmp_path):
     proc = hold_in_another_process(tmp_path, 600)
     proc.send_signal(signal.SIGKILL)
@@ -66,6 +69,7 @@ def test_a_killed_run_leaves_the_workspace_free(tmp_path):
         assert workspace.holder(tmp_path)["run"] == "next"
 
 
+@pytest.mark.system
 def test_the_hold_is_reentrant_and_shared_with_child_processes(tmp_path):
     with workspace.exclusive("outer", root=tmp_path):
         with workspace.exclusive("inner", wait=False, root=tmp_path):  # same process: passes through

@@ -13,10 +13,8 @@ import random
 from importlib import resources
 from pathlib import Path
 
-import pandas as pd
-
 from rlhflow.config.params import DemoDataConfig, load_config
-from rlhflow.data.readers import write_jsonl
+from rlhflow.fsutil import write_jsonl_atomic
 
 # The text lives in demo_text.json next to this file (package data); the generator's logic stays here.
 _TEXT = json.loads(resources.files("rlhflow.data").joinpath("demo_text.json").read_text(encoding="utf-8"))
@@ -110,9 +108,7 @@ def generate_demo(n_prompts: int, pairs_per_prompt: int, seed: int) -> list[dict
 def write_demo(cfg: DemoDataConfig, out_dir: Path) -> Path:
     """Write `preferences.jsonl` (atomically) into out_dir and return its path."""
     pairs = generate_demo(cfg.n_prompts, cfg.pairs_per_prompt, cfg.seed)
-    return write_jsonl(
-        pd.DataFrame(pairs, columns=["prompt", "chosen", "rejected"]), Path(out_dir) / "preferences.jsonl"
-    )
+    return write_jsonl_atomic(pairs, Path(out_dir) / "preferences.jsonl")
 
 
 def _lower(text: str) -> str:

@@ -24,7 +24,7 @@ import pandas as pd
 
 from rlhflow.data.errors import DataFormatError, rows_text
 from rlhflow.data.sources import SourceNotFoundError, resolve_source
-from rlhflow.fsutil import atomic_file
+from rlhflow.fsutil import write_jsonl_atomic
 
 FILE_TYPES = ".jsonl, .jsonl.gz, .json (a list of objects), .parquet"
 _CHUNK = 1 << 20  # bytes read at a time from JSON files
@@ -99,10 +99,7 @@ def read_rows(
 
 def write_jsonl(df: pd.DataFrame, path: str | os.PathLike) -> Path:
     """Write a frame as JSONL atomically (temp file in the same directory, then os.replace)."""
-    with atomic_file(path) as f:
-        for record in df.to_dict(orient="records"):
-            f.write(json.dumps(_jsonable(record), ensure_ascii=False) + "\n")
-    return Path(path)
+    return write_jsonl_atomic((_jsonable(record) for record in df.to_dict(orient="records")), path)
 
 
 def read_jsonl(path: str | os.PathLike) -> pd.DataFrame:

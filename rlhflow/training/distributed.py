@@ -10,23 +10,39 @@ optimisation step across all processes; each of N processes takes 1/N of every b
 from __future__ import annotations
 
 # accelerate is imported only when a multi-process run joins its process group: a single process never loads it.
+# torch is imported by the functions that take tensors: which process this is needs none (a stage that trains
+# nothing, such as demo_data, starts without it).
 import os
+import sys
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
 
 
-def _initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
+def _process_group():
+    """torch.distributed once a process group is joined, else None (without torch loaded there is none)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+
+
+def _collectives():
+    """torch and torch.distributed, for the functions that work across the processes of a multi-process run."""
+    import torch
+    import torch.distributed as dist
+
+    return torch, dist
 
 
 def world_size() -> int:
     """Number of data-parallel processes (1 without a launcher)."""
-    return dist.get_world_size() if _initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    group = _process_group()
+    return group.get_world_size() if group else int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def rank() -> int:
-    return dist.get_rank() if _initialized() else int(os.environ.get("RANK", "0"))
+    group = _process_group()
+    return group.get_rank() if group else int(os.environ.get("RANK", "0"))
 
 
 def is_main_process() -> bool:
@@ -36,7 +52,8 @@ def is_main_process() -> bool:
 def init() -> None:
     """Join the process group the launcher described in the environment (RANK, WORLD_SIZE, MASTER_ADDR...):
     NCCL on GPUs, gloo on CPUs, DeepSpeed's when launched with a DeepSpeed config. Nothing in a single process."""
-    if world_size() > 1 and not _initialized():
+    if world_size() > 1 and not _process_group():
+        import torch
         from accelerate import PartialState
 
         # cpu=True on a machine without CUDA: accelerate then picks gloo (without it, a torchrun-style launch on
@@ -47,6 +64,8 @@ def init() -> None:
 def local_device(device: torch.device) -> torch.device:
     """With several processes on one GPU node, process i uses GPU LOCAL_RANK instead of all sharing cuda:0."""
     if device.type == "cuda" and device.index is None and world_size() > 1:
+        import torch
+
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if local_rank >= torch.cuda.device_count():
             raise RuntimeError(
@@ -69,6 +88,7 @@ def sum_across(tensor: torch.Tensor) -> torch.Tensor:
     """The elementwise sum of `tensor` over all processes (the tensor itself in a single process)."""
     if world_size() == 1:
         return tensor
+    _, dist = _collectives()
     total = tensor.detach().clone()
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return total
@@ -78,6 +98,7 @@ def gather(tensor: torch.Tensor) -> torch.Tensor:
     """The processes' equally sized tensors concatenated along dim 0 in rank order (itself in a single process)."""
     if world_size() == 1:
         return tensor
+    torch, dist = _collectives()
     parts = [torch.empty_like(tensor) for _ in range(world_size())]
     dist.all_gather(parts, tensor.detach().contiguous())
     return torch.cat(parts)
@@ -88,6 +109,7 @@ def sum_gradients(params: list[torch.nn.Parameter]) -> None:
     With each process's loss scaled by its share of the global batch, the sum is the global-batch gradient."""
     if world_size() == 1:
         return
+    torch, dist = _collectives()
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
@@ -105,6 +127,7 @@ def broadcast_parameters(module: torch.nn.Module) -> None:
     """Make every process start from the main process's weights (as DDP does when it wraps a model)."""
     if world_size() == 1:
         return
+    torch, dist = _collectives()
     with torch.no_grad():
         for tensor in list(module.parameters()) + list(module.buffers()):
             dist.broadcast(tensor.data, src=0)
@@ -114,6 +137,7 @@ def broadcast_object(obj):
     """The main process's `obj` on every process (pickled: small states and CPU tensors); `obj` itself alone."""
     if world_size() == 1:
         return obj
+    _, dist = _collectives()
     holder = [obj]
     dist.broadcast_object_list(holder, src=0)
     return holder[0]
@@ -121,4 +145,4 @@ def broadcast_object(obj):
 
 def barrier() -> None:
     if world_size() > 1:
-        dist.barrier()
+        _collectives()[1].barrier()
