@@ -125,10 +125,12 @@ $(TRL_STAMP): bench/requirements-trl.txt
 	TRL_EXPERIMENTAL_SILENCE=1 $(TRL_VENV)/bin/python -c "from trl.experimental.ppo import PPOConfig, PPOTrainer"
 	touch $(TRL_STAMP)
 
-# BENCH_ARGS go to bench.ppo_bench (e.g. "--workloads tiny --rounds 1"), ORCH_ARGS to bench.orchestration (e.g. --short),
+# DOORS_ARGS go to bench.doors (e.g. "--against ../old-checkout"), BENCH_ARGS to bench.ppo_bench (e.g. "--workloads tiny
+# --rounds 1"), ORCH_ARGS to bench.orchestration (e.g. --short),
 # PROFILE_ARGS to bench.profile_compare (e.g. --tiny, --against REF, --rounds 2), ROOFLINE_ARGS to bench.decode_roofline
 # (e.g. --rows 8 --settings dynamic,preallocated)
 bench: setup $(TRL_STAMP)
+	$(BIN)/python -m bench.doors $(DOORS_ARGS)
 	$(BIN)/python -m bench.orchestration $(ORCH_ARGS)
 	$(BIN)/python -m bench.profile_compare $(PROFILE_ARGS)
 	$(BIN)/python -m bench.ppo_bench $(BENCH_ARGS)

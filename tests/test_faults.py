@@ -128,6 +128,7 @@ def preference_file(path: Path, n: int, variant: str) -> Path:
     return path
 
 
+@pytest.mark.system
 def test_validate_killed_while_writing_leaves_old_or_no_output_and_the_rerun_cleans_up(tmp_path, tiny_model_dir):
     from rlhflow.config.params import load_config
     from rlhfops.stage_runner import run_stage
