@@ -64,13 +64,14 @@ class StackError(RuntimeError):
     """A service of the stack could not be started."""
 
 
-def free_port(grpc_offset: int = 0) -> int:
-    """A free TCP port on HOST (and port + grpc_offset free too: SeaweedFS listens there for gRPC)."""
+def free_port(grpc_offset: int = 0, taken: set[int] | frozenset[int] = frozenset()) -> int:
+    """A free TCP port on HOST (and port + grpc_offset free too: SeaweedFS listens there for gRPC), none of `taken`:
+    the ports chosen before it are not bound until their services start, so the kernel may offer one again."""
     for _ in range(200):
         with socket.socket() as s:
             s.bind((HOST, 0))
             port = s.getsockname()[1]
-        if port + grpc_offset > 65535:
+        if port + grpc_offset > 65535 or port in taken or (grpc_offset and port + grpc_offset in taken):
             continue
         if grpc_offset:
             with socket.socket() as s:
@@ -217,10 +218,11 @@ class Stack:
         except PermissionError as err:
             raise StackError(str(err)) from None
         self.load_secrets()
-        for name in ("postgres", "mlflow", "prefect"):
-            self.ports[name] = free_port()
-        for name in ("s3", "weed_master", "weed_volume", "weed_filer"):
-            self.ports[name] = free_port(grpc_offset=10000)
+        taken: set[int] = set()  # seven distinct ports, and none a SeaweedFS service's gRPC port
+        for name in ("postgres", "mlflow", "prefect", "s3", "weed_master", "weed_volume", "weed_filer"):
+            grpc_offset = 0 if name in ("postgres", "mlflow", "prefect") else 10000
+            self.ports[name] = free_port(grpc_offset, taken)
+            taken |= {self.ports[name], self.ports[name] + grpc_offset}
         try:
             self.start_postgres()
             self.start_s3()

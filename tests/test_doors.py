@@ -1,7 +1,7 @@
 """Light doors: every command imports what its work needs, where it needs it. Each entry point's `--help`, in a fresh
 interpreter, loads none of the stack (only the config's pydantic and yaml), and a stage loads no library that its
 own work and its tracking do not use. What is pinned is the set of modules in `sys.modules`, never a time: the
-times are `python -m bench.doors` (docs/benchmarks.md#light-doors)."""
+times are `python -m bench.doors` (docs/benchmarks.md#light-doors-how-fast-a-command-answers)."""
 
 from __future__ import annotations
 
