@@ -1,5 +1,7 @@
-"""Prefect flows: the pipeline, sweeps, serving and restore."""
+"""Prefect flows: the pipeline, sweeps, serving and restore. Each command module (`flows/<name>.py`) parses its
+command line and hands the rest of its names on from its flow module (`flows/<name>_flow.py`, `handed_on`)."""
 
+import importlib
 import os
 
 # before any flow module imports prefect: the ephemeral server it starts reads these once
@@ -7,3 +9,16 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 import rlhfops  # noqa: E402, F401  (a flow started by a Python without the project's stack stops here, in one line)
+
+
+def handed_on(command: str, flow_module: str):
+    """A module `__getattr__` (PEP 562) for the command module `command`: the names it lacks (its flows, their tasks
+    and helpers) come from `flow_module`, imported at first use, so `from flows.pipeline import rlhf_pipeline` and an
+    entrypoint `flows/pipeline.py:rlhf_pipeline` give the flow while the command's --help loads none of it."""
+
+    def __getattr__(name: str):
+        if name.startswith("__"):  # a probe for a module dunder (__path__, __wrapped__, ...) loads nothing
+            raise AttributeError(f"module {command!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(flow_module), name)
+
+    return __getattr__

@@ -12,19 +12,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from flows import handed_on
 from rlhflow.config.params import parse_config_args
 from rlhfops.labeling import LabelingError
 from rlhfops.temporary_server import start_temporary_server
 
-
-def __getattr__(name: str):
-    """The flow `feedback_round` and the rest of flows/feedback_flow.py, as names of this module (PEP 562), loaded at
-    first use: `from flows.feedback import feedback_round` gives the flow."""
-    if name.startswith("__"):  # a probe for a module dunder (__path__, __wrapped__, ...) loads nothing
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from flows import feedback_flow
-
-    return getattr(feedback_flow, name)
+__getattr__ = handed_on(__name__, "flows.feedback_flow")
 
 
 def main(argv: list[str] | None = None) -> None:

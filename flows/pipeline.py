@@ -15,20 +15,13 @@ import argparse
 import sys
 import time
 
+from flows import handed_on
 from rlhflow.config.params import parse_config_args
 from rlhfops.stages import STAGE_NAMES
 from rlhfops.temporary_server import start_temporary_server
 from rlhfops.training_slot import TRAINING_LIMIT, reset_server_limit
 
-
-def __getattr__(name: str):
-    """The flow `rlhf_pipeline`, its tasks and helpers, as names of this module (PEP 562): `from flows.pipeline import
-    rlhf_pipeline` and the entrypoint `flows/pipeline.py:rlhf_pipeline` load flows/pipeline_flow.py at first use."""
-    if name.startswith("__"):  # a probe for a module dunder (__path__, __wrapped__, ...) loads nothing
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from flows import pipeline_flow
-
-    return getattr(pipeline_flow, name)
+__getattr__ = handed_on(__name__, "flows.pipeline_flow")
 
 
 def main(argv: list[str] | None = None) -> None:

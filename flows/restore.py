@@ -15,18 +15,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from flows import handed_on
 from rlhflow.config.params import parse_config_args
 from rlhfops.temporary_server import start_temporary_server
 
-
-def __getattr__(name: str):
-    """The flow `restore_run`, as a name of this module (PEP 562) loaded at first use: `from flows.restore import
-    restore_run` gives the flow."""
-    if name.startswith("__"):  # a probe for a module dunder (__path__, __wrapped__, ...) loads nothing
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from flows import restore_flow
-
-    return getattr(restore_flow, name)
+__getattr__ = handed_on(__name__, "flows.restore_flow")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,18 +16,11 @@ import argparse
 import sys
 import time
 
+from flows import handed_on
 from rlhflow.config.params import parse_config_args
 from rlhfops.temporary_server import start_temporary_server
 
-
-def __getattr__(name: str):
-    """The flow `rlhf_sweep` and the rest of flows/sweep_flow.py (its points, seed groups, frontier), as names of this
-    module (PEP 562) loaded at first use: `from flows.sweep import rlhf_sweep` gives the flow."""
-    if name.startswith("__"):  # a probe for a module dunder (__path__, __wrapped__, ...) loads nothing
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from flows import sweep_flow
-
-    return getattr(sweep_flow, name)
+__getattr__ = handed_on(__name__, "flows.sweep_flow")
 
 
 def parse_grid(specs: list[str]) -> dict[str, list[str]]:

@@ -14,17 +14,10 @@ from __future__ import annotations
 # A light door: prefect, mlflow, dvc and torch load with the flows (flows/team_flow.py), after --help has answered.
 import sys
 
+from flows import handed_on
 from rlhflow.config.params import parse_config_args
 
-
-def __getattr__(name: str):
-    """The flows `team_pipeline` and `stage_on_worker` and the rest of flows/team_flow.py, as names of this module
-    (PEP 562) loaded at first use: the deployments' entrypoints `flows.team.<flow>` give the flows."""
-    if name.startswith("__"):  # a probe for a module dunder (__path__, __wrapped__, ...) loads nothing
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from flows import team_flow
-
-    return getattr(team_flow, name)
+__getattr__ = handed_on(__name__, "flows.team_flow")
 
 
 def main(argv: list[str] | None = None) -> int:
