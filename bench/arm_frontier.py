@@ -24,7 +24,9 @@ from rlhflow.fsutil import write_text_atomic
 # A light door: scipy, MLflow and Prefect (stats, tracking, the sweep) are imported where used: --help answers at once.
 
 KL = "eval/kl"
-FIGURES = [  # (row, metric, decimals): the figures PPO optimises first, then the judge's, dev before test
+# (row, metric, decimals): the figures PPO optimises first, then the judge's, dev before test; win rates and accuracies
+# on hard verdicts, the soft scale named where it is shown
+FIGURES = [
     ("test: KL to SFT, nats", KL, 2),
     ("test: proxy reward less the missing-EOS penalty (PPO's objective)", "eval/objective_mean", 3),
     ("test: proxy reward", "eval/reward_mean", 3),
@@ -34,10 +36,13 @@ FIGURES = [  # (row, metric, decimals): the figures PPO optimises first, then th
     ("test: judge win rate vs SFT, both ended", "eval/judge_win_rate_both_ended", 3),
     ("dev: judge win rate, length-controlled", "dev/judge_win_rate_lc", 3),
     ("test: judge win rate, length-controlled", "eval/judge_win_rate_lc", 3),
+    ("test: judge soft preference, length-controlled (soft scale)", "eval/judge_soft_preference_lc", 3),
     ("test: answers ended", "eval/answers_ended", 3),
     ("test: answer tokens, mean", "eval/answer_tokens", 0),
     ("test pairs: proxy accuracy", "rm/accuracy", 3),
     ("test pairs: proxy accuracy, length-controlled", "rm/accuracy_lc", 3),
+    ("test pairs: proxy soft accuracy (soft scale)", "rm/soft_accuracy", 3),
+    ("test pairs: proxy soft accuracy, length-controlled (soft scale)", "rm/soft_accuracy_lc", 3),
 ]
 
 

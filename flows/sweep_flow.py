@@ -381,7 +381,7 @@ def frontier_markdown(points: list, objective: str, groups: list, outcomes: list
         f"(best-of-n's resampled by conversation). The optimised reward is the one PPO maximises before its KL "
         f"term, `{objective}`: best-of-n selects by it (the KL term is the same for every candidate) and is at its "
         "analytic KL, log n - (n-1)/n. `judge_win_rate_lc` is the judge's length-controlled win rate against the "
-        "SFT model. " + seeds_note,
+        "SFT model, fitted on the same hard verdicts as `judge_win_rate_vs_sft`. " + seeds_note,
         "",
         "## Per point, over its seeds",
         "",

@@ -23,7 +23,7 @@ NAME = "judge"
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.evaluation import judges
-    from rlhflow.evaluation.pairs import LENGTH_AWARE_METRICS
+    from rlhflow.evaluation.pairs import LENGTH_AWARE_METRICS, SOFT_PAIR_METRICS
     from rlhfops import registry
 
     if cfg.judge.kind != "trained" and not ctx.main_process:
@@ -43,7 +43,8 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
         )
     else:
         metrics = measure_given_judge(cfg, ctx)
-    on_parent = {"judge/accuracy", "judge/accuracy_se"} | {f"judge/{k}" for k in LENGTH_AWARE_METRICS}
+    figures = ("accuracy", "accuracy_se", *LENGTH_AWARE_METRICS, *SOFT_PAIR_METRICS)
+    on_parent = {f"judge/{k}" for k in figures}
     ctx.log_metrics({k: v for k, v in metrics.items() if k in on_parent}, on_parent=True)
     return metrics
 

@@ -34,13 +34,14 @@ def backbone_spec(cfg: Config, rm_cfg: RewardModelConfig) -> str:
 def held_out_metrics(prefix: str, held_out: dict[str, float]) -> dict[str, float]:
     """A model's figures on the held-out test pairs (`rlhflow.evaluation.pairs.evaluate_pairs` metrics, or a judge's
     `rlhflow.evaluation.judges.pair_metrics`), under the stage's names: `<prefix>/accuracy`, `<prefix>/accuracy_se`,
-    the length rule and its intervals, `<prefix>/eval_pairs`, and `<prefix>/margin` where scores give one."""
-    from rlhflow.evaluation.pairs import LENGTH_AWARE_METRICS
+    the length rule and its intervals, the soft scale where the model grades its preference, `<prefix>/eval_pairs`,
+    and `<prefix>/margin` where scores give one."""
+    from rlhflow.evaluation.pairs import pair_figures
 
     metrics = {
         f"{prefix}/accuracy": held_out["accuracy"],
         f"{prefix}/accuracy_se": held_out["accuracy_se"],
-        **{f"{prefix}/{key}": held_out[key] for key in LENGTH_AWARE_METRICS},
+        **pair_figures(held_out, prefix),
     }
     if "margin_mean" in held_out:
         metrics[f"{prefix}/margin"] = held_out["margin_mean"]

@@ -11,6 +11,7 @@ import pytest
 from rlhflow.evaluation.answers import Answers
 from rlhflow.evaluation.compare import comparison_metrics, verdicts_from_scores
 from rlhflow.evaluation.held_out import evaluation_prompts
+from rlhflow.evaluation.judges import Verdicts
 
 
 def answers(classes: list[str], proxy: list[float], texts: list[str] | None = None) -> Answers:
@@ -44,6 +45,25 @@ def test_soft_preference_is_the_bradley_terry_probability():
     verdicts = verdicts_from_scores([2.0, 0.0, 1.0], [0.0, 2.0, 1.0])
     assert verdicts.wins.tolist() == [1.0, 0.0, 0.5]
     assert verdicts.preference == pytest.approx([1 / (1 + np.exp(-2)), 1 / (1 + np.exp(2)), 0.5])
+
+
+def test_win_rates_and_their_length_control_are_on_hard_verdicts_and_the_soft_scale_is_named_apart():
+    """Scores that differ little but always favour the policy: every hard verdict a win (win rate 1, length-controlled
+    near 1), the soft preference near 0.5 (a reward model's sigmoid of a small difference). The soft figures come
+    under their own names, and a judge that gives only verdicts (an LLM's) has none."""
+    n = 40
+    texts = [("x" * (50 + 10 * i), "x" * (400 - 5 * i)) for i in range(n)]  # lengths on both sides of equal
+    policy = answers(["ended"] * n, [0.02] * n, [t[0] for t in texts])
+    sft = answers(["ended"] * n, [0.0] * n, [t[1] for t in texts])
+    graded = verdicts_from_scores(policy.extra["proxy"], sft.extra["proxy"])
+    metrics = comparison_metrics(policy, sft, graded, graded, [f"c{i}" for i in range(n)])
+    assert metrics["eval/judge_win_rate_vs_sft"] == 1.0 and metrics["eval/judge_win_rate_lc"] > 0.95
+    assert metrics["eval/judge_soft_preference"] == pytest.approx(1 / (1 + np.exp(-0.02)))
+    assert abs(metrics["eval/judge_soft_preference_lc"] - 0.5) < 0.01 and "eval/soft_preference_lc" in metrics
+
+    verdicts_only = Verdicts(wins=graded.wins, preference=graded.wins)  # an LLM judge's: the verdict again
+    metrics = comparison_metrics(policy, sft, graded, verdicts_only, [f"c{i}" for i in range(n)])
+    assert metrics["eval/judge_win_rate_lc"] > 0.95 and not any("judge_soft" in k for k in metrics)
 
 
 def test_a_uniformly_shorter_policy_gets_an_unsupported_length_control():

@@ -184,10 +184,14 @@ def test_a_models_accuracy_where_the_chosen_answer_is_shorter_longer_and_under_l
     metrics = length_aware_pair_metrics(rule, rows)
     assert (metrics["accuracy_chosen_shorter"], metrics["accuracy_chosen_longer"]) == (1.0, 0.0)
     assert abs(metrics["accuracy_lc"] - 0.5) < 0.1 and metrics["accuracy_lc_ci_low"] < 0.5
-    # a reward model's Bradley-Terry preference, sigmoid(r_c - r_r), is what the length control reads when given
+    # a reward model's Bradley-Terry preference, sigmoid(r_c - r_r), is the soft scale, named apart: the accuracies
+    # and their length control count the model's choices, not its confidence
+    hard = length_aware_pair_metrics(blind, rows)
     soft = length_aware_pair_metrics(blind, rows, preference=[0.9 if b else 0.3 for b in blind])
-    assert soft["accuracy_chosen_shorter"] == 96 / 120  # accuracy counts the model's choices, not its confidence
-    assert soft["accuracy_lc"] == pytest.approx(0.9 * 0.8 + 0.3 * 0.2, abs=0.05)
+    assert {k: soft[k] for k in hard} == hard and not any(k.startswith("soft_") for k in hard)
+    assert soft["soft_accuracy"] == pytest.approx(0.9 * 0.8 + 0.3 * 0.2)
+    assert soft["soft_accuracy_lc"] == pytest.approx(0.9 * 0.8 + 0.3 * 0.2, abs=0.05)
+    assert soft["soft_accuracy_lc_ci_low"] < soft["soft_accuracy_lc"] < soft["soft_accuracy_lc_ci_high"]
 
 
 def test_response_nll_appends_eos_only_to_a_response_that_fits(tok):

@@ -96,6 +96,16 @@ def _judge(rng, d: np.ndarray, model_logit: np.ndarray | float = 0.0) -> np.ndar
     return 1 / (1 + np.exp(-(model_logit - d / 60 + rng.normal(size=len(d)))))
 
 
+def _outcomes(rng, p: np.ndarray, outcome: str) -> np.ndarray:
+    """What the estimator is given: the soft preference itself, or hard verdicts drawn from it (1 with probability
+    p, else 0; a tenth of them ties at 0.5), as a win rate counts them."""
+    if outcome == "soft":
+        return p
+    verdicts = (rng.random(len(p)) < p).astype(float)
+    verdicts[rng.random(len(p)) < 0.1] = 0.5
+    return verdicts
+
+
 @pytest.mark.parametrize("prompts", [False, True])
 def test_the_fit_is_sklearn_s_penalised_logistic_regression(prompts):
     """The Newton solver that refits every resample finds sklearn's LogisticRegression optimum at the chosen C, on the
@@ -142,17 +152,19 @@ def test_the_length_controlled_win_rate_finds_a_real_effect_when_lengths_overlap
     assert lc.supported and lc.value == pytest.approx(truth, abs=0.05) and lc.low < truth < lc.high
 
 
-def test_a_uniformly_shorter_policy_is_covered_or_flagged():
+@pytest.mark.parametrize("outcome", ["soft", "hard"])
+def test_a_uniformly_shorter_policy_is_covered_or_flagged(outcome):
     """True win rate 0.5 at equal length; the policy is shorter by 20 +- 12 words (in characters) and the judge
     prefers shorter answers, so the raw preference is far above 0.5 and zero difference lies at the edge of the data
     or beyond it. Over simulated evaluations of 64-281 prompts, the interval covers 0.5 or the result is flagged
-    unsupported at least 90% of the time; every flag says why."""
+    unsupported at least 90% of the time; every flag says why. The same on the soft preference and on hard verdicts
+    (1, 0.5, 0) drawn from it."""
     rng = np.random.default_rng(0)
     runs, good, flagged = 200, 0, 0
     for run in range(runs):
         n = int(rng.integers(64, 282))
         d = rng.normal(-20, 12, n) * CHARS_PER_WORD
-        p = _judge(rng, d)
+        p = _outcomes(rng, _judge(rng, d), outcome)
         lc = length_controlled_win_rate(p, d, resample_weights(n, resamples=200, seed=run))
         flagged += not lc.supported
         good += (lc.low <= 0.5 <= lc.high) or not lc.supported
@@ -160,6 +172,39 @@ def test_a_uniformly_shorter_policy_is_covered_or_flagged():
         assert np.isfinite(lc.value)
     assert good / runs >= 0.9
     assert flagged / runs >= 0.5  # about 5% of pairs on the policy-longer side: mostly flagged
+
+
+def test_on_hard_verdicts_at_128_prompts_the_interval_covers_and_is_twice_the_soft_one():
+    """Hard verdicts (1, 0.5, 0) of a judge preferring shorter answers, lengths on both sides of zero, true win rate
+    0.5 at equal length, 128 prompts (the default test split): the 95% interval covers 0.5 in about 95% of
+    simulated evaluations, and its half-width is about 0.11, twice that of the same fit on the soft preference the
+    verdicts were drawn from (about 0.05), which reads the judge's confidence as data. Figures: docs/evaluation.md."""
+    rng = np.random.default_rng(1)
+    runs, n, covered, half_widths = 60, 128, 0, {"soft": [], "hard": []}
+    for run in range(runs):
+        d = rng.normal(0, 40, n) * CHARS_PER_WORD
+        p = _judge(rng, d)
+        for outcome in ("soft", "hard"):
+            lc = length_controlled_win_rate(_outcomes(rng, p, outcome), d, resample_weights(n, resamples=500, seed=run))
+            half_widths[outcome].append((lc.high - lc.low) / 2)
+            covered += outcome == "hard" and lc.low <= 0.5 <= lc.high
+    assert covered / runs >= 0.85
+    assert 0.08 < np.mean(half_widths["hard"]) < 0.14 and 0.03 < np.mean(half_widths["soft"]) < 0.07
+
+
+def test_on_hard_verdicts_a_pure_length_effect_is_removed_and_a_true_value_recovered():
+    """Hand-built verdicts (1 or 0) of a judge that goes by length alone, P(policy wins) = sigmoid(-d / 50): the
+    policy, mostly shorter, wins most pairs, yet at equal length the judge prefers neither (0.5). The same judge with
+    a model effect, logit = logit(0.7) - d / 50, gives back 0.7, where its raw rate is inflated."""
+    rng = np.random.default_rng(2)
+    n = 281
+    d = rng.normal(-100, 150, n)  # the policy shorter on average, longer in about a quarter of the pairs
+    weights = resample_weights(n, resamples=500)
+    for truth in (0.5, 0.7):
+        verdicts = (rng.random(n) < 1 / (1 + np.exp(-(np.log(truth / (1 - truth)) - d / 50)))).astype(float)
+        lc = length_controlled_win_rate(verdicts, d, weights)
+        assert lc.supported and lc.value == pytest.approx(truth, abs=0.05) and lc.low < truth < lc.high
+        assert verdicts.mean() - truth > 0.1  # the raw rate carries the length effect
 
 
 def test_the_length_controlled_win_rate_handles_the_edges():

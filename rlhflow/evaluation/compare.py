@@ -33,7 +33,7 @@ from rlhflow.evaluation.metrics import (
     repetition_rate,
     sampled_kl,
 )
-from rlhflow.evaluation.pairs import LENGTH_AWARE_METRICS, evaluate_pairs
+from rlhflow.evaluation.pairs import evaluate_pairs, pair_figures
 from rlhflow.evaluation.settings import EvaluationSettings
 
 # the bootstrap's seed: fixed, so every run's intervals are drawn the same way whatever its training seed
@@ -72,13 +72,17 @@ def _with_interval(name: str, value_low_high: tuple[float, float, float], interv
 
 
 class WinKeys(NamedTuple):
-    """The names of one verdict source's win-rate figures (`win_metrics`)."""
+    """The names of one verdict source's win-rate figures (`win_metrics`). The win rates are on hard verdicts (1, 0.5,
+    0); a judge that grades its preference (a reward model: sigmoid of the score difference) adds the soft scale's
+    mean and length-controlled value under names of their own, never beside a hard figure unnamed."""
 
     vs_sft: str  # the win rate over the SFT model's answer to the same prompt
     interval: str  # its interval, as <interval>_ci_low / _ci_high
     both_ended: str  # the same on the prompts where both answers ended
-    lc: str  # length-controlled
-    lc_supported: str  # 1 when the length-controlled estimate is supported by the data
+    lc: str  # length-controlled, fitted on the same hard verdicts
+    lc_supported: str  # 1 when the length differences support reading either length-controlled figure at zero
+    soft: str | None = None  # the mean soft preference, where the judge grades it
+    soft_lc: str | None = None  # its length-controlled value
 
 
 PROXY_WIN_KEYS = WinKeys(
@@ -87,6 +91,8 @@ PROXY_WIN_KEYS = WinKeys(
     "eval/win_rate_both_ended",
     "eval/win_rate_lc",
     "eval/win_rate_lc_supported",
+    "eval/soft_preference",
+    "eval/soft_preference_lc",
 )
 JUDGE_WIN_KEYS = WinKeys(
     "eval/judge_win_rate_vs_sft",
@@ -94,21 +100,30 @@ JUDGE_WIN_KEYS = WinKeys(
     "eval/judge_win_rate_both_ended",
     "eval/judge_win_rate_lc",
     "eval/judge_win_rate_lc_supported",
+    "eval/judge_soft_preference",
+    "eval/judge_soft_preference_lc",
 )
 
 
 def win_metrics(keys: WinKeys, verdicts, both_ended: np.ndarray, char_difference, weights, conversations):
     """The win rate over the SFT model and its interval, the same on prompts where both answers ended, and the
-    length-controlled win rate with its support flag, named by `keys` (PROXY_WIN_KEYS or JUDGE_WIN_KEYS)."""
+    length-controlled win rate with its support flag, all on the hard verdicts; where the verdicts are soft, the mean
+    soft preference and its length-controlled value beside them, named apart (`keys`: PROXY_WIN_KEYS,
+    JUDGE_WIN_KEYS)."""
     win = np.asarray(verdicts.wins, dtype=float)
     metrics = _with_interval(keys.vs_sft, stats.mean_interval(win, weights), keys.interval)
     if both_ended.any():
         idx = np.flatnonzero(both_ended)
         sub_weights = stats.resample_weights(len(idx), clusters=[conversations[i] for i in idx], seed=BOOTSTRAP_SEED)
         metrics.update(_with_interval(keys.both_ended, stats.mean_interval(win[idx], sub_weights)))
-    lc = stats.length_controlled_win_rate(verdicts.preference, char_difference, weights, prompt_ids=conversations)
-    metrics.update(_with_interval(keys.lc, (lc.value, lc.low, lc.high)))
+    lc = stats.length_controlled_win_rate(win, char_difference, weights, prompt_ids=conversations)
+    metrics.update(_with_interval(keys.lc, lc.interval))
     metrics[keys.lc_supported] = float(lc.supported)
+    if verdicts.soft and keys.soft:
+        preference = np.asarray(verdicts.preference, dtype=float)
+        metrics.update(_with_interval(keys.soft, stats.mean_interval(preference, weights)))
+        soft_lc = stats.length_controlled_win_rate(preference, char_difference, weights, prompt_ids=conversations)
+        metrics.update(_with_interval(keys.soft_lc, soft_lc.interval))
     return metrics
 
 
@@ -170,7 +185,7 @@ def reward_model_metrics(pairs, rows: list[dict]) -> tuple[dict[str, float], lis
     tau, ranked_prompts = ranking_agreement(rows, scores)
     metrics = {
         "rm/accuracy": pairs.metrics["accuracy"],
-        **{f"rm/{key}": pairs.metrics[key] for key in LENGTH_AWARE_METRICS},
+        **pair_figures(pairs.metrics, "rm"),
         "rm/ece": expected_calibration_error(buckets),
         "rm/kendall_tau": tau,
         "rm/ranked_prompts": float(ranked_prompts),

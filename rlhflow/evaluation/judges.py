@@ -58,13 +58,16 @@ class JudgeUnavailableError(ValueError):
 @dataclass
 class Verdicts:
     """A judge's verdicts on pairs (a, b) of answers, one per prompt. `wins`: 1 a better, 0.5 a tie or split
-    verdict, 0 b better. `preference`: the soft preference for a in [0, 1]. `malformed`: replies that stayed
-    unparseable after retries; `malformed_items`: the prompts they were about."""
+    verdict, 0 b better. `preference`: the soft preference for a in [0, 1]. `soft`: whether `preference` is graded
+    (a pointwise scorer's Bradley-Terry probability) rather than the verdict again (an LLM's or a person's, whose
+    preference is the mean of its verdicts). `malformed`: replies that stayed unparseable after retries;
+    `malformed_items`: the prompts they were about."""
 
     wins: np.ndarray
     preference: np.ndarray
     malformed: int = 0
     malformed_items: list[int] = field(default_factory=list)
+    soft: bool = False
 
 
 class Judge:
@@ -121,7 +124,7 @@ def verdicts_from_scores(a_scores, b_scores) -> Verdicts:
     """A pointwise scorer's verdict on each pair (a, b): the higher score wins (a tie is half), and the soft
     preference for a is sigmoid(score_a - score_b), the Bradley-Terry probability that a is preferred."""
     a, b = np.asarray(a_scores, dtype=float), np.asarray(b_scores, dtype=float)
-    return Verdicts(wins=(a > b) + 0.5 * (a == b), preference=_sigmoid(a - b))
+    return Verdicts(wins=(a > b) + 0.5 * (a == b), preference=_sigmoid(a - b), soft=True)
 
 
 def check_reward_model(spec: str) -> None:
@@ -478,7 +481,7 @@ def pair_metrics(judge: Judge, rows: list[dict]) -> tuple[dict[str, float], Verd
         wins = pairs.correct.double().numpy()
         rm = judge.reward_model
         preference = _sigmoid((rm.normalise(pairs.chosen) - rm.normalise(pairs.rejected)).double().numpy())
-        return pairs.metrics, Verdicts(wins=wins, preference=preference)
+        return pairs.metrics, Verdicts(wins=wins, preference=preference, soft=True)
     verdicts = judge.compare(prompts, chosen, rejected)
     accuracy = float(verdicts.wins.mean()) if len(rows) else float("nan")
     metrics: dict[str, Any] = {

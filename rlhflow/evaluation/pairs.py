@@ -75,16 +75,31 @@ LENGTH_AWARE_METRICS = (
     "accuracy_lc_ci_high",
     "accuracy_lc_supported",
 )
+# what it adds where the model grades its preference (a reward model's Bradley-Terry probability for the chosen
+# answer): the soft scale, named apart from the accuracies
+SOFT_PAIR_METRICS = (
+    "soft_accuracy",
+    "soft_accuracy_ci_low",
+    "soft_accuracy_ci_high",
+    "soft_accuracy_lc",
+    "soft_accuracy_lc_ci_low",
+    "soft_accuracy_lc_ci_high",
+)
+
+
+def pair_figures(metrics: dict[str, float], prefix: str) -> dict[str, float]:
+    """The length-aware figures of a pair evaluation (and the soft ones where it has them) as `<prefix>/<name>`."""
+    return {f"{prefix}/{key}": metrics[key] for key in LENGTH_AWARE_METRICS + SOFT_PAIR_METRICS if key in metrics}
 
 
 def length_aware_pair_metrics(correct, rows: list[dict], seed: int = 0, preference=None) -> dict[str, float]:
     """A model's per-pair correctness next to the length rule's on the same pairs (rlhflow.evaluation.stats), and
     under length control: its accuracy on the pairs whose chosen answer is the shorter (in words, as the rule counts)
     and on those whose chosen answer is the longer, each with its Wilson interval, and its length-controlled
-    accuracy, the preference for the chosen answer predicted at a length difference of 0 (AlpacaEval's GLM on the
-    difference in characters, `stats.length_controlled_win_rate`; the length rule's is 0.5 by construction). The
-    preference is `preference` per pair (a reward model's Bradley-Terry probability sigmoid(r_c - r_r)), else the
-    correctness (a verdict: 1, 0.5, 0)."""
+    accuracy, the correctness (1, 0.5, 0) predicted at a length difference of 0 (AlpacaEval's GLM on the difference
+    in characters, `stats.length_controlled_win_rate`; the length rule's is 0.5 by construction). Where `preference`
+    is given per pair (a reward model's Bradley-Terry probability sigmoid(r_c - r_r)), its mean and its
+    length-controlled value too, as `soft_accuracy` and `soft_accuracy_lc` (SOFT_PAIR_METRICS)."""
     correct = [float(c) for c in correct]
     chosen, rejected = [r["chosen"] for r in rows], [r["rejected"] for r in rows]
     rule = stats.shorter_answer_correct(chosen, rejected)
@@ -97,12 +112,9 @@ def length_aware_pair_metrics(correct, rows: list[dict], seed: int = 0, preferen
     weights = stats.resample_weights(n, conversations, seed=seed)
     difference, diff_low, diff_high = stats.difference_interval(correct, rule, weights)
     shorter, longer = accuracy_where(correct, rule == 1), accuracy_where(correct, rule == 0)  # ties: neither
-    lc = stats.length_controlled_win_rate(
-        correct if preference is None else [float(p) for p in preference],
-        [len(c) - len(r) for c, r in zip(chosen, rejected)],
-        weights,
-    )
-    return {
+    char_difference = [len(c) - len(r) for c, r in zip(chosen, rejected)]
+    lc = stats.length_controlled_win_rate(correct, char_difference, weights)
+    metrics = {
         "accuracy_ci_low": low,
         "accuracy_ci_high": high,
         "length_baseline_accuracy": float(rule.mean()) if n else math.nan,
@@ -124,6 +136,21 @@ def length_aware_pair_metrics(correct, rows: list[dict], seed: int = 0, preferen
         "accuracy_lc_ci_high": lc.high,
         "accuracy_lc_supported": float(lc.supported),
     }
+    if preference is not None:
+        preference = [float(p) for p in preference]
+        soft, soft_low, soft_high = stats.mean_interval(preference, weights)
+        soft_lc = stats.length_controlled_win_rate(preference, char_difference, weights)
+        metrics.update(
+            {
+                "soft_accuracy": soft,
+                "soft_accuracy_ci_low": soft_low,
+                "soft_accuracy_ci_high": soft_high,
+                "soft_accuracy_lc": soft_lc.value,
+                "soft_accuracy_lc_ci_low": soft_lc.low,
+                "soft_accuracy_lc_ci_high": soft_lc.high,
+            }
+        )
+    return metrics
 
 
 def accuracy_where(correct: list[float], subset) -> tuple[float, float, float, float]:

@@ -149,13 +149,18 @@ def _win_rate_lines(fmt: Figures) -> list[str]:
     lines = [
         "## Win rate against the SFT model",
         "",
+        "Win rates on hard verdicts (a win 1, a tie 0.5, a loss 0), each beside its length-controlled value fitted on "
+        "the same verdicts.",
+        "",
         "| judged by | win rate | 95% interval | both ended | 95% interval | length-controlled | 95% interval |",
         "|---|---|---|---|---|---|---|",
     ]
-    for key, label in [
-        ("win_rate", "proxy reward model (optimised by the policy)"),
-        ("judge_win_rate", "judge (never optimised against)"),
-    ]:
+    judged_by = [
+        ("", "proxy reward model (optimised by the policy)"),
+        ("judge_", "judge (never optimised against)"),
+    ]
+    for source, label in judged_by:
+        key = f"{source}win_rate"
         supported = fmt.metrics.get(f"eval/{key}_lc_supported", 1.0) >= 1
         lc = fmt(f"eval/{key}_lc") + ("" if supported else " (unsupported)")
         lines.append(
@@ -163,17 +168,40 @@ def _win_rate_lines(fmt: Figures) -> list[str]:
             f"{fmt(f'eval/{key}_both_ended')} | {fmt.interval(f'eval/{key}_both_ended')} | {lc} | "
             f"{fmt.interval(f'eval/{key}_lc')} |"
         )
+    lines += _soft_preference_lines(fmt, judged_by)
     lines += [
         "",
         f"Proxy minus judge: {fmt('eval/proxy_judge_gap')} ({fmt.interval('eval/proxy_judge_gap')}; a large positive "
         "gap is a sign of reward hacking: the policy pleases the model it was trained against more than an "
-        "independent one). The length-controlled win rate is what a model of the judge's preference on the "
-        'length difference predicts at equal length (AlpacaEval 2.0); "unsupported" means the answers\' lengths '
-        "do not cover equal length, so that figure is an extrapolation and says little.",
+        "independent one). The length-controlled win rate is what a model of the judge's verdicts on the "
+        "length difference predicts at equal length (AlpacaEval 2.0's estimator); \"unsupported\" means the answers' "
+        "lengths do not cover equal length, so that figure is an extrapolation and says little.",
         "",
     ]
     if fmt.metrics.get("eval/judge_malformed"):
         lines += [f"The judge's reply was malformed {int(fmt.metrics['eval/judge_malformed'])} times (a tie).", ""]
+    return lines
+
+
+def _soft_preference_lines(fmt: Figures, judged_by: list[tuple[str, str]]) -> list[str]:
+    """The soft scale, where a judge grades its preference (a reward model: the sigmoid of its score difference),
+    in a table of its own: it is not a win rate, and its length-controlled value is not the hard one's."""
+    graded = [(source, label) for source, label in judged_by if f"eval/{source}soft_preference" in fmt.metrics]
+    if not graded:
+        return []
+    lines = [
+        "",
+        "Soft scale: the mean of the judge's probability that the policy's answer is better, and the same fitted at "
+        "equal length. It reads nearer 0.5 than the win rate whenever scores differ little, whatever they rank.",
+        "",
+        "| judged by | mean soft preference | 95% interval | length-controlled | 95% interval |",
+        "|---|---|---|---|---|",
+    ]
+    for source, label in graded:
+        key = f"eval/{source}soft_preference"
+        lines.append(
+            f"| {label} | {fmt(key)} | {fmt.interval(key)} | {fmt(f'{key}_lc')} | {fmt.interval(f'{key}_lc')} |"
+        )
     return lines
 
 
@@ -219,7 +247,10 @@ def _reward_model_lines(fmt: Figures, buckets) -> list[str]:
         f"Accuracy {fmt('rm/accuracy')} ({fmt.interval('rm/accuracy')}); the length rule (the shorter answer is "
         f"chosen) on the same pairs {fmt('rm/length_baseline_accuracy')} "
         f"({fmt.interval('rm/length_baseline_accuracy')}), difference {fmt('rm/accuracy_minus_length_baseline')} "
-        f"({fmt.interval('rm/accuracy_minus_length_baseline')})."
+        f"({fmt.interval('rm/accuracy_minus_length_baseline')}); length-controlled {fmt('rm/accuracy_lc')} "
+        f"({fmt.interval('rm/accuracy_lc')}). On the soft scale (the mean Bradley-Terry probability of the chosen "
+        f"answer) {fmt('rm/soft_accuracy')}, length-controlled {fmt('rm/soft_accuracy_lc')} "
+        f"({fmt.interval('rm/soft_accuracy_lc')})."
         f" Expected calibration error {fmt('rm/ece')}; Kendall's tau against the human ranking "
         f"{fmt('rm/kendall_tau')} over {int(fmt.metrics.get('rm/ranked_prompts', 0))} prompts that rank more than "
         "two responses.",

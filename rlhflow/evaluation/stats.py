@@ -323,8 +323,9 @@ def length_controlled_win_rate(
 ) -> LengthControlled:
     """AlpacaEval 2.0's length-controlled win rate: what the judge's preference would be at equal length.
 
-    A GLM of the soft preference p_i (the judge's probability that the policy's answer i is better: 1 / 0.5 / 0 for
-    a verdict, sigmoid(score difference) for a reward model)
+    A GLM of the preference p_i for the policy's answer i: a hard verdict 1 / 0.5 / 0 (what every win rate and
+    accuracy of the evaluation passes, so the two share a scale), or a soft one, a reward model's sigmoid(score
+    difference) (reported under names of its own: it reads near 0.5 wherever scores differ little)
         logit P(policy better) = b0 + b1 * tanh(d_i / sd(d)) + u_prompt(i)
     with b0 the model term, d_i the policy-minus-baseline length in characters, and u a per-prompt term when
     `prompt_ids` repeat (several samples per prompt). Soft targets are fitted as rows duplicated with weights p and
@@ -344,7 +345,9 @@ def length_controlled_win_rate(
     characters, true value 0.5, the policy shorter by 0 to 2 sd of the differences), the 95% interval covered 0.5 in
     0.92-0.95 of data sets with at least 10% of pairs on the minority side (0.94 with lengths balanced), 0.91 at
     5-10%, 0.81 at 3-5% and 0.69 below 3%, where the estimate was biased (about 0.4 for 0.5): 10% keeps coverage at
-    the level the estimator reaches with balanced lengths.
+    the level the estimator reaches with balanced lengths. On hard verdicts drawn from the same judges (a tenth of
+    them ties), 128 pairs with lengths on both sides of zero, it covered 0.5 in 0.945 of 200 data sets with a mean
+    half-width of 0.110, against 0.050 on the soft preferences they were drawn from (tests/test_stats.py).
     """
     p = np.asarray(preference, dtype=float)
     d = np.asarray(length_difference, dtype=float)
