@@ -451,6 +451,7 @@ def rlhf_sweep(
     # a bad key or value fails here, before any work
     configs = [with_overrides(base, point + ([] if seed is None else [f"seed={seed}"])) for point, seed in runs]
     ns = DEFAULT_BEST_OF_N if best_of_n is None else sorted(set(best_of_n))
+    tracking.preflight(base)  # and so does a tracking store that cannot be used or must not get the credentials
     with workspace.exclusive(f"sweep over {', '.join(grid)}"):
         tracking.setup(base)
         params = {"grid": {k: ",".join(v) for k, v in grid.items()}, "seeds": seeds}
