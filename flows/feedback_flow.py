@@ -52,6 +52,7 @@ def feedback_round(
         retrain: after collecting, run validate .. evaluate on the labels
     """
     cfg = with_overrides(config, overrides)
+    tracking.preflight(cfg)
     with tracking.start_run(cfg, name="feedback_round", params={}, tags={"stage": "feedback_round"}) as parent:
         run_id = parent.info.run_id
         if sample:

@@ -64,6 +64,12 @@ SEED_METRICS = (
 )
 
 
+def point_label(overrides: list[str], seed: int | None = None) -> str:
+    """A grid point as it is printed, tagged in MLflow and reported: its overrides (and seed), a URL's credentials
+    and secret environment values masked (tracking.redact), as in the sweep run's params."""
+    return tracking.redact(", ".join(overrides) + ("" if seed is None else f", seed={seed}"))
+
+
 @dataclass
 class PointOutcome:
     overrides: list[str]  # the grid point's overrides (its seed not included)
@@ -75,11 +81,11 @@ class PointOutcome:
 
     @property
     def label(self) -> str:
-        return ", ".join(self.overrides)
+        return point_label(self.overrides)
 
     @property
     def run_label(self) -> str:
-        return self.label + ("" if self.seed is None else f", seed={self.seed}")
+        return point_label(self.overrides, self.seed)
 
 
 @dataclass
@@ -178,7 +184,7 @@ def finished_point(cfg: Config):
 
 
 def run_point(cfg: Config, overrides: list[str], sweep_run_id: str, seed: int | None = None) -> PointOutcome:
-    label = ", ".join(overrides) + ("" if seed is None else f", seed={seed}")
+    label = point_label(overrides, seed)
     client = mlflow.MlflowClient()
     done = finished_point(cfg)
     if done is not None:
@@ -191,9 +197,9 @@ def run_point(cfg: Config, overrides: list[str], sweep_run_id: str, seed: int | 
         try:
             metrics = rlhf_pipeline(config=cfg, parent_run=sweep_run_id)
         except Exception as err:  # reported; the other points go on
-            print(f"sweep: {label}: FAILED: {type(err).__name__}: {err}")
-            error = f"failed: {type(err).__name__}: {err}"[:300]
-            return PointOutcome(overrides, error, algorithm=cfg.align.algorithm, seed=seed)
+            reason = tracking.redact(f"{type(err).__name__}: {err}")
+            print(f"sweep: {label}: FAILED: {reason}")
+            return PointOutcome(overrides, f"failed: {reason}"[:300], algorithm=cfg.align.algorithm, seed=seed)
         run = client.search_runs(
             [client.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
             f"tags.mlflow.parentRunId = '{sweep_run_id}' and tags.{tracking.PARAMS_DIGEST_TAG} = "
@@ -451,6 +457,7 @@ def rlhf_sweep(
     # a bad key or value fails here, before any work
     configs = [with_overrides(base, point + ([] if seed is None else [f"seed={seed}"])) for point, seed in runs]
     ns = DEFAULT_BEST_OF_N if best_of_n is None else sorted(set(best_of_n))
+    tracking.preflight(base)  # and so does a tracking store that cannot be used or must not get the credentials
     with workspace.exclusive(f"sweep over {', '.join(grid)}"):
         tracking.setup(base)
         params = {"grid": {k: ",".join(v) for k, v in grid.items()}, "seeds": seeds}

@@ -24,7 +24,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlhflow.config.credentials import readings
 from rlhflow.config.params import REPO_ROOT
+from rlhflow.redaction import redact_url
 from rlhfops.stack import http_ok, wait_until
 from rlhfops.stack_access import write_private
 
@@ -76,6 +78,32 @@ def prompt_text(messages: Sequence[dict]) -> str:
     return "\n\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in messages if m.get("role") != "system")
 
 
+def same_origin(url: str, other: str) -> bool:
+    """Whether two URLs name one scheme, host and port, as every client reads them (credentials.readings)."""
+    try:
+        here, there = readings(url), readings(other)
+    except ValueError:
+        return False
+    return len(here) == 1 and here == there
+
+
+class SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    """urllib re-sends every header, the token's among them, to wherever a redirect points: follow one only to the
+    same scheme, host and port (a trailing slash Label Studio adds), refuse any other with LabelingError."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if not same_origin(req.full_url, newurl):
+            raise LabelingError(
+                f"Label Studio at {redact_url(req.full_url)} redirected {req.get_method()} (HTTP {code}) to "
+                f"{redact_url(newurl)}, another host, port or scheme: the API token is sent nowhere but "
+                "feedback.label_studio_url, so the request was not repeated there"
+            )
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+OPENER = urllib.request.build_opener(SameOriginRedirects)
+
+
 @dataclass
 class LabelStudio:
     """One Label Studio server, as the pipeline uses it: a project, the pairs sent to it, the labels read back."""
@@ -90,7 +118,7 @@ class LabelStudio:
         req.add_header("Authorization", f"Token {self.token}")
         req.add_header("Content-Type", "application/json")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as response:
+            with OPENER.open(req, timeout=self.timeout) as response:
                 return json.loads(response.read() or b"null")
         except urllib.error.HTTPError as e:
             if e.code in (401, 403):

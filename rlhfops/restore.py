@@ -92,7 +92,9 @@ def run_lock(run_id: str, cfg: Config, dst: Path) -> tuple[dict[str, Any], Path 
 
 def restore(run_id: str, cfg: Config, remote: str | None = None) -> list[Restored]:
     """Put a parent run's outputs and user data back into the workspace (`restore_lock` of its `dvc.lock`
-    artifact, the uncached outputs from its `outputs/` artifacts), holding the workspace throughout."""
+    artifact, the uncached outputs from its `outputs/` artifacts), holding the workspace throughout. The tracking
+    store passes the preflight first (tracking.preflight)."""
+    tracking.preflight(cfg)
     with workspace.exclusive(f"restore of run {run_id}"), tempfile.TemporaryDirectory() as tmp:
         lock, outputs = run_lock(run_id, cfg, Path(tmp))
         stages = lock.get("stages", {})

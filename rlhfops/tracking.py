@@ -77,6 +77,7 @@ def sqlite_path(uri: str) -> Path:
 
 def setup(cfg: Config):
     uri = tracking_uri(cfg)
+    check_transport(uri)  # before MLflow sends anything, whichever command got here
     mlflow.set_tracking_uri(uri)
     if redact_url(uri) != uri:  # MLflow prints run links with the URI's credentials; the flows print theirs without
         os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
@@ -141,6 +142,7 @@ def preflight(cfg: Config, timeout: float = PREFLIGHT_TIMEOUT_S) -> None:
     within `timeout` seconds (one try: MLflow's own retries would take minutes to give up), a sqlite or
     file store must sit in a writable directory. Other stores (postgresql, databricks, ...) are not checked."""
     uri = tracking_uri(cfg)
+    check_transport(uri)
     scheme = uri.split(":", 1)[0].lower() if "://" in uri or uri.startswith("sqlite:") else "file"
     if scheme in ("http", "https"):
         _check_server(uri, timeout)
@@ -182,14 +184,25 @@ def _check_mlflow_database(path: Path) -> None:
 TRACKING_CREDENTIALS = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 
 
-def _check_server(uri: str, timeout: float) -> None:
-    shown = redact(uri)
+def check_transport(uri: str) -> None:
+    """The one rule of rlhflow/config/credentials.py on what MLflow sends an http(s) tracking server by itself: a URI
+    that clients read differently is refused, and so is plain http to another host where credentials would go.
+    Sends nothing; raises TrackingUnavailableError."""
+    if credentials.scheme_and_host(uri)[0] not in ("http", "https"):  # as MLflow reads the scheme: spaces stripped
+        return
     sent = [name for name in TRACKING_CREDENTIALS if os.environ.get(name)]
     if user_info_removed(uri) != uri:
         sent.append("the password in the tracking URI")
-    problem = credentials.transport_problem("the tracking URI", uri, " and ".join(sent)) if sent else None
-    if problem:  # the one rule of rlhflow/config/credentials.py, on what MLflow sends by itself
+    if sent:
+        problem = credentials.transport_problem("the tracking URI", uri, " and ".join(sent))
+    else:
+        problem = credentials.reading_problem("the tracking URI", uri)
+    if problem:
         raise TrackingUnavailableError(f"{problem}. Nothing was run.")
+
+
+def _check_server(uri: str, timeout: float) -> None:
+    shown = redact(uri)
     try:
         response = http_request(
             get_default_host_creds(uri),

@@ -107,9 +107,12 @@ def judge_pairs(judge, pairs: list[dict]):
 
 
 def load_feedback_judge(cfg: Config):
-    """The judge section's judge on the configured device, loaded as the evaluation loads it."""
+    """The judge section's judge on the configured device, loaded as the evaluation loads it, once it has passed
+    its preflight (an LLM endpoint that cannot be used fails before any pair is sent)."""
+    from rlhflow.evaluation.judges import preflight
     from rlhflow.models.loading import pick_device
 
+    preflight(cfg.judge)
     inputs = evaluation_inputs(cfg)
     return load_evaluation_judge(inputs, pick_device(inputs.device))
 
@@ -180,9 +183,11 @@ USAGE = f"usage: python -m tasks.feedback {{{','.join(BODIES)}}} [--set key=valu
 
 
 def run_step(step: str, cfg: Config, parent_run_id: str | None = None) -> dict[str, float]:
-    """One step in its MLflow run (`feedback_<step>`), its metrics logged there."""
+    """One step in its MLflow run (`feedback_<step>`), its metrics logged there, once the tracking store has passed
+    the preflight (tracking.preflight: nothing reaches a server that cannot be used or must not get the password)."""
     from rlhfops import tracking
 
+    tracking.preflight(cfg)
     name = f"feedback_{step}"
     params = {"feedback": cfg.section("feedback")}
     with tracking.start_run(cfg, name=name, params=params, tags={"stage": name}, parent_run_id=parent_run_id):

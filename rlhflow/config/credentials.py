@@ -7,8 +7,8 @@ into the Prefect UI. So, for every such section:
 - the variable it names must be one of its own service's (`Service.variables`, a pattern per service): the judge
   may read OPENAI_API_KEY or a JUDGE/LLM-named key, Label Studio a LABEL_STUDIO_ key, and neither any other
   credential of the machine, the project's own among them;
-- the URL the key goes to must be https, or http on this machine (127.0.0.0/8, ::1, localhost), unless the
-  section's own `allow_plain_http` says otherwise;
+- the URL the key goes to must be one that every client reads as the check does (`reading_problem`), and https,
+  or http on this machine (127.0.0.0/8, ::1, localhost), unless the section's own `allow_plain_http` says otherwise;
 - a refused setting names the key, the value (a URL without its credentials) and why.
 
 The tracking store follows the same transport rule where its URI carries a password (rlhfops/tracking.py applies
@@ -54,6 +54,65 @@ def variable_problem(setting: str, name: str, service: Service) -> str | None:
     )
 
 
+# The one form of URL a credential is sent to: scheme://[user info@]host[:port][/path][?query][#fragment] in printable
+# ASCII without a backslash; user info without a raw @, / ? or # (percent-encoded: %40); a host of letters, digits,
+# dots and hyphens, or a bracketed IPv6 address. Outside it parsers part ways: urllib3 (requests, MLflow) ends the host
+# at a backslash where urllib.parse reads on to the last @.
+_PLAIN_URL = re.compile(
+    r"[A-Za-z][A-Za-z0-9+.-]*://"
+    r"(?:[A-Za-z0-9._~!$&'()*+,;=:%-]*@)?"
+    r"(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])"
+    r"(?::[0-9]{1,5})?"
+    r"(?:[/?#][\x21-\x5b\x5d-\x7e]*)?"
+)
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def readings(url: str) -> set[tuple[str, str, int | None]]:
+    """(scheme, host, port) as each client's parser reads `url`: urllib.parse (the check, urllib.request), urllib3
+    (requests, MLflow) and httpx (the judge); one element when they agree. Raises ValueError where one cannot."""
+    import httpx  # the clients' own parsers: loaded only when a URL is checked
+    from urllib3.util import parse_url
+
+    try:
+        split, pooled, hx = urlsplit(url), parse_url(url), httpx.URL(url)
+    except httpx.InvalidURL as err:  # urllib.parse's and urllib3's errors are ValueErrors already
+        raise ValueError(str(err)) from None
+    read = [
+        (split.scheme, split.hostname or "", split.port),
+        (pooled.scheme or "", pooled.host or "", pooled.port),
+        (hx.scheme, hx.host, hx.port),
+    ]
+    return {
+        (scheme.lower(), host.lower().strip("[]"), port or DEFAULT_PORTS.get(scheme.lower()))
+        for scheme, host, port in read
+    }
+
+
+def reading_problem(setting: str, url: str) -> str | None:
+    """Why `url`, the value of `setting`, may not receive a credential although its host may pass the transport
+    rule (None: it may): it is not of the plain form (_PLAIN_URL), or urllib.parse, urllib3 and httpx read a
+    different scheme, host or port in it. The message shows the URL without credentials and names what breaks."""
+    if re.search(r"[^\x21-\x7e]", url):
+        reason = "it holds whitespace, a control character or a character outside printable ASCII"
+    elif "\\" in url:
+        reason = "it holds a backslash"
+    elif not _PLAIN_URL.fullmatch(url):
+        reason = "its host is not a name, an IPv4 or a bracketed IPv6 address after at most one @"
+    else:
+        try:
+            reason = None if len(readings(url)) == 1 else "urllib.parse, urllib3 and httpx read different hosts in it"
+        except ValueError as err:
+            reason = f"it cannot be read ({type(err).__name__})"
+    if reason is None:
+        return None
+    return (
+        f"{setting} {redact_urls(url)!r} is refused: {reason}. Clients read such a URL differently from the check, so "
+        "a credential could go to a host other than the one checked. Write scheme://host[:port]/path, with an @ in "
+        "a user name or password percent-encoded (%40)"
+    )
+
+
 def scheme_and_host(url: str) -> tuple[str, str]:
     """The scheme and host of a URL, lower case (host without user info or port; "" when it has none)."""
     try:
@@ -77,7 +136,11 @@ def is_loopback(host: str) -> bool:
 
 def transport_problem(setting: str, url: str, what: str, allow_plain_http: str | None = None) -> str | None:
     """Why `what` (a key, answers) may not go to `url`, the value of `setting` (None: it may): https, or http on this
-    machine. `allow_plain_http`: the setting that lifts the rule, named in the message (None: nothing lifts it)."""
+    machine, in a URL every client reads alike (`reading_problem`). `allow_plain_http`: the setting that lifts the
+    https rule, named in the message (None: nothing lifts it)."""
+    problem = reading_problem(setting, url)
+    if problem:
+        return problem
     scheme, host = scheme_and_host(url)
     if scheme == "https" or (scheme == "http" and is_loopback(host)):
         return None

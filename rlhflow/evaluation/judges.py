@@ -47,7 +47,28 @@ VERDICTS = {"1": 1, "2": 2}  # the only replies read as verdicts (after strippin
 MAX_TOKENS = 16  # a verdict is one character; the rest shows in the log what a malformed reply said
 PREFLIGHT_TIMEOUT_S = 10.0
 LLM_WORKERS = 4  # requests in flight at once
+MAX_REPLY_BYTES = 1 << 20  # a verdict's reply is a few hundred bytes, an error page a few kB
 JUDGE_FILE = "judge.json"  # what the judge stage writes for a judge it did not train
+
+
+class ReplyTooLargeError(Exception):
+    """The endpoint's reply ran past MAX_REPLY_BYTES."""
+
+
+def bounded_post(client: httpx.Client, url: str, payload: dict) -> tuple[httpx.Response, bytes]:
+    """The response (its status and headers) and body of one POST, the whole reply within the client's read timeout
+    (httpx bounds each read only: a server that drips a byte at a time would hold it forever) and MAX_REPLY_BYTES.
+    Past the time: httpx.ReadTimeout, past the size: ReplyTooLargeError; either stops reading at once."""
+    deadline = time.monotonic() + client.timeout.read
+    body = bytearray()
+    with client.stream("POST", url, json=payload) as response:
+        for chunk in response.iter_bytes():
+            body += chunk
+            if len(body) > MAX_REPLY_BYTES:
+                raise ReplyTooLargeError(f"its reply ran past {MAX_REPLY_BYTES} bytes")
+            if time.monotonic() > deadline:
+                raise httpx.ReadTimeout("the whole reply took longer", request=response.request)
+        return response, bytes(body)
 
 
 class JudgeUnavailableError(ValueError):
@@ -324,7 +345,8 @@ class LLMJudge(Judge):
     def client(self, timeout: float | None = None) -> httpx.Client:
         key = self._api_key()
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return httpx.Client(headers=headers, timeout=timeout or self.timeout)
+        # no redirect followed: the Authorization header would go with it to whatever host it names
+        return httpx.Client(headers=headers, timeout=timeout or self.timeout, follow_redirects=False)
 
     def chat(self, client: httpx.Client, content: str, *, max_tokens: int = MAX_TOKENS, retries: int | None = None):
         """The reply to one user message ("" when the answer has no text). Timeouts, refused connections, HTTP 429
@@ -345,28 +367,44 @@ class LLMJudge(Judge):
             with self._lock:
                 self.requests += 1
             try:
-                response = client.post(url, json=payload)
+                response, body = bounded_post(client, url, payload)
+                status = response.status_code
             except httpx.TimeoutException as err:
                 problem = f"did not answer within {client.timeout.read} s ({type(err).__name__})"
+            except ReplyTooLargeError as err:
+                problem = str(err)
+                break  # asking again brings the same flood
             except httpx.HTTPError as err:
                 problem = f"is unreachable ({type(err).__name__}: {self._scrub(str(err))[:200]})"
             else:
-                if response.status_code in (401, 403):
-                    has_key = "is set" if self._api_key() else "is not set"
-                    raise JudgeUnavailableError(
-                        f"judge.endpoint {shown} refused the request (HTTP {response.status_code}): the API key "
-                        f"is read from ${self.api_key_env} (judge.api_key_env), which {has_key}"
-                    )
-                if response.status_code < 400:
-                    return _reply_text(response)
-                problem = f"answered HTTP {response.status_code}: {self._scrub(response.text)[:200]}"
-                if response.status_code != 429 and response.status_code < 500:
+                self._check_not_refused(response, shown)
+                if status < 400:
+                    return _reply_text(body)
+                problem = f"answered HTTP {status}: {self._scrub(body.decode(errors='replace'))[:200]}"
+                if status != 429 and status < 500:
                     break  # a bad request or an unknown model: asking again will not help
             if attempt < retries:
                 time.sleep(min(2.0**attempt, 30.0))
         raise JudgeUnavailableError(
             f"judge.endpoint {shown} {problem}; check judge.endpoint and judge.model={self.model}"
         )
+
+    def _check_not_refused(self, response: httpx.Response, shown: str) -> None:
+        """HTTP 401/403 (the key) and a redirect (never followed: the key goes to judge.endpoint only) end the
+        asking at once, with JudgeUnavailableError."""
+        status = response.status_code
+        if status in (401, 403):
+            has_key = "is set" if self._api_key() else "is not set"
+            raise JudgeUnavailableError(
+                f"judge.endpoint {shown} refused the request (HTTP {status}): the API key "
+                f"is read from ${self.api_key_env} (judge.api_key_env), which {has_key}"
+            )
+        if 300 <= status < 400:
+            target = response.request.url.join(response.headers.get("location", ""))
+            raise JudgeUnavailableError(
+                f"judge.endpoint {shown} redirected the request (HTTP {status}) to {redact_url(str(target))}, which "
+                "was not asked: the API key goes to judge.endpoint alone. Set judge.endpoint there if you trust it"
+            )
 
     def verdict(
         self, client: httpx.Client, prompt_messages: Messages, output_1: str, output_2: str
@@ -420,11 +458,11 @@ class LLMJudge(Judge):
         return Verdicts(wins=wins, preference=preference, malformed=len(malformed), malformed_items=items)
 
 
-def _reply_text(response: httpx.Response) -> str:
+def _reply_text(body: bytes) -> str:
     """The reply's text; "" (a malformed verdict) for anything but a chat completion whose content is a string (a
     number, a list of parts, null)."""
     try:
-        content = response.json()["choices"][0]["message"]["content"]
+        content = json.loads(body)["choices"][0]["message"]["content"]
     except (ValueError, KeyError, IndexError, TypeError):
         return ""
     return content if isinstance(content, str) else ""
