@@ -204,10 +204,11 @@ def _refuse_unswappable(final: Path, setting: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_file(path: str | os.PathLike, *, binary: bool = False) -> Iterator[IO]:
+def atomic_file(path: str | os.PathLike, *, binary: bool = False, private: bool = False) -> Iterator[IO]:
     """A UTF-8 text file handle (a bytes one with `binary`) whose content appears at `path` only once the block
     succeeds and the file is on disk (written in a marked temp dir beside it, flushed, then os.replace); on error
-    the temp dir is removed. Temp dirs of killed earlier writers are removed first."""
+    the temp dir is removed. Temp dirs of killed earlier writers are removed first. `private`: the file is its
+    owner's alone (0600) from the moment it exists, whatever the umask and the file it replaces."""
     path = Path(path)
     if path.is_symlink():  # replacing it would drop the link; writing through it, change what it points at
         raise ForeignPathError(f"{path} is a symbolic link: an output file is written only where no link stands")
@@ -219,7 +220,8 @@ def atomic_file(path: str | os.PathLike, *, binary: bool = False) -> Iterator[IO
     try:
         mark_made(tmp_dir, "a temporary file")
         tmp = tmp_dir / path.name
-        with open(tmp, "xb") if binary else open(tmp, "x", encoding="utf-8") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666)
+        with open(fd, "wb") if binary else open(fd, "w", encoding="utf-8") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())

@@ -26,9 +26,10 @@ from pathlib import Path
 
 from rlhflow.config.credentials import readings
 from rlhflow.config.params import REPO_ROOT
+from rlhflow.data.errors import excerpt
 from rlhflow.redaction import redact_url
 from rlhfops.stack import http_ok, wait_until
-from rlhfops.stack_access import write_private
+from rlhfops.stack_access import PRIVATE_UMASK, private_dir, private_opener, write_private
 
 HOST = "127.0.0.1"
 LABEL_VENV = REPO_ROOT / ".venv-label"
@@ -119,7 +120,7 @@ class LabelStudio:
         req.add_header("Content-Type", "application/json")
         try:
             with OPENER.open(req, timeout=self.timeout) as response:
-                return json.loads(response.read() or b"null")
+                answer = response.read()
         except urllib.error.HTTPError as e:
             if e.code in (401, 403):
                 raise LabelingError(f"Label Studio at {self.url} refused the API token (HTTP {e.code})") from None
@@ -128,6 +129,12 @@ class LabelStudio:
         except (urllib.error.URLError, OSError) as e:
             raise LabelingError(
                 f"Label Studio at {self.url} is not reachable ({getattr(e, 'reason', e)}): start it with `make label`"
+            ) from None
+        try:
+            return json.loads(answer or b"null")
+        except (ValueError, RecursionError) as e:  # not JSON, or nested past Python's recursion limit
+            raise LabelingError(
+                f"Label Studio at {self.url}: {method} {path}: answered what is no JSON to read ({type(e).__name__})"
             ) from None
 
     def project(self, title: str) -> int:
@@ -170,40 +177,107 @@ class LabelStudio:
         return len(new)
 
 
+class RefusedAnnotation(ValueError):
+    """An annotation, or a task, of another shape than the pairwise page makes; the message says what is wrong."""
+
+
+def _choice(value: dict) -> str:
+    choices = value["choices"]
+    if not (isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], str) and choices[0] in CHOICES):
+        raise RefusedAnnotation(f"its choice {excerpt(choices)} is not one of {', '.join(map(repr, CHOICES))}")
+    return CHOICES[choices[0]]
+
+
+def _comment(value: dict) -> str:
+    text = value["text"]
+    if not (isinstance(text, list) and all(isinstance(part, str) for part in text)):
+        raise RefusedAnnotation(f"its comment {excerpt(text)} is not a list of texts")
+    return " ".join(text)
+
+
+def _annotator(annotation: dict) -> str:
+    """Label Studio's user id (an export may give the user as an object: only its id is kept, never a name or
+    e-mail)."""
+    user = annotation.get("completed_by")
+    user = user.get("id") if isinstance(user, dict) else user
+    if not isinstance(user, int) or isinstance(user, bool):
+        kind = type(annotation.get("completed_by")).__name__  # not the value: it may hold a name or an e-mail
+        raise RefusedAnnotation(f"its user (a {kind}) is not a Label Studio user id with an integer id")
+    return f"label-studio-user-{user}"
+
+
 def annotation_label(pair: str, annotation: dict) -> dict | None:
     """One Label Studio annotation as a label record (None for a draft without a choice). A cancelled (skipped)
-    annotation is a skip; the annotator is Label Studio's user id, nothing more about the person."""
+    annotation is a skip; the annotator is Label Studio's user id, nothing more about the person. An annotation of
+    another shape raises RefusedAnnotation, and so does a label rlhflow.data.feedback.label_problem refuses (an
+    overlong comment)."""
+    from rlhflow.data.feedback import label_problem  # pandas: not for `make label` or a step's --help
+
+    results = (annotation.get("result") or []) if isinstance(annotation, dict) else None
+    if not isinstance(results, list) or not all(
+        isinstance(r, dict) and isinstance(r.get("value"), dict) for r in results
+    ):
+        raise RefusedAnnotation("its result is not a list of objects, each with a value object")
     choice, comment = None, ""
-    for result in annotation.get("result", []):
-        value = result.get("value", {})
-        if result.get("from_name") == "preference" and value.get("choices"):
-            choice = CHOICES.get(value["choices"][0], value["choices"][0])
-        elif result.get("from_name") == "comment" and value.get("text"):
-            comment = " ".join(value["text"])
+    for result in results:
+        if result.get("from_name") == "preference" and result["value"].get("choices"):
+            choice = _choice(result["value"])
+        elif result.get("from_name") == "comment" and result["value"].get("text"):
+            comment = _comment(result["value"])
     if annotation.get("was_cancelled"):
         choice = "skip"
     if choice is None:
         return None
-    return {
+    label = {
         "pair_id": pair,
         "label": choice,
-        "annotator": f"label-studio-user-{annotation.get('completed_by')}",
+        "annotator": _annotator(annotation),
         "labelled_at": annotation.get("updated_at") or annotation.get("created_at"),
         "source": "human",
         "comment": comment,
     }
+    problem = label_problem(label)
+    if problem:
+        raise RefusedAnnotation(problem)
+    return label
 
 
-def read_labels(tasks: Sequence[dict]) -> tuple[list[dict], list[str]]:
-    """The labels in an export, and the pair ids still waiting for one."""
-    labels, waiting = [], []
-    for task in tasks:
-        pair = task.get("data", {}).get("pair_id")
-        own = [x for x in (annotation_label(pair, a) for a in task.get("annotations", [])) if x is not None]
+def _task_pair(task: object) -> tuple[str, list]:
+    """A task's pair id and annotations; RefusedAnnotation for a task of another shape."""
+    data = task.get("data") if isinstance(task, dict) else None
+    pair = data.get("pair_id") if isinstance(data, dict) else None
+    if not isinstance(pair, str):
+        raise RefusedAnnotation(f"its pair_id {excerpt(pair)} is not a text")
+    annotations = task.get("annotations") or []
+    if not isinstance(annotations, list):
+        raise RefusedAnnotation("its annotations are not a list")
+    return pair, annotations
+
+
+def read_labels(tasks: Sequence[dict]) -> tuple[list[dict], list[str], list[str]]:
+    """The labels in an export, the pair ids still waiting for one, and what was refused: each task or annotation
+    of another shape, named by its id (task 12, annotation 40) and what is wrong, left out and the rest read."""
+    labels, waiting, refused = [], [], []
+    for number, task in enumerate(tasks, start=1):
+        where = f"task {excerpt(task.get('id') if isinstance(task, dict) else None)} (export entry {number})"
+        try:
+            pair, annotations = _task_pair(task)
+        except RefusedAnnotation as why:
+            refused.append(f"{where}: {why}")
+            continue
+        own = []
+        for annotation in annotations:
+            try:
+                label = annotation_label(pair, annotation)
+            except RefusedAnnotation as why:
+                ident = annotation.get("id") if isinstance(annotation, dict) else None
+                refused.append(f"{where}, annotation {excerpt(ident)}: {why}")
+                continue
+            own += [label] if label is not None else []
         labels += own
         if not own:
             waiting.append(pair)
-    return labels, waiting
+    return labels, waiting, refused
 
 
 # ---- the server --------------------------------------------------------------------------------------------------
@@ -214,7 +288,6 @@ def load_secrets(root: Path) -> dict[str, str]:
     path = root / "secrets.json"
     if path.exists():
         return json.loads(path.read_text())
-    root.mkdir(parents=True, exist_ok=True)
     made = {"password": secrets.token_urlsafe(18), "token": secrets.token_hex(20)}
     write_private(path, json.dumps(made))
     return made
@@ -235,17 +308,26 @@ def server_env(root: Path, made: dict[str, str]) -> dict[str, str]:
 
 @contextlib.contextmanager
 def label_studio(root: Path, port: int, venv: Path = LABEL_VENV, timeout: float = 300) -> Iterator[LabelStudio]:
-    """A Label Studio server on 127.0.0.1:`port` with its data in `root`, stopped on exit."""
+    """A Label Studio server on 127.0.0.1:`port` with its data in `root`, stopped on exit. Its database holds the
+    API token and every label: `root` and its data directory are mode 0700 (an existing one narrowed), and Label
+    Studio runs with umask 077, so each file it makes is its owner's alone from the start."""
     executable = venv / "bin" / "label-studio"
     if not executable.exists():
         raise LabelingError(f"{executable} is missing: `make label` builds the labeling venv")
     root = root.resolve()
+    root.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        data = private_dir(private_dir(root) / "data")
+    except PermissionError as err:
+        raise LabelingError(str(err)) from None
     made = load_secrets(root)
     log = root / "label-studio.log"
     cmd = [str(executable), "start", "--no-browser", "--internal-host", HOST, "--port", str(port)]
-    cmd += ["--data-dir", str(root / "data"), "--enable-legacy-api-token"]
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, env=server_env(root, made), stdout=out, stderr=subprocess.STDOUT)
+    cmd += ["--data-dir", str(data), "--enable-legacy-api-token"]
+    with open(log, "ab", opener=private_opener) as out:
+        proc = subprocess.Popen(
+            cmd, env=server_env(root, made), stdout=out, stderr=subprocess.STDOUT, umask=PRIVATE_UMASK
+        )
     url = f"http://{HOST}:{port}"
     try:
         wait_until("Label Studio", lambda: http_ok(f"{url}/health"), timeout, proc, log, error=LabelingError)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from rlhflow.config.params import REPO_ROOT
 from rlhfops.stack_access import (
+    PRIVATE_UMASK,
     hba_trust_lines,
     new_auth_string,
     prefect_server_security,
@@ -328,7 +329,7 @@ class Stack:
         # tokens signed with these keys, so the S3 API with its key pair is the only way to the objects
         write_private(self.root / "security.toml", seaweedfs_security())
         # the stored objects' files: readable by the owner alone
-        log = self._spawn("s3", self.s3_command(config), self._env(), umask=0o077)
+        log = self._spawn("s3", self.s3_command(config), self._env(), umask=PRIVATE_UMASK)
         wait_until("SeaweedFS S3", self._make_buckets, 90, self.procs["s3"], log)
 
     def s3_command(self, config: Path) -> list[str]:

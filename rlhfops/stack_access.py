@@ -17,12 +17,21 @@ PREFECT_USER = "rlhf"  # the user part of the Prefect API auth string (`user:pas
 LOCKED_JOB_VARIABLES = ("command", "env", "working_dir")
 
 
+# The umask of a service that keeps secrets or people's data in the files it makes (SeaweedFS, Label Studio):
+# each file and directory is its owner's alone from the moment it exists.
+PRIVATE_UMASK = 0o077
+
+
+def private_opener(path: str, flags: int) -> int:
+    """An `opener` for open(): the file, if new, is made with mode 0600; never through a symbolic link."""
+    return os.open(path, flags | os.O_NOFOLLOW, 0o600)
+
+
 def write_private(path: Path, text: str) -> Path:
     """Write `text` to `path`, readable by its owner only from the moment the file exists (created with mode 0600;
     an existing file is narrowed to 0600 before anything is written to it)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as out:
-        os.fchmod(fd, 0o600)
+    with open(path, "w", opener=private_opener) as out:
+        os.fchmod(out.fileno(), 0o600)
         out.write(text)
     return path
 

@@ -128,24 +128,28 @@ def judge_prefers_a(cfg: Config, judged: list[tuple[dict, str]]):
 def collect(cfg: Config) -> dict[str, float]:
     """The project's labels appended to feedback.labels_file (each label once), and what all labels so far say: the
     policy's win rate over the SFT model by people, and how often the judge and the length rule agree with them.
-    A label for a pair the pipeline never sent fails the step before anything is written."""
+    A label for a pair the pipeline never sent fails the step before anything is written; an annotation of another
+    shape, or with an overlong comment, is named and left out (rlhfops.labeling.read_labels)."""
     from rlhflow.data.feedback import LABEL_FIELDS, PAIR_FIELDS, append_records, check_labels, label_key, read_records
     from rlhflow.evaluation.human import agreement_metrics, human_win_metrics, judged_pairs
     from rlhfops import tracking
 
     pairs = read_records(cfg.path(cfg.feedback.pairs_file), PAIR_FIELDS)
     server = label_studio(cfg)
-    new, waiting = read_labels(server.tasks(server.project(cfg.feedback.project)))
+    new, waiting, refused = read_labels(server.tasks(server.project(cfg.feedback.project)))
+    for problem in refused:
+        print(f"feedback collect: left out {problem}", flush=True)
     labels_file = cfg.path(cfg.feedback.labels_file)
     known = read_records(labels_file, LABEL_FIELDS)
     check_labels(known + new, pairs)
-    added = append_records(labels_file, new, key=label_key)
+    added = append_records(labels_file, new, key=label_key, private=True)
     labels = read_records(labels_file, LABEL_FIELDS)
     judged = judged_pairs(pairs, labels)
     metrics = {
         "feedback/labels_added": float(added),
         "feedback/labels": float(len(labels)),
         "feedback/pairs_waiting": float(len(waiting)),
+        "feedback/annotations_refused": float(len(refused)),
         **human_win_metrics(judged),
         **agreement_metrics(judged, judge_prefers_a(cfg, judged)),
     }
@@ -175,7 +179,7 @@ def ai_label(cfg: Config) -> dict[str, float]:
         | {"source": "ai"}
         for p, w in zip(todo, verdicts.wins)
     ]
-    return {"feedback/ai_labels_added": float(append_records(labels_file, labels, key=label_key))}
+    return {"feedback/ai_labels_added": float(append_records(labels_file, labels, key=label_key, private=True))}
 
 
 BODIES = {"sample": sample, "send": send, "collect": collect, "ai_label": ai_label}

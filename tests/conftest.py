@@ -134,6 +134,17 @@ def prefect_server(prefect_test_api):
         APILogWorker.drain_all(timeout=30)
 
 
+# The environment that lets a run's ppo.reward_fn name a test reward (rlhflow/config/code_settings.py).
+ALLOW_TEST_REWARD = {"RLHFLOW_ALLOW_CODE": "ppo.reward_fn"}
+
+
+@pytest.fixture()
+def allow_test_reward(monkeypatch):
+    """This test's runs, and the commands they start, may name a reward of the tests as ppo.reward_fn."""
+    for name, value in ALLOW_TEST_REWARD.items():
+        monkeypatch.setenv(name, value)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models run faster on one thread, and far faster when other work shares the 2 cores."""

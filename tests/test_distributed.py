@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import REPO
+from conftest import ALLOW_TEST_REWARD, REPO
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow  # two `accelerate launch` processes start up: about a minute on 2 cores
@@ -108,7 +108,7 @@ def free_port() -> int:
 def launch_two_processes(stages: list[str], args: list[str], log: Path) -> float:
     """`accelerate launch` the stages' CLIs (one after the other, tests/run_stages.py) in 2 CPU processes;
     returns the wall time."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, **ALLOW_TEST_REWARD, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
     cmd = [
         str(Path(sys.executable).parent / "accelerate"),
@@ -229,7 +229,8 @@ def test_ppo_killed_in_two_processes_resumes_to_the_uninterrupted_run(root, tiny
     args = overrides(root, tiny_model_dir, "resumed")
     marker = root / "resumed" / "checkpoints" / "step-000001" / "trainer_state.json"
     # the reward hangs once update 1's checkpoint is complete (tests/fixtures.py): the kill lands inside update 2
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RLHF_TEST_HANG_WHEN": str(marker)}
+    env = {**os.environ, **ALLOW_TEST_REWARD, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env["RLHF_TEST_HANG_WHEN"] = str(marker)
     env.pop("MLFLOW_TRACKING_URI", None)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_2PROC)]
     cmd += ["--main_process_port", str(free_port()), "-m", "tasks.ppo", *[a for o in args for a in ("--set", o)]]

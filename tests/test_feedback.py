@@ -5,6 +5,7 @@ validate and the reward model's training. The round in a real Label Studio and b
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -199,10 +200,10 @@ EXPORT = [
 
 
 def test_a_label_studio_export_reads_as_labels_and_pairs_waiting():
-    labels, waiting = read_labels(EXPORT)
+    labels, waiting, refused = read_labels(EXPORT)
     assert [(x["pair_id"], x["label"], x["comment"]) for x in labels] == [("p1", "b", "clearer"), ("p2", "skip", "")]
     assert {x["annotator"] for x in labels} == {"label-studio-user-3"}  # an id, no name or e-mail
-    assert waiting == ["p3"]
+    assert waiting == ["p3"] and refused == []
 
 
 def test_a_labeling_tool_that_is_down_is_named():
@@ -266,3 +267,123 @@ def test_a_pair_changed_after_it_was_sampled_keeps_no_label():
     pairs[1]["prompt"] += " (edited)"
     with pytest.raises(FeedbackError, match=r"1 pair\(s\) whose id is not their texts' .*: row 2: pair"):
         labelled_preferences(pairs, labels)
+
+
+def hostile_export(sent: list[dict]) -> list[dict]:
+    """What anyone who can label can make Label Studio export: a comment with line separators, one of many
+    megabytes, choices and comments of other shapes, a user given as an object with an e-mail; and tasks of other
+    shapes. The first annotation is a good one."""
+
+    def annotation(ident: int, choices: object = ("A is better",), text: object = ("fine",), user: object = 3) -> dict:
+        result = [
+            {"from_name": "preference", "value": {"choices": list(choices) if isinstance(choices, tuple) else choices}}
+        ]
+        return {
+            "id": ident,
+            "completed_by": user,
+            "updated_at": f"t{ident}",
+            "result": result
+            + [{"from_name": "comment", "value": {"text": list(text) if isinstance(text, tuple) else text}}],
+        }
+
+    pair = sent[0]["pair_id"]
+    annotations = [
+        annotation(1, text=("one\u2028two\u2029three\x85four\x1cfive",)),
+        annotation(2, text=("x" * (8 << 20),)),  # 8 million characters
+        annotation(3, choices="A is better"),
+        annotation(4, choices=["Best"]),
+        annotation(5, text="not a list"),
+        annotation(6, user={"email": "someone@example.org"}),
+        {"id": 7, "result": {"from_name": "preference"}},
+        "not an annotation",
+    ]
+    return [
+        {"id": 10, "data": {"pair_id": pair}, "annotations": annotations},
+        {"id": 11, "data": {"pair_id": ["a", "list"]}, "annotations": []},
+        {"id": 12, "data": "no object"},
+        "not a task",
+    ]
+
+
+def test_hostile_annotations_are_named_and_left_out_and_the_rest_read():
+    labels, waiting, refused = read_labels(hostile_export(pairs_of(1)))
+    assert [x["comment"] for x in labels] == ["one\u2028two\u2029three\x85four\x1cfive"]
+    assert waiting == []
+    expected = [
+        r"task 10 \(export entry 1\), annotation 2: its comment \(8388608 characters\) is not a text of at most 10000",
+        r"task 10 .*, annotation 3: its choice 'A is better' is not one of 'A is better', 'B is better', 'Tie'",
+        r"task 10 .*, annotation 4: its choice \['Best'\] is not one of",
+        r"task 10 .*, annotation 5: its comment 'not a list' is not a list of texts",
+        r"task 10 .*, annotation 6: its user \(a dict\) is not a Label Studio user id",
+        r"task 10 .*, annotation 7: its result is not a list of objects",
+        r"task 10 .*, annotation None: its result is not a list of objects",
+        r"task 11 \(export entry 2\): its pair_id \['a', 'list'\] is not a text",
+        r"task 12 \(export entry 3\): its pair_id None is not a text",
+        r"task None \(export entry 4\): its pair_id None is not a text",
+    ]
+    assert len(refused) == len(expected)
+    for problem, pattern in zip(refused, expected):
+        assert re.match(pattern, problem), problem
+    assert max(len(p) for p in refused) < 300  # a hostile value is named by an excerpt, never whole
+    assert not any("someone@example.org" in p for p in refused)  # nor a person's e-mail
+
+
+def test_collect_keeps_the_good_labels_of_a_hostile_export_private_and_readable_and_collects_again(
+    tmp_path, monkeypatch
+):
+    import os
+    import stat
+
+    from rlhfops import tracking
+    from tasks import feedback
+
+    pairs = pairs_of(2)
+    pairs_file, labels_file = tmp_path / "pairs.jsonl", tmp_path / "labels.jsonl"
+    append_records(pairs_file, pairs, key=lambda p: p["pair_id"])
+    cfg = load_config(None, [f"feedback.pairs_file={pairs_file}", f"feedback.labels_file={labels_file}"])
+    export = hostile_export(pairs)
+
+    class Server:
+        def project(self, title):
+            return 1
+
+        def tasks(self, project):
+            return export
+
+    monkeypatch.setattr(feedback, "label_studio", lambda cfg: Server())
+    monkeypatch.setattr(tracking, "log_dataset", lambda *a, **k: None)
+    monkeypatch.setattr(feedback, "judge_prefers_a", lambda cfg, judged: None)
+    before = os.umask(0o022)
+    try:
+        first = feedback.collect(cfg)
+        assert stat.S_IMODE(labels_file.stat().st_mode) == 0o600  # people's labels: the owner's alone
+        export.append({"id": 13, "data": {"pair_id": pairs[1]["pair_id"]}, "annotations": [
+            {"id": 20, "completed_by": 4, "updated_at": "t20", "result": [
+                {"from_name": "preference", "value": {"choices": ["Tie"]}},
+            ]}
+        ]})  # fmt: skip
+        second = feedback.collect(cfg)  # the file the first wrote reads back: a later collect still works
+    finally:
+        os.umask(before)
+    assert (first["feedback/labels_added"], first["feedback/annotations_refused"]) == (1, 10)
+    assert (second["feedback/labels_added"], second["feedback/labels"]) == (1, 2)
+    lines = labels_file.read_text(encoding="utf-8").splitlines()  # every line break Python knows
+    assert len(lines) == 2 and all(json.loads(line) for line in lines)
+    assert read_records(labels_file, LABEL_FIELDS)[0]["comment"] == "one\u2028two\u2029three\x85four\x1cfive"
+    assert stat.S_IMODE(labels_file.stat().st_mode) == 0o600
+
+
+def test_a_record_past_the_readers_line_bound_is_refused_before_anything_is_written(tmp_path):
+    from rlhflow.data.readers import MAX_LINE_BYTES
+
+    path = tmp_path / "labels.jsonl"
+    append_records(path, [label("p1", "a")], key=label_key)
+    before = path.read_bytes()
+    huge = label("p2", "a") | {"comment": "x" * MAX_LINE_BYTES}
+    with pytest.raises(
+        FeedbackError, match=r"labels.jsonl: the record \('p2', .* is longer than the readers' MAX_LINE_BYTES"
+    ):
+        append_records(path, [label("p3", "b"), huge], key=label_key)
+    assert path.read_bytes() == before
+    assert append_records(path, [label("p3", "b")], key=label_key) == 1
+    assert [x["pair_id"] for x in read_records(path, LABEL_FIELDS)] == ["p1", "p3"]

@@ -145,7 +145,7 @@ LOCK_PROBE = textwrap.dedent("""
 
 
 @pytest.mark.system
-def test_flow_run_is_dvcs_record_and_its_parent_run_restores(tmp_path, tiny_model_dir):
+def test_flow_run_is_dvcs_record_and_its_parent_run_restores(tmp_path, tiny_model_dir, allow_test_reward):
     repo = tmp_path / "repo"
     run = make_dvc_repo(repo, tiny_model_dir, timeout=900)
     ok = succeeding(run)

@@ -124,7 +124,7 @@ def test_killed_ppo_stage_resumes_and_ends_like_an_uninterrupted_run(tmp_path, s
 
 
 def test_non_finite_reward_fails_the_stage_and_keeps_the_last_good_checkpoint(
-    tmp_path, stage_inputs, tiny_model_dir, monkeypatch
+    tmp_path, stage_inputs, tiny_model_dir, monkeypatch, allow_test_reward
 ):
     module = tmp_path / "nan_after_three.py"
     module.write_text(

@@ -269,3 +269,98 @@ def test_a_private_directory_is_made_0700_and_never_adopted_from_someone_else(tm
         with pytest.raises(PermissionError, match="owned by uid 65534"):
             private_dir(planted)
         assert planted.stat().st_mode & 0o777 == 0o777  # refused, left as it was
+
+
+def started_label_studio(root: Path, monkeypatch) -> dict:
+    """`rlhfops.labeling.label_studio` run on `root` up to the start of Label Studio, which is only recorded: the
+    keyword arguments it was started with. Stands in for it by making its database as it would, under the umask
+    handed to it."""
+    import os
+    import subprocess
+
+    from rlhfops import labeling
+
+    started: dict = {}
+
+    class Started:
+        def __init__(self, cmd, **kwargs):
+            started.update(kwargs, data_dir=Path(cmd[cmd.index("--data-dir") + 1]))
+            before = os.umask(kwargs.get("umask", 0o022))  # a umask not handed on: the usual one
+            try:
+                started["data_dir"].mkdir(parents=True, exist_ok=True)
+                (started["data_dir"] / "label_studio.sqlite3").write_text("the API token, every label")
+            finally:
+                os.umask(before)
+
+        def terminate(self):
+            pass
+
+        def wait(self, timeout=None):
+            return 0
+
+    venv = root.parent / "venv-label"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    (venv / "bin" / "label-studio").touch()
+    with monkeypatch.context() as patched:
+        patched.setattr(subprocess, "Popen", Started)
+        patched.setattr(labeling, "wait_until", lambda *args, **kwargs: None)
+        with labeling.label_studio(root, 8080, venv=venv):
+            pass
+    return started
+
+
+def test_label_studio_keeps_its_token_and_labels_to_its_owner(tmp_path, monkeypatch):
+    import os
+
+    root = tmp_path / ".label-studio"
+    (root / "data").mkdir(parents=True)  # as an earlier start left them
+    root.chmod(0o755)
+    (root / "data").chmod(0o755)
+    before = os.umask(0o022)
+    try:
+        started = started_label_studio(root, monkeypatch)
+    finally:
+        os.umask(before)
+    assert started["umask"] == 0o077  # each file Label Studio makes: 0600, each directory 0700
+    for private in (root, root / "data"):
+        assert private.stat().st_mode & 0o777 == 0o700, private
+    for private in ("secrets.json", "label-studio.log", "data/label_studio.sqlite3"):
+        assert (root / private).stat().st_mode & 0o777 == 0o600, private
+
+
+@pytest.mark.system
+def test_another_user_reads_neither_label_studios_files_nor_the_labels(monkeypatch):
+    """As the user nobody (setpriv: a process of its own), from a directory anyone may enter."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    from rlhflow.data.feedback import append_records, label_key
+
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to read as another user")
+    shared = Path(tempfile.mkdtemp(prefix="rlhflow-shared-"))
+    try:
+        shared.chmod(0o755)
+        before = os.umask(0o022)
+        try:
+            started_label_studio(shared / ".label-studio", monkeypatch)
+            labels = shared / "feedback" / "labels.jsonl"
+            append_records(labels, [{"pair_id": "p", "annotator": "u", "source": "human", "labelled_at": "t"}],
+                           key=label_key, private=True)  # fmt: skip
+            (shared / "feedback").chmod(0o755)
+            (shared / "open.txt").write_text("anyone")
+        finally:
+            os.umask(before)
+        as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "cat"]
+        assert subprocess.run([*as_nobody, shared / "open.txt"], capture_output=True).returncode == 0  # it can read
+        for private in (
+            ".label-studio/secrets.json",
+            ".label-studio/data/label_studio.sqlite3",
+            "feedback/labels.jsonl",
+        ):
+            read = subprocess.run([*as_nobody, shared / private], capture_output=True)
+            assert read.returncode != 0 and not read.stdout, private
+    finally:
+        shutil.rmtree(shared)

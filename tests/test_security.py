@@ -1,4 +1,5 @@
-"""Security: model code from a model dir runs only when params turn `trust_remote_code` on; weights load only
+"""Security: model code from a model dir runs only when params turn `trust_remote_code` on and the environment
+allows it, as any setting that runs code (rlhflow/config/code_settings.py); weights load only
 from safetensors; every torch.load in the project uses weights_only; the Prefect server a run starts listens on
 127.0.0.1 only; secrets from the environment and the user and password of the tracking URI are never printed, and
 never reach MLflow (params, tags, artifacts, the store itself), Prefect (parameters, artifacts, logs) or a file of the
@@ -67,7 +68,7 @@ def remote_code_model(tmp_path, tiny_model_dir, monkeypatch):
     return model, marker
 
 
-def test_model_code_runs_only_when_params_turn_trust_remote_code_on(remote_code_model):
+def test_model_code_runs_only_when_params_turn_trust_remote_code_on(remote_code_model, monkeypatch):
     from rlhflow.config.params import load_config
     from rlhflow.models.loading import load_causal_lm
     from rlhflow.training.reward_model import load_backbone
@@ -80,9 +81,33 @@ def test_model_code_runs_only_when_params_turn_trust_remote_code_on(remote_code_
             load(str(model), trust_remote_code=cfg.sft.trust_remote_code)
         assert not marker.exists(), f"{load.__name__} ran the model's own code"
 
+    monkeypatch.setenv("RLHFLOW_ALLOW_CODE", "sft.trust_remote_code")  # the environment allows what params turn on
     on = load_config(None, ["sft.trust_remote_code=true"])
     loaded = load_causal_lm(str(model), trust_remote_code=on.sft.trust_remote_code)
     assert type(loaded).__name__ == "EvilForCausalLM" and marker.read_text() == "remote code ran"
+
+
+@pytest.mark.parametrize(
+    "setting, override",
+    [
+        ("sft.trust_remote_code", "sft.trust_remote_code=true"),
+        ("ppo.reward_fn", "ppo.reward_fn=tests.fixtures:prompt_length_reward"),
+    ],
+)
+def test_a_setting_that_runs_code_needs_the_environment_to_allow_it(setting, override, monkeypatch):
+    """params.yaml and --set may come from a pull request or a Prefect parameter: they alone cannot run code."""
+    from rlhflow.config.params import ConfigError, load_config
+
+    monkeypatch.delenv("RLHFLOW_ALLOW_CODE", raising=False)
+    with pytest.raises(ConfigError, match=rf"{setting} runs .*RLHFLOW_ALLOW_CODE={setting} ") as refused:
+        load_config(None, [override])
+    assert "cannot turn on code" in str(refused.value)
+
+    monkeypatch.setenv("RLHFLOW_ALLOW_CODE", f" {setting} , ")
+    assert load_config(None, [override])
+    monkeypatch.setenv("RLHFLOW_ALLOW_CODE", f"{setting}_typo")
+    with pytest.raises(ConfigError, match=rf"names '{setting}_typo', which is no setting that runs code"):
+        load_config(None, [override])
 
 
 def test_weights_load_only_from_safetensors(tmp_path, tiny_model_dir):

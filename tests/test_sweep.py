@@ -13,7 +13,9 @@ from conftest import tiny_pipeline_overrides
 
 @pytest.mark.system
 @pytest.mark.slow
-def test_a_sweep_runs_its_points_and_draws_the_frontier(prefect_server, one_thread, tmp_path, tiny_model_dir):
+def test_a_sweep_runs_its_points_and_draws_the_frontier(
+    prefect_server, one_thread, tmp_path, tiny_model_dir, allow_test_reward
+):
     import mlflow
 
     from flows.sweep import parse_grid, rlhf_sweep

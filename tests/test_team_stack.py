@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import make_dvc_repo
+from conftest import ALLOW_TEST_REWARD, make_dvc_repo
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow, pytest.mark.system]
 
@@ -41,7 +41,7 @@ def stack(tmp_path_factory, tiny_model_dir):
         root / "stack",
         repo=root / "repo",
         workers=2,
-        worker_env={"RLHF_TEST_HANG_WHEN": str(hang), "OMP_NUM_THREADS": "1"},
+        worker_env={**ALLOW_TEST_REWARD, "RLHF_TEST_HANG_WHEN": str(hang), "OMP_NUM_THREADS": "1"},
         keep_data=False,
     ) as s:
         s.hang_marker = hang
@@ -50,7 +50,8 @@ def stack(tmp_path_factory, tiny_model_dir):
 
 def _env(stack, clone: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
-    return {**env, **stack.client_env(), "PYTHONPATH": str(clone), "PREFECT_HOME": str(stack.root / "client-home")}
+    home = str(stack.root / "client-home")
+    return {**env, **stack.client_env(), **ALLOW_TEST_REWARD, "PYTHONPATH": str(clone), "PREFECT_HOME": home}
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
-from rlhflow.config import credentials
+from rlhflow.config import code_settings, credentials
 from rlhflow.config.align import AlignConfig
 from rlhflow.config.evaluate import EvaluateConfig
 from rlhflow.config.feedback import FeedbackConfig
@@ -144,7 +144,11 @@ class SFTConfig(Section):
         description="Hugging Face model id, local model dir, .gguf file, or pkg:<python package> holding a .gguf",
     )
     out_dir: str = "models/sft"
-    trust_remote_code: bool = False
+    trust_remote_code: bool = Field(
+        False,
+        description="run the Python files shipped with the SFT model and the reward model's and judge's backbones; "
+        "only where $RLHFLOW_ALLOW_CODE names it (rlhflow/config/code_settings.py)",
+    )
     n_samples: int = Field(4, ge=0, description="sample generations recorded for held-out prompts")
     max_new_tokens: int = Field(48, ge=1)
     perplexity_rows: int = Field(64, ge=1, description="held-out reference responses for perplexity")
@@ -418,6 +422,15 @@ class Config(Section):
         """No output or checkpoint setting points at the repository, a directory above it or the home directory,
         the shipped data, or another such setting's path (rlhflow/config/output_paths.py)."""
         check_output_paths(self.model_dump(by_alias=True), self.path, [REPO_ROOT, project_root(REPO_ROOT)])
+        return self
+
+    @model_validator(mode="after")
+    def _code_runs_only_when_the_environment_allows_it(self) -> Config:
+        """A setting that runs code the pipeline does not ship needs $RLHFLOW_ALLOW_CODE to name it
+        (rlhflow/config/code_settings.py)."""
+        problem = code_settings.refusal(self)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property

@@ -110,7 +110,8 @@ class PPOConfig(Section):
     reward_fn: str | None = Field(
         None,
         description="'module:function' scoring (prompts, responses, **reward_fn_kwargs) -> list[float], "
-        "e.g. 'rlhflow.ppo.reward_functions:contains_word'; default: the trained reward model",
+        "e.g. 'rlhflow.ppo.reward_functions:contains_word'; default: the trained reward model. Another module than "
+        "rlhflow.ppo.reward_functions runs only where $RLHFLOW_ALLOW_CODE names ppo.reward_fn",
     )
     reward_fn_kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for reward_fn")
     value_model: Literal["shared", "separate"] = Field(

@@ -22,14 +22,22 @@ from pathlib import Path
 
 import pandas as pd
 
-from rlhflow.data.errors import DataFormatError
-from rlhflow.data.readers import bounded_lines, json_record
+from rlhflow.data.errors import DataFormatError, excerpt
+from rlhflow.data.readers import MAX_LINE_BYTES, bounded_lines, json_record
 from rlhflow.fsutil import atomic_file
 
 LABELS = ("a", "b", "tie", "skip")
 SOURCES = ("human", "ai")  # who labelled: people, or an AI judge on the same pairs (RLAIF)
 PAIR_FIELDS = ("pair_id", "prompt", "prompt_messages", "answer_a", "answer_b", "policy_side", "policy_run_id")
 LABEL_FIELDS = ("pair_id", "label", "annotator", "labelled_at", "source")
+# What a label's texts may hold: a comment a person types, ids and a time. A label is so at most some 60 KB as a line
+# (6 bytes a character, escaped), far inside the readers' MAX_LINE_BYTES, and the file stays readable however many
+# megabytes a comment in the labeling tool holds.
+MAX_COMMENT_CHARS = 10_000
+MAX_FIELD_CHARS = 100
+# Characters that end a line for str.splitlines and some JSON Lines readers, though JSON keeps them raw inside a
+# string: written escaped, so a line of the file is one record for every reader.
+LINE_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
 
 
 class FeedbackError(ValueError):
@@ -106,6 +114,32 @@ def read_records(path: str | os.PathLike, fields: Sequence[str]) -> list[dict]:
     return records
 
 
+def label_problem(label: dict) -> str | None:
+    """Why `label` may not enter the labels file (None: it may): a text field of another type or length, a comment
+    over MAX_COMMENT_CHARS, a label or source outside LABELS and SOURCES."""
+    for field in ("pair_id", "annotator", "labelled_at"):
+        value = label.get(field)
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_FIELD_CHARS:
+            return f"its {field} {excerpt(value)} is not a text of 1 to {MAX_FIELD_CHARS} characters"
+    comment = label.get("comment", "")
+    if not isinstance(comment, str) or len(comment) > MAX_COMMENT_CHARS:
+        size = f"{len(comment)} characters" if isinstance(comment, str) else type(comment).__name__
+        return f"its comment ({size}) is not a text of at most {MAX_COMMENT_CHARS} characters (MAX_COMMENT_CHARS)"
+    for field, allowed in (("label", LABELS), ("source", SOURCES)):
+        if label.get(field) not in allowed:
+            return f"its {field} {excerpt(label.get(field))} is not one of {', '.join(allowed)}"
+    return None
+
+
+def json_line(record: dict) -> str:
+    """`record` as one line of JSON Lines: non-ASCII text kept, the characters some readers take for a line break
+    escaped (LINE_BREAKS)."""
+    line = json.dumps(record, ensure_ascii=False, sort_keys=True)
+    for char, escaped in LINE_BREAKS.items():
+        line = line.replace(char, escaped)
+    return line
+
+
 def label_key(label: dict) -> tuple[str, str, str, str]:
     """What makes a label one: its pair, annotator, source and time (a later relabelling is a new label)."""
     return label["pair_id"], str(label["annotator"]), label["source"], str(label["labelled_at"])
@@ -124,23 +158,30 @@ def directory_lock(directory: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def append_records(path: str | os.PathLike, records: Iterable[dict], key) -> int:
+def append_records(path: str | os.PathLike, records: Iterable[dict], key, *, private: bool = False) -> int:
     """Append the records whose `key` the file does not hold yet, rewriting the file atomically (a crash leaves
     the old file whole); returns how many were added. Existing rows are kept as they are, and two processes that
     append at once (two collects, a sample beside a collect) each see the other's rows: the read and the write
-    hold the directory's lock."""
+    hold the directory's lock. Each record is one line (`json_line`) that read_records reads back as it was; one
+    longer than the readers' MAX_LINE_BYTES fails before anything is written. `private`: the file is its owner's
+    alone (0600), as the labels are."""
     path = Path(path)
     with directory_lock(path.parent):
-        existing = path.read_text(encoding="utf-8") if path.exists() else ""
-        held = {key(r) for r in (json.loads(line) for line in existing.splitlines() if line.strip())}
+        held = {key(record) for record in read_records(path, ())}
+        existing = path.read_bytes().decode("utf-8") if path.exists() else ""
         added = []
         for record in records:
             if key(record) not in held:
                 held.add(key(record))
-                added.append(json.dumps(record, ensure_ascii=False, sort_keys=True))
+                added.append(json_line(record))
+                if len(added[-1].encode()) >= MAX_LINE_BYTES:
+                    raise FeedbackError(
+                        f"{path}: the record {excerpt(key(record))} is longer than the readers' MAX_LINE_BYTES "
+                        f"({MAX_LINE_BYTES} bytes) as a line; nothing written"
+                    )
         if added:
             text = existing if not existing or existing.endswith("\n") else existing + "\n"
-            with atomic_file(path) as f:
+            with atomic_file(path, private=private) as f:
                 f.write(text + "\n".join(added) + "\n")
     return len(added)
 
