@@ -35,6 +35,9 @@ HOST = "127.0.0.1"
 LABEL_VENV = REPO_ROOT / ".venv-label"
 ADMIN = "admin@rlhflow.local"  # Label Studio's users are e-mail addresses; no mail is ever sent
 CHOICES = {"A is better": "a", "B is better": "b", "Tie": "tie"}  # and Label Studio's own Skip button: "skip"
+# A light door: pandas, through rlhflow.data.feedback, is imported where an annotation is read, so `make label` and a
+# feedback step's --help answer before it loads.
+
 # The pairwise page: the conversation, then the two answers side by side (each under a line that says whether it ended,
 # was cut at the answer limit or loops), one choice of three as radio buttons, and the pair's place in the round.
 LABEL_CONFIG = """<View>

@@ -140,6 +140,7 @@ DEFERRED_IMPORTS = {
     "dvc_data": "dvc",
     "dvc_objects": "dvc",
     "great_expectations": "great_expectations",
+    "httpx": "httpx",
     "matplotlib": "matplotlib",
     "peft": "peft",
     "prefect.server": "Prefect's server",
@@ -150,7 +151,8 @@ DEFERRED_IMPORTS = {
     "transformers.trainer": "transformers' Trainer",
     "transformers.modeling_gguf_pytorch_utils": "gguf",
     "trl": "trl",
-    "torch": "torch",  # only rlhflow/training/distributed.py: which process this is needs no torch
+    "torch": "torch",
+    "urllib3": "urllib3",  # only rlhflow/training/distributed.py: which process this is needs no torch
 }
 
 # The modules a command starts (a stage, a flow, a CLI of the machinery) and the two a flow's command imports at its

@@ -24,6 +24,9 @@ from urllib.parse import urlsplit
 
 from rlhflow.redaction import redact_urls
 
+# httpx and urllib3, the clients' own URL parsers, are imported where a URL is checked: every command reads the
+# config, and its --help needs neither.
+
 
 @dataclass(frozen=True)
 class Service:
