@@ -23,7 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 from rlhflow.data.errors import DataFormatError
-from rlhflow.data.readers import bounded_lines, json_record
+from rlhflow.data.readers import BadLines, bounded_lines, json_record
 from rlhflow.fsutil import atomic_file
 
 LABELS = ("a", "b", "tie", "skip")
@@ -84,25 +84,25 @@ def read_records(path: str | os.PathLike, fields: Sequence[str]) -> list[dict]:
     path = Path(path)
     if not path.exists():
         return []
-    records, bad = [], []
-    try:  # line by line within the readers' bounds (bytes a line, bytes in all, nesting), as every input is read
+    records, bad = [], BadLines(path)
+    # line by line within the readers' bounds (bytes a line, bytes in all, nesting, bad lines), as every input is read
+    try:
         for number, raw in bounded_lines(path):
             if not raw.strip():
                 continue
             try:
                 record = json_record(raw.decode("utf-8"), f"{path}: line {number}")
             except (json.JSONDecodeError, UnicodeDecodeError):
-                bad.append(f"line {number}: not JSON")
+                bad.add(number, "not JSON")
                 continue
             missing = [f for f in fields if not isinstance(record, dict) or f not in record]
             if missing:
-                bad.append(f"line {number}: no {', '.join(missing)}")
+                bad.add(number, f"no {', '.join(missing)}")
             else:
                 records.append(record)
+        bad.raise_if_any()
     except DataFormatError as err:
         raise FeedbackError(str(err)) from None
-    if bad:
-        raise FeedbackError(f"{path}: {len(bad)} unreadable row(s): {'; '.join(bad[:5])}")
     return records
 
 
