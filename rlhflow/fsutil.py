@@ -203,14 +203,39 @@ def _refuse_unswappable(final: Path, setting: str) -> None:
     refuse_foreign(final, setting)
 
 
+_FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
+
+
+def _refuse_unwritable_file(path: Path) -> None:
+    """Raise ForeignPathError, naming `path`, where an output file must not be written: at a symbolic link (replacing
+    it would drop the link; writing through it, change what it points at), at anything but a regular file (a
+    directory, a FIFO, a device), or through a linked directory other than those the working directory lies in
+    (writing there lands wherever the link points)."""
+    with contextlib.suppress(FileNotFoundError):
+        mode = os.lstat(path).st_mode
+        if stat.S_ISLNK(mode):
+            raise ForeignPathError(f"{path} is a symbolic link: an output file is written only where no link stands")
+        if not stat.S_ISREG(mode):
+            kind = _FILE_KINDS.get(stat.S_IFMT(mode), "a device")
+            raise ForeignPathError(f"{path} is {kind}, not a regular file: an output file is written only over a file")
+    workspace = {Path.cwd(), *Path.cwd().parents}  # where the workspace itself lives may be reached by a link
+    for parent in Path(os.path.abspath(path)).parents:
+        if parent.resolve() in workspace:
+            break
+        if parent.is_symlink():
+            raise ForeignPathError(
+                f"{path}: its directory {parent} is a symbolic link: an output file is written only where no link "
+                "stands on its path"
+            )
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike, *, binary: bool = False) -> Iterator[IO]:
     """A UTF-8 text file handle (a bytes one with `binary`) whose content appears at `path` only once the block
     succeeds and the file is on disk (written in a marked temp dir beside it, flushed, then os.replace); on error
     the temp dir is removed. Temp dirs of killed earlier writers are removed first."""
     path = Path(path)
-    if path.is_symlink():  # replacing it would drop the link; writing through it, change what it points at
-        raise ForeignPathError(f"{path} is a symbolic link: an output file is written only where no link stands")
+    _refuse_unwritable_file(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(path)
     # not mkstemp: its files are private (0600), and outputs must get the usual permissions (umask)

@@ -5,7 +5,9 @@ stale temporary paths), and is left as it was."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 import subprocess
 import sys
 
@@ -142,3 +144,25 @@ def test_a_replaced_file_keeps_its_privacy_and_a_link_is_neither_followed_nor_re
     with pytest.raises(ForeignPathError, match="is a symbolic link"):
         write_text_atomic(link, "report\n")
     assert link.is_symlink() and target.read_text() == "private\n"
+
+
+def test_an_output_file_is_written_only_over_a_regular_file_and_through_no_linked_directory(tmp_path):
+    """A directory, a FIFO (a writer would block on it) or a linked parent directory at an output file's path fails
+    naming it, and what stands there is left as it was."""
+    directory = tmp_path / "metrics.json"
+    (directory / "inner").mkdir(parents=True)
+    fifo = tmp_path / "report.md"
+    os.mkfifo(fifo)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "notes.txt").write_text("mine\n")
+    (tmp_path / "reports").symlink_to(elsewhere)
+    for path, problem in (
+        (directory, "is a directory, not a regular file"),
+        (fifo, "is a FIFO, not a regular file"),
+        (tmp_path / "reports" / "notes.txt", "its directory .*reports is a symbolic link"),
+    ):
+        with pytest.raises(ForeignPathError, match=rf"{re.escape(str(path))}:? {problem}"):
+            write_text_atomic(path, "new\n")
+    assert (directory / "inner").is_dir() and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert (elsewhere / "notes.txt").read_text() == "mine\n" and sorted(os.listdir(elsewhere)) == ["notes.txt"]
