@@ -5,6 +5,7 @@ directories are replaced or deleted, so a mistyped path never costs a file the p
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -253,6 +254,19 @@ def atomic_file(path: str | os.PathLike, *, binary: bool = False) -> Iterator[IO
         fsync_dir(path.parent)
     finally:
         remove_made(tmp_dir)
+
+
+@contextlib.contextmanager
+def directory_lock(directory: Path) -> Iterator[None]:
+    """An exclusive flock on `directory` itself (its inode stays while the files in it are replaced), released when
+    the block ends or the process dies."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _keep_narrower_mode(new: Path, old: Path) -> None:

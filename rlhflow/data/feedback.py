@@ -11,20 +11,18 @@ left out.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import pandas as pd
 
 from rlhflow.data.errors import DataFormatError
 from rlhflow.data.readers import BadLines, bounded_lines, json_record
-from rlhflow.fsutil import atomic_file
+from rlhflow.fsutil import atomic_file, directory_lock
 
 LABELS = ("a", "b", "tie", "skip")
 SOURCES = ("human", "ai")  # who labelled: people, or an AI judge on the same pairs (RLAIF)
@@ -109,19 +107,6 @@ def read_records(path: str | os.PathLike, fields: Sequence[str]) -> list[dict]:
 def label_key(label: dict) -> tuple[str, str, str, str]:
     """What makes a label one: its pair, annotator, source and time (a later relabelling is a new label)."""
     return label["pair_id"], str(label["annotator"]), label["source"], str(label["labelled_at"])
-
-
-@contextlib.contextmanager
-def directory_lock(directory: Path) -> Iterator[None]:
-    """An exclusive flock on `directory` itself (its inode stays while the files in it are replaced), released when
-    the block ends or the process dies."""
-    directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def append_records(path: str | os.PathLike, records: Iterable[dict], key) -> int:
