@@ -125,7 +125,7 @@ def append_records(path: str | os.PathLike, records: Iterable[dict], key) -> int
                 added.append(json.dumps(record, ensure_ascii=False, sort_keys=True))
         if added:
             text = existing if not existing or existing.endswith("\n") else existing + "\n"
-            with atomic_file(path) as f:
+            with atomic_file(path, output=False) as f:  # the user's file: its rows are kept
                 f.write(text + "\n".join(added) + "\n")
     return len(added)
 
