@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from rlhflow import fsutil
 from rlhflow.fsutil import (
     MADE_MARKER,
     WRITTEN_RECORDS,
@@ -233,3 +234,28 @@ def test_writers_of_different_files_in_one_directory_keep_each_others_records(tm
     (tmp_path / "other.json").write_text("{}\n")
     with pytest.raises(ForeignPathError, match="other.json: the pipeline did not write it"):
         write_text_atomic(tmp_path / "other.json", "{}\n")
+
+
+@pytest.mark.parametrize("killed_at", [1, 2])
+def test_a_write_cut_short_leaves_its_file_recorded(tmp_path, monkeypatch, killed_at):
+    """A writer killed before its record's first or second update (before or after the file's swap) leaves the
+    file that stands there recorded: the next run replaces it, and a hand edit is still refused."""
+    path = tmp_path / "ppo.json"
+    write_text_atomic(path, "old\n")
+    updates = []
+
+    def killed(record, md5s, write=fsutil._write_record):
+        updates.append(md5s)
+        if len(updates) == killed_at:
+            raise KeyboardInterrupt
+        write(record, md5s)
+
+    monkeypatch.setattr(fsutil, "_write_record", killed)
+    with pytest.raises(KeyboardInterrupt):
+        write_text_atomic(path, "new\n")
+    monkeypatch.undo()
+    assert path.read_text() == ("old\n" if killed_at == 1 else "new\n")
+    write_text_atomic(path, "next\n")
+    path.write_text("edited\n")
+    with pytest.raises(ForeignPathError, match="changed since the pipeline wrote it"):
+        write_text_atomic(path, "again\n")
