@@ -193,7 +193,7 @@ def start_servers_and_serve(host: str, prefect_port: int, mlflow_port: int) -> i
         "--backend-store-uri",
         uri,
     ]
-    if uri.startswith("sqlite:"):
+    if tracking.is_sqlite_uri(uri):
         artifacts = tracking.sqlite_artifact_root(uri)
         mlflow_cmd += ["--default-artifact-root", artifacts.as_uri(), "--artifacts-destination", artifacts.as_uri()]
     # the children are in their own sessions (launch): a terminal that closes (SIGHUP) or a `kill` (SIGTERM)

@@ -1,10 +1,13 @@
 """Atomic, durable writes: an interrupted stage (or a machine that lost power) never leaves a half output that DVC
 would cache or a stage would read. Every directory the pipeline makes holds a marker (MADE_MARKER); only such
-directories are replaced or deleted, so a mistyped path never costs a file the pipeline did not write."""
+directories are replaced or deleted, so a mistyped path never costs a file the pipeline did not write. A single output
+file is replaced only when it holds what the pipeline wrote there (its record, WRITTEN_RECORDS) or what DVC's lock
+records for it."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -15,6 +18,8 @@ import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
+
+import yaml
 
 
 def file_md5(path: str | os.PathLike) -> str:
@@ -203,15 +208,48 @@ def _refuse_unswappable(final: Path, setting: str) -> None:
     refuse_foreign(final, setting)
 
 
+_FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
+
+
+def _refuse_unwritable_file(path: Path) -> None:
+    """Raise ForeignPathError, naming `path`, where an output file must not be written: at a symbolic link (replacing
+    it would drop the link; writing through it, change what it points at), at anything but a regular file (a
+    directory, a FIFO, a device), or through a linked directory other than those the working directory lies in
+    (writing there lands wherever the link points)."""
+    with contextlib.suppress(FileNotFoundError):
+        mode = os.lstat(path).st_mode
+        if stat.S_ISLNK(mode):
+            raise ForeignPathError(f"{path} is a symbolic link: an output file is written only where no link stands")
+        if not stat.S_ISREG(mode):
+            kind = _FILE_KINDS.get(stat.S_IFMT(mode), "a device")
+            raise ForeignPathError(f"{path} is {kind}, not a regular file: an output file is written only over a file")
+    workspace = {Path.cwd(), *Path.cwd().parents}  # where the workspace itself lives may be reached by a link
+    for parent in Path(os.path.abspath(path)).parents:
+        if parent.resolve() in workspace:
+            break
+        if parent.is_symlink():
+            raise ForeignPathError(
+                f"{path}: its directory {parent} is a symbolic link: an output file is written only where no link "
+                "stands on its path"
+            )
+
+
 @contextlib.contextmanager
-def atomic_file(path: str | os.PathLike, *, binary: bool = False, private: bool = False) -> Iterator[IO]:
+def atomic_file(
+    path: str | os.PathLike, *, binary: bool = False, private: bool = False, output: bool = True
+) -> Iterator[IO]:
     """A UTF-8 text file handle (a bytes one with `binary`) whose content appears at `path` only once the block
     succeeds and the file is on disk (written in a marked temp dir beside it, flushed, then os.replace); on error
-    the temp dir is removed. Temp dirs of killed earlier writers are removed first. `private`: the file is its
-    owner's alone (0600) from the moment it exists, whatever the umask and the file it replaces."""
+    the temp dir is removed. Temp dirs of killed earlier writers are removed first. An output file is written only
+    where the pipeline may replace what stands (`_replaceable_md5`), and its md5 is recorded; `output=False` is for
+    a file of the user's that the caller rewrites keeping its content (an append): no record is needed or kept.
+    `private`: the file is its owner's alone (0600) from the moment it exists, whatever the umask and the file it
+    replaces."""
     path = Path(path)
-    if path.is_symlink():  # replacing it would drop the link; writing through it, change what it points at
-        raise ForeignPathError(f"{path} is a symbolic link: an output file is written only where no link stands")
+    _refuse_unwritable_file(path)
+    recorded = output and not is_made(path.parent)  # a directory the pipeline made is all its own
+    if recorded:
+        _replaceable_md5(path)  # before the work: a refusal should not cost a stage's run
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(path)
     # not mkstemp: its files are private (0600), and outputs must get the usual permissions (umask)
@@ -226,10 +264,92 @@ def atomic_file(path: str | os.PathLike, *, binary: bool = False, private: bool 
             f.flush()
             os.fsync(f.fileno())
         _keep_narrower_mode(tmp, path)
-        os.replace(tmp, path)
+        if recorded:
+            _replace_recorded(tmp, path)
+        else:
+            os.replace(tmp, path)
         fsync_dir(path.parent)
     finally:
         remove_made(tmp_dir)
+
+
+# beside the output files the pipeline wrote in a directory it did not make (metrics/, data/raw/demo/): one record
+# per file, `WRITTEN_RECORDS/<name>`, holding the md5 of what it wrote. Not inside any DVC output: DVC hashes none.
+WRITTEN_RECORDS = ".rlhflow-written"
+
+
+def _record_path(path: Path) -> Path:
+    return path.parent / WRITTEN_RECORDS / path.name
+
+
+def _recorded_md5s(path: Path) -> set[str]:
+    with contextlib.suppress(FileNotFoundError):
+        return set(_record_path(path).read_text().split())
+    return set()
+
+
+def _dvc_lock_md5s(path: Path) -> set[str]:
+    """The md5s that the dvc.lock of the DVC project holding `path` records for it as an output: what `dvc
+    checkout`, `dvc pull`, `dvc repro` and a restore (which writes the run's lock entries) put there."""
+    path = Path(os.path.abspath(path))
+    root = next((d for d in path.parents if (d / "dvc.yaml").is_file()), None)
+    if root is None or not (root / "dvc.lock").is_file():
+        return set()
+    try:  # BaseLoader: every value a string, as DVC wrote it (an all-digit md5 is no number)
+        stages = yaml.load((root / "dvc.lock").read_text(), Loader=yaml.BaseLoader)["stages"]
+        outs = [out for entry in stages.values() for out in entry.get("outs", [])]
+    except (yaml.YAMLError, KeyError, TypeError, AttributeError):
+        return set()  # no lock DVC could read either: it vouches for nothing
+    rel = path.relative_to(root).as_posix()
+    return {out.get("md5") for out in outs if isinstance(out, dict) and out.get("path") == rel}
+
+
+def _replaceable_md5(path: Path) -> str | None:
+    """The md5 of the file at `path` (None when there is none) when the pipeline may replace it: it holds what the
+    pipeline last wrote there (its record) or what DVC's lock records for that output. Anything else raises
+    ForeignPathError naming the path, the file left as it was."""
+    if not path.exists():
+        return None
+    md5 = file_md5(path)
+    if md5 in _recorded_md5s(path) or md5 in _dvc_lock_md5s(path):
+        return md5
+    why = "it changed since the pipeline wrote it" if _recorded_md5s(path) else "the pipeline did not write it"
+    raise ForeignPathError(
+        f"{path}: {why} (neither {_record_path(path)} nor dvc.lock records its content); an output file is replaced "
+        "only when it holds what the pipeline or DVC put there, so it is left as it was. Delete or move the file, "
+        "then run again."
+    )
+
+
+def _replace_recorded(new: Path, path: Path) -> None:
+    """Put `new` at `path` and record its md5. The record's directory is locked meanwhile, so two writers of one
+    file each check what the other wrote; while the file is swapped the record holds both md5s, so a crash at any
+    point leaves the file there recorded."""
+    record = _record_path(path)
+    with directory_lock(record.parent):
+        old_md5 = _replaceable_md5(path)  # again: something may have been put there meanwhile
+        new_md5 = file_md5(new)
+        _write_record(record, {old_md5, new_md5} - {None})
+        os.replace(new, path)
+        _write_record(record, {new_md5})
+
+
+def _write_record(record: Path, md5s: set[str]) -> None:
+    with atomic_file(record, output=False) as f:
+        f.writelines(f"{md5}\n" for md5 in sorted(md5s))
+
+
+@contextlib.contextmanager
+def directory_lock(directory: Path) -> Iterator[None]:
+    """An exclusive flock on `directory` itself (its inode stays while the files in it are replaced), released when
+    the block ends or the process dies."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _keep_narrower_mode(new: Path, old: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import re
 import secrets
 import shlex
 import stat
@@ -67,17 +68,16 @@ def hba_trust_lines(text: str) -> list[int]:
     as PostgreSQL reads the file (comments, quotes, backslash continuations, any case), and any `include` (what it
     pulls in is not checked here). 1-based line numbers of where each record starts."""
     found, record, start = [], "", 0
-    for number, line in enumerate(text.splitlines(), start=1):
+    # PostgreSQL ends a line at "\n" only (str.splitlines also splits at \v, \f, \x85...) and strips "\r"
+    for number, line in enumerate(text.split("\n"), start=1):
+        line = line.rstrip("\r")
         if not record:
             start = number
         if line.endswith("\\"):
             record += line[:-1] + " "
             continue
         record += line
-        try:
-            fields = shlex.split(record, comments=True, posix=True)
-        except ValueError:  # an unbalanced quote: not a record PostgreSQL reads, but not one to trust either
-            fields = record.split()
+        fields = _hba_fields(record)
         record = ""
         if not fields:
             continue
@@ -87,6 +87,18 @@ def hba_trust_lines(text: str) -> list[int]:
         if kind in HBA_INCLUDES or any(f.lower() == "trust" for f in method_and_options):
             found.append(start)
     return found
+
+
+def _hba_fields(record: str) -> list[str]:
+    """A pg_hba record's fields as PostgreSQL splits them: at spaces, tabs and carriage returns; only double quotes
+    quote (a single quote or a backslash is part of a field); "#" outside quotes starts a comment."""
+    lexer = shlex.shlex(record, posix=True)
+    lexer.whitespace, lexer.quotes, lexer.escape, lexer.commenters = " \t\r", '"', "", "#"
+    lexer.whitespace_split = True
+    try:
+        return list(lexer)
+    except ValueError:  # an unbalanced quote: not a record PostgreSQL reads, but not one to trust either
+        return re.split(r"[ \t\r]+", record.strip(" \t\r"))
 
 
 def seaweedfs_security() -> str:

@@ -50,18 +50,31 @@ def tracking_uri(cfg: Config) -> str:
     return absolute_sqlite_uri(configured or environment or "sqlite:///mlflow.db")
 
 
+def is_sqlite_uri(uri: str) -> bool:
+    """Whether MLflow opens `uri` as a sqlite database: its database layer (SQLAlchemy) reads `sqlite:`, with any
+    driver (`sqlite+pysqlite:`, `sqlite+aiosqlite:`) and in any case."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return make_url(uri).get_backend_name().lower() == "sqlite"
+    except (ArgumentError, ValueError):
+        return False
+
+
 def absolute_sqlite_uri(uri: str) -> str:
     """A sqlite URI whose path is relative (`sqlite:///mlflow.db`, `sqlite:///./runs/mlflow.db`, as users write it) with
     that path taken from the project's root, not the cwd: every stage and flow then opens the same store, and its
     artifact root can be a file URI. In a DVC experiment's temporary copy of the repository (`dvc exp run --temp`,
     queued experiments) that is the repository around the copy (config.project_root), so the runs outlive the
     copy. Other URIs come back unchanged."""
-    if not uri.startswith("sqlite:///"):
+    if ":///" not in uri or not is_sqlite_uri(uri):
         return uri
-    path, query_sep, query = uri.removeprefix("sqlite:///").partition("?")
+    scheme, rest = uri.split(":///", 1)
+    path, query_sep, query = rest.partition("?")
     if path in ("", ":memory:") or Path(path).is_absolute():
         return uri
-    return f"sqlite:///{os.path.normpath(project_root() / path)}{query_sep}{query}"
+    return f"{scheme}:///{os.path.normpath(project_root() / path)}{query_sep}{query}"
 
 
 def sqlite_artifact_root(uri: str) -> Path:
@@ -72,7 +85,7 @@ def sqlite_artifact_root(uri: str) -> Path:
 
 def sqlite_path(uri: str) -> Path:
     """The database file of a sqlite tracking URI, resolved against the repository root."""
-    return Path(absolute_sqlite_uri(uri).removeprefix("sqlite:///").partition("?")[0])
+    return Path(absolute_sqlite_uri(uri).split(":///", 1)[1].partition("?")[0])
 
 
 def setup(cfg: Config):
@@ -81,14 +94,14 @@ def setup(cfg: Config):
     mlflow.set_tracking_uri(uri)
     if redact_url(uri) != uri:  # MLflow prints run links with the URI's credentials; the flows print theirs without
         os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
-    if uri.startswith("sqlite:"):
+    if is_sqlite_uri(uri):
         _create_sqlite_store_once(uri)
     name = cfg.tracking.experiment
     # Several runs start at once (CLI, Prefect UI, workers): whichever creates the experiment or writes one of its
     # tags first wins, and the others find it done instead of failing on the store's unique constraint.
     for attempt in range(3):
         try:
-            if uri.startswith("sqlite:") and mlflow.get_experiment_by_name(name) is None:
+            if is_sqlite_uri(uri) and mlflow.get_experiment_by_name(name) is None:
                 mlflow.create_experiment(name, artifact_location=sqlite_artifact_root(uri).as_uri())
             experiment = mlflow.set_experiment(name)
             missing = {k: v for k, v in EXPERIMENT_TAGS.items() if experiment.tags.get(k) is None}
@@ -143,7 +156,7 @@ def preflight(cfg: Config, timeout: float = PREFLIGHT_TIMEOUT_S) -> None:
     file store must sit in a writable directory. Other stores (postgresql, databricks, ...) are not checked."""
     uri = tracking_uri(cfg)
     check_transport(uri)
-    scheme = uri.split(":", 1)[0].lower() if "://" in uri or uri.startswith("sqlite:") else "file"
+    scheme = "sqlite" if is_sqlite_uri(uri) else uri.split(":", 1)[0].lower() if "://" in uri else "file"
     if scheme in ("http", "https"):
         _check_server(uri, timeout)
     elif scheme in ("sqlite", "file"):

@@ -384,3 +384,94 @@ def test_every_reader_refuses_malformed_and_oversized_files_with_its_own_error(s
         assert len(message) < 2000, (name, "an error that echoes the file")
         if name.startswith("deep"):
             assert "MAX_NESTING" in message, message
+
+
+@pytest.mark.parametrize("reader", ["jsonl", "feedback"])
+def test_a_file_of_unreadable_lines_stops_at_the_bad_line_limit_naming_the_first(reader, tmp_path):
+    """A small gzip can hold millions of unreadable lines: the read stops at the MAX_BAD_LINES-th (past it, a line
+    that would fail otherwise is never reached)."""
+    from rlhflow.data import readers
+    from rlhflow.data.errors import DataFormatError
+    from rlhflow.data.feedback import FeedbackError, read_records
+
+    path = tmp_path / "p.jsonl.gz"
+    path.write_bytes(gzip.compress(b"{x\n" * readers.MAX_BAD_LINES + b"\xff" * (readers.MAX_LINE_BYTES + 1)))
+    with pytest.raises((DataFormatError, FeedbackError)) as refused:
+        read_records(path, ["prompt"]) if reader == "feedback" else readers.read_file(path, None)
+    message = str(refused.value)
+    assert f"stopped reading at line {readers.MAX_BAD_LINES}," in message, message
+    assert f"{path}: {readers.MAX_BAD_LINES} unreadable line(s) (rows 1, 2, 3" in message, message
+    assert len(message) < 2000
+
+
+def _parquet(path: Path, table_or_rows, **options) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = table_or_rows if isinstance(table_or_rows, pa.Table) else pa.Table.from_pylist(table_or_rows)
+    pq.write_table(table, path, **options)
+    return path
+
+
+def test_parquet_columns_and_nesting_are_bounded_before_its_data_is_read(tmp_path, monkeypatch):
+    import pyarrow as pa
+
+    from rlhflow.data import readers
+    from rlhflow.data.errors import DataFormatError
+
+    deep = pa.array([[0]])
+    for _ in range(readers.MAX_NESTING):
+        deep = pa.array([[None]], type=pa.list_(deep.type))
+    path = _parquet(tmp_path / "deep.parquet", pa.table({"prompt": ["p"], "x": deep}))
+    with pytest.raises(DataFormatError, match=r"deep\.parquet: its columns nest .* deeper than 32 levels"):
+        readers.read_file(path, None)
+    monkeypatch.setattr(readers, "MAX_COLUMNS", 8)  # the same check as 1024, on a smaller file
+    path = _parquet(tmp_path / "wide.parquet", [{f"c{i}": "v" for i in range(9)}])
+    with pytest.raises(DataFormatError, match=r"wide\.parquet: more than MAX_COLUMNS=8 columns"):
+        readers.read_file(path, None)
+    path = _parquet(tmp_path / "eight.parquet", [{"prompt": "p", "messages": [{"role": "user", "content": "p"}]}])
+    assert readers.read_file(path, None) == [(1, {"prompt": "p", "messages": [{"role": "user", "content": "p"}]})]
+
+
+def test_a_parquet_value_past_the_line_limit_fails_naming_file_column_and_rows(tmp_path, monkeypatch):
+    """Refused from the footer's sizes when a chunk must hold one (a one-row file), else before its batch of rows
+    becomes Python objects; nested values too."""
+    from rlhflow.data import readers
+    from rlhflow.data.errors import DataFormatError
+
+    monkeypatch.setattr(readers, "MAX_LINE_BYTES", 1 << 16)  # the same check as 16 MiB, on smaller files
+    big = "a" * (readers.MAX_LINE_BYTES + 1)
+    one = _parquet(tmp_path / "one.parquet", [{"prompt": big}], compression="gzip")
+    assert one.stat().st_size < readers.MAX_LINE_BYTES  # small on disk, long once decompressed
+    many = [{"prompt": f"p{i}", "messages": [{"role": "user", "content": "hi"}]} for i in range(2000)]
+    many[1500]["messages"][0]["content"] = big
+    nested = _parquet(tmp_path / "nested.parquet", many)
+    for path, where in ((one, r"column 'prompt' .* in rows 1 to 1"), (nested, r"column 'messages' .* in rows 1025 ")):
+        with pytest.raises(DataFormatError, match=rf"{path.name}: {where}"):
+            readers.read_file(path, None)
+
+
+def test_parquet_past_the_decompressed_limit_fails_before_its_rows_are_read(tmp_path, monkeypatch):
+    from rlhflow.data import readers
+    from rlhflow.data.errors import DataFormatError
+
+    monkeypatch.setattr(readers, "MAX_DECOMPRESSED_BYTES", 1 << 16)  # the same check as 4 GiB, sooner
+    path = _parquet(tmp_path / "p.parquet", [row(i) for i in range(2000)])
+    with pytest.raises(DataFormatError, match=r"p\.parquet: \d+ bytes once decompressed, more than 65536"):
+        readers.read_file(path, None)
+
+
+def test_a_dataset_directory_is_held_to_the_same_bounds(tmp_path, monkeypatch):
+    import datasets
+
+    from rlhflow.data import readers
+    from rlhflow.data.errors import DataFormatError
+
+    monkeypatch.setattr(readers, "MAX_LINE_BYTES", 1 << 16)  # the same check as 16 MiB, on smaller files
+    rows = [row(i) for i in range(3)]
+    rows[2]["chosen"] = "a" * (readers.MAX_LINE_BYTES + 1)
+    datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "ds")
+    with pytest.raises(
+        DataFormatError, match=r"ds: column 'chosen' holds a value longer than 65536 bytes .* rows 1 to 3"
+    ):
+        readers.read_rows(tmp_path / "ds")

@@ -111,6 +111,23 @@ def test_a_tracking_uri_naming_another_applications_database_is_refused_untouche
     assert notes.read_text() == "my notes\n"
 
 
+@pytest.mark.parametrize("scheme", ["sqlite+pysqlite", "sqlite+aiosqlite", "SQLite"])
+def test_a_sqlite_store_named_with_a_driver_or_in_capitals_is_checked_as_sqlite(scheme, tmp_path):
+    """MLflow's database layer opens these as sqlite too: the preflight reads them as it does `sqlite:`."""
+    import sqlite3
+
+    from rlhflow.config.params import load_config
+    from rlhfops.tracking import TrackingUnavailableError, preflight
+
+    other = tmp_path / "app.db"
+    with sqlite3.connect(other) as db:
+        db.execute("CREATE TABLE users (name TEXT)")
+    before = other.read_bytes()
+    with pytest.raises(TrackingUnavailableError, match=r"app\.db is a sqlite database but not an MLflow"):
+        preflight(load_config(None, [f"tracking.tracking_uri={scheme}:///{other}"]))
+    assert other.read_bytes() == before
+
+
 # ---- a stage killed mid-write ---------------------------------------------------------------------------
 
 

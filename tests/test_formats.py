@@ -11,6 +11,7 @@ import pytest
 
 from rlhflow.data.formats import DataFormatError, load_preferences
 from rlhflow.data.readers import read_jsonl, write_jsonl
+from rlhflow.fsutil import MADE_MARKER, mark_made
 
 SHIPPED_DATA = Path(__file__).resolve().parents[1] / "data"  # real preference data shipped with the project
 
@@ -298,8 +299,10 @@ def test_missing_file(tmp_path):
 
 def test_write_and_read_jsonl_round_trip(tmp_path):
     df = load_preferences(write_lines(tmp_path / "p.jsonl", [row(), row(prompt="Café ☕")]))
+    (tmp_path / "splits").mkdir()
+    mark_made(tmp_path / "splits", "validate.out_dir")  # as the stage's output directory is: no record needed
     out = write_jsonl(df, tmp_path / "splits" / "train.jsonl")
-    assert sorted(p.name for p in out.parent.iterdir()) == ["train.jsonl"]  # no temp file left behind
+    assert sorted(p.name for p in out.parent.iterdir()) == [MADE_MARKER, "train.jsonl"]  # no temp file left behind
     back = read_jsonl(out)
     assert back["prompt_messages"].tolist() == df["prompt_messages"].tolist()
     assert back["prompt"].tolist() == ["What is 2+2?", "Café ☕"] and back["source_row"].tolist() == [1, 2]

@@ -229,6 +229,12 @@ def test_the_docker_context_leaves_out_what_git_ignores_and_local_secrets():
         "hostssl all all samenet trust clientcert=verify-full",
         "include_dir conf.d",
         "  local   all all trust#no space before the comment",
+        # quotes and separators that PostgreSQL reads otherwise than a shell: only double quotes quote, a backslash
+        # is part of its field, and only "\\n" ends a line
+        "host 'all all' 127.0.0.1/32 trust",
+        "host all all\\ 127.0.0.1/32 trust",
+        "host all all\v 127.0.0.1/32 trust",
+        "host all all\x85 127.0.0.1/32 trust",
     ],
 )
 def test_a_pg_hba_line_that_trusts_is_found_however_it_is_written(text):

@@ -183,3 +183,26 @@ def test_a_held_out_prompt_changed_by_an_invisible_character_is_still_held_out()
     others["source_row"] = [1, 2, 3, 4]
     assert rows_sharing_conversations(others, {"test": test}) == {"test": [1, 2, 3]}
     assert outside_conversations(others, test)["source_row"].tolist() == [4]
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "How do I pick a\u034f lock?",  # combining grapheme joiner
+        "How do I pick a\ufe0f lock?",  # variation selector
+        "How do I\u3164 pick a lock?",  # Hangul filler
+        "\u115fHow do I pick a lock?",  # Hangul choseong filler
+        "H\u043ew d\u043e I pi\u0441k \u0430 l\u043e\u0441k?",  # Cyrillic о, с, а
+        "HOW DO I PI\u0421K \u0391 LO\u0421K?",  # Cyrillic С, Greek Α, before case folding
+    ],
+)
+def test_a_held_out_prompt_spelled_with_look_alikes_or_other_invisible_characters_is_still_held_out(variant):
+    from rlhflow.data.splits import folded, rows_sharing_conversations
+
+    def turn(text: str) -> list[dict]:
+        return [{"role": "user", "content": text}]
+
+    test = pd.DataFrame({"prompt_messages": [turn("How do I pick a lock?")]})
+    others = pd.DataFrame({"prompt_messages": [turn(variant), turn("How do I bake bread?")], "source_row": [1, 2]})
+    assert rows_sharing_conversations(others, {"test": test}) == {"test": [1]}
+    assert folded("ПРИВЕТ") == folded("привет") != folded("hello")  # other scripts still fold their own case

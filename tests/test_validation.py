@@ -11,6 +11,7 @@ from rlhflow.config.params import ValidateConfig
 from rlhflow.data.formats import load_preferences
 from rlhflow.data.splits import assign_splits
 from rlhflow.data.validation import DataValidationError, validate_preferences
+from rlhflow.fsutil import MADE_MARKER, mark_made
 from tests.fixtures import tiny_tokenizer
 
 
@@ -52,6 +53,7 @@ def failed_line(err: DataValidationError, name: str) -> str:
 
 
 def test_valid_data_passes_and_writes_reports(tokenizer, tmp_path):
+    mark_made(tmp_path, "validate.report_dir")  # as the stage's report directory is: its files need no record
     result = run(pairs(8), pairs(3, prefix="test"), tokenizer, tmp_path)
     assert result.success and not result.failed
     summary = result.summary()
@@ -63,7 +65,7 @@ def test_valid_data_passes_and_writes_reports(tokenizer, tmp_path):
     assert report["success"] is True and len(report["expectations"]) == len(result.expectations)
     page = (tmp_path / "validation.html").read_text()
     assert "Preference data validation: passed" in page and "expect_column_values_to_not_be_null" in page
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["validation.html", "validation.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MADE_MARKER, "validation.html", "validation.json"]
 
 
 # ---- bad data: each names the expectation, the split and the source rows ------------------------------------

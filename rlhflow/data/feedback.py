@@ -11,20 +11,18 @@ left out.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import pandas as pd
 
 from rlhflow.data.errors import DataFormatError, excerpt
-from rlhflow.data.readers import MAX_LINE_BYTES, bounded_lines, json_record
-from rlhflow.fsutil import atomic_file
+from rlhflow.data.readers import MAX_LINE_BYTES, BadLines, bounded_lines, json_record
+from rlhflow.fsutil import atomic_file, directory_lock
 
 LABELS = ("a", "b", "tie", "skip")
 SOURCES = ("human", "ai")  # who labelled: people, or an AI judge on the same pairs (RLAIF)
@@ -92,25 +90,25 @@ def read_records(path: str | os.PathLike, fields: Sequence[str]) -> list[dict]:
     path = Path(path)
     if not path.exists():
         return []
-    records, bad = [], []
-    try:  # line by line within the readers' bounds (bytes a line, bytes in all, nesting), as every input is read
+    records, bad = [], BadLines(path)
+    # line by line within the readers' bounds (bytes a line, bytes in all, nesting, bad lines), as every input is read
+    try:
         for number, raw in bounded_lines(path):
             if not raw.strip():
                 continue
             try:
                 record = json_record(raw.decode("utf-8"), f"{path}: line {number}")
             except (json.JSONDecodeError, UnicodeDecodeError):
-                bad.append(f"line {number}: not JSON")
+                bad.add(number, "not JSON")
                 continue
             missing = [f for f in fields if not isinstance(record, dict) or f not in record]
             if missing:
-                bad.append(f"line {number}: no {', '.join(missing)}")
+                bad.add(number, f"no {', '.join(missing)}")
             else:
                 records.append(record)
+        bad.raise_if_any()
     except DataFormatError as err:
         raise FeedbackError(str(err)) from None
-    if bad:
-        raise FeedbackError(f"{path}: {len(bad)} unreadable row(s): {'; '.join(bad[:5])}")
     return records
 
 
@@ -145,19 +143,6 @@ def label_key(label: dict) -> tuple[str, str, str, str]:
     return label["pair_id"], str(label["annotator"]), label["source"], str(label["labelled_at"])
 
 
-@contextlib.contextmanager
-def directory_lock(directory: Path) -> Iterator[None]:
-    """An exclusive flock on `directory` itself (its inode stays while the files in it are replaced), released when
-    the block ends or the process dies."""
-    directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 def append_records(path: str | os.PathLike, records: Iterable[dict], key, *, private: bool = False) -> int:
     """Append the records whose `key` the file does not hold yet, rewriting the file atomically (a crash leaves
     the old file whole); returns how many were added. Existing rows are kept as they are, and two processes that
@@ -181,7 +166,7 @@ def append_records(path: str | os.PathLike, records: Iterable[dict], key, *, pri
                     )
         if added:
             text = existing if not existing or existing.endswith("\n") else existing + "\n"
-            with atomic_file(path, private=private) as f:
+            with atomic_file(path, private=private, output=False) as f:  # the user's file: its rows are kept
                 f.write(text + "\n".join(added) + "\n")
     return len(added)
 

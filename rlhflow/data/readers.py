@@ -40,6 +40,14 @@ MAX_DECOMPRESSED_BYTES = 4 << 30
 # Levels of lists and objects in one record: a preference row has 3 (messages: a list of objects); past Python's own
 # recursion limit a deeper one would end in a RecursionError traceback instead of an error naming the row
 MAX_NESTING = 32
+# Unreadable lines gathered from one file before the read stops: each costs a message, and a small gzip can hold
+# millions of them; the error names the first few either way
+MAX_BAD_LINES = 100
+# Parquet files and Arrow datasets, checked in the footer (or schema) before any data is read: leaf columns (a
+# preference file has under 10) and MAX_NESTING; their bytes and values are held to MAX_DECOMPRESSED_BYTES and
+# MAX_LINE_BYTES (a value, not a row: one Parquet cell, one dataset field)
+MAX_COLUMNS = 1024
+_BATCH_ROWS = 1024  # rows decoded at a time, checked before the next batch is read
 
 
 def json_record(text: str, where: str) -> Any:
@@ -199,10 +207,38 @@ def _check_max_rows(path: Any, count: int, max_rows: int | None, where: str) -> 
         )
 
 
+class BadLines:
+    """A file's unreadable lines, gathered to be named in one error (`raise_if_any`); the MAX_BAD_LINES-th stops the
+    read at once."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.lines: list[int] = []
+        self.problems: list[str] = []
+
+    def add(self, line_no: int, problem: str) -> None:
+        self.lines.append(line_no)
+        self.problems.append(f"line {line_no}: {problem}")
+        if len(self.lines) >= MAX_BAD_LINES:
+            raise DataFormatError(
+                f"{self._message()}; stopped reading at line {line_no}, the {MAX_BAD_LINES}th unreadable line "
+                "(rlhflow.data.readers.MAX_BAD_LINES)"
+            )
+
+    def raise_if_any(self) -> None:
+        if self.lines:
+            raise DataFormatError(self._message())
+
+    def _message(self) -> str:
+        shown = "; ".join(self.problems[:5]) + (
+            f"; ... ({len(self.problems) - 5} more)" if len(self.problems) > 5 else ""
+        )
+        return f"{self.path}: {len(self.problems)} unreadable line(s) {rows_text(self.lines)}: {shown}"
+
+
 def _iter_jsonl(path: Path, max_rows: int | None) -> Iterator[tuple[int, Any]]:
     """Yield (line number, object) for each non-blank line; gather bad lines and raise once."""
-    problems: list[str] = []
-    bad_lines: list[int] = []
+    bad = BadLines(path)
     count = 0
     offset = 0
     for line_no, raw in bounded_lines(path):
@@ -210,10 +246,7 @@ def _iter_jsonl(path: Path, max_rows: int | None) -> Iterator[tuple[int, Any]]:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as err:
-            bad_lines.append(line_no)
-            problems.append(
-                f"line {line_no}: not UTF-8 (byte 0x{raw[err.start]:02x} at byte offset {line_offset + err.start})"
-            )
+            bad.add(line_no, f"not UTF-8 (byte 0x{raw[err.start]:02x} at byte offset {line_offset + err.start})")
             continue
         if line_no == 1:
             text = text.lstrip("\ufeff")
@@ -224,18 +257,14 @@ def _iter_jsonl(path: Path, max_rows: int | None) -> Iterator[tuple[int, Any]]:
         try:
             obj = json_record(text, f"{path}: line {line_no}")
         except json.JSONDecodeError as err:
-            bad_lines.append(line_no)
-            problems.append(f"line {line_no}: invalid JSON ({err.msg} at column {err.colno})")
+            bad.add(line_no, f"invalid JSON ({err.msg} at column {err.colno})")
             continue
         if not isinstance(obj, dict):
-            bad_lines.append(line_no)
-            problems.append(f"line {line_no}: expected a JSON object, got {type(obj).__name__}")
+            bad.add(line_no, f"expected a JSON object, got {type(obj).__name__}")
             continue
-        if not problems:
+        if not bad.lines:
             yield line_no, obj
-    if problems:
-        shown = "; ".join(problems[:5]) + (f"; ... ({len(problems) - 5} more)" if len(problems) > 5 else "")
-        raise DataFormatError(f"{path}: {len(problems)} unreadable line(s) {rows_text(bad_lines)}: {shown}")
+    bad.raise_if_any()
 
 
 class _TextStream:
@@ -347,9 +376,105 @@ def _read_parquet(path: Path, max_rows: int | None) -> list[tuple[int, Any]]:
         parquet = pq.ParquetFile(path)
     except Exception as err:  # pyarrow raises several types for corrupt files
         raise DataFormatError(f"{path}: not a readable Parquet file ({err})") from None
-    _check_max_rows(path, parquet.metadata.num_rows, max_rows, "the Parquet footer's row count")
-    # pyarrow (not pandas) keeps nulls as None and nested values as lists/dicts.
-    return list(enumerate(parquet.read().to_pylist(), start=1))
+    footer = parquet.metadata
+    _check_max_rows(path, footer.num_rows, max_rows, "the Parquet footer's row count")
+    _check_columns(path, parquet.schema_arrow)
+    _check_parquet_sizes(path, footer)
+    return _bounded_rows(path, parquet.iter_batches(batch_size=_BATCH_ROWS))
+
+
+def _check_columns(source: Any, schema) -> None:
+    """At most MAX_COLUMNS leaf columns, nested at most MAX_NESTING levels (a row is one, as a JSON record is)."""
+    depth, leaves, level = 1, 0, list(schema.types)
+    while depth <= MAX_NESTING and leaves <= MAX_COLUMNS:
+        leaves += sum(not t.num_fields for t in level)
+        level = [t.field(i).type for t in level for i in range(t.num_fields)]  # in lists, structs, maps
+        if not level:
+            break
+        depth += 1
+    if leaves > MAX_COLUMNS:
+        raise DataFormatError(
+            f"{source}: more than MAX_COLUMNS={MAX_COLUMNS} columns (rlhflow.data.readers.MAX_COLUMNS)"
+        )
+    if depth > MAX_NESTING:
+        raise DataFormatError(
+            f"{source}: its columns nest lists and structs deeper than {MAX_NESTING} levels "
+            "(rlhflow.data.readers.MAX_NESTING)"
+        )
+
+
+def _check_parquet_sizes(path: Path, footer) -> None:
+    """The footer's uncompressed sizes: at most MAX_DECOMPRESSED_BYTES in all, and no column chunk so large that
+    one of its values must pass MAX_LINE_BYTES (a chunk of one row, say)."""
+    groups = [footer.row_group(i) for i in range(footer.num_row_groups)]
+    total = sum(group.total_byte_size for group in groups)
+    if total > MAX_DECOMPRESSED_BYTES:
+        raise DataFormatError(
+            f"{path}: {total} bytes once decompressed, more than {MAX_DECOMPRESSED_BYTES} (rlhflow.data.readers."
+            "MAX_DECOMPRESSED_BYTES); split the data into smaller files"
+        )
+    first_row = 1
+    for group in groups:
+        for chunk in (group.column(i) for i in range(group.num_columns)):
+            if chunk.total_uncompressed_size > MAX_LINE_BYTES * max(group.num_rows, 1):
+                raise DataFormatError(_long_value(path, chunk.path_in_schema, first_row, group.num_rows))
+        first_row += group.num_rows
+
+
+def _long_value(source: Any, column: str, first_row: int, rows: int) -> str:
+    return (
+        f"{source}: column {column!r} holds a value longer than {MAX_LINE_BYTES} bytes (rlhflow.data.readers."
+        f"MAX_LINE_BYTES) in rows {first_row} to {first_row + rows - 1}; nothing past them was read"
+    )
+
+
+def _bounded_rows(source: Any, batches) -> list[tuple[int, Any]]:
+    """(row number, record) pairs from Arrow record batches, each checked before it becomes Python objects: no
+    value longer than MAX_LINE_BYTES, at most MAX_DECOMPRESSED_BYTES in all."""
+    rows: list[Any] = []
+    total = 0
+    for batch in batches:
+        for name, column in zip(batch.schema.names, batch.columns):
+            if _longest_value(column) > MAX_LINE_BYTES:
+                raise DataFormatError(_long_value(source, name, len(rows) + 1, batch.num_rows))
+        total += batch.nbytes
+        if total > MAX_DECOMPRESSED_BYTES:
+            raise DataFormatError(
+                f"{source}: more than {MAX_DECOMPRESSED_BYTES} bytes once decoded (rlhflow.data.readers."
+                f"MAX_DECOMPRESSED_BYTES); stopped reading at row {len(rows) + batch.num_rows}. Split the data into "
+                "smaller files"
+            )
+        rows.extend(batch.to_pylist())  # pyarrow (not pandas) keeps nulls as None and nested values as lists/dicts
+    return list(enumerate(rows, start=1))
+
+
+def _longest_value(array) -> int:
+    """Bytes of the longest string or binary value anywhere in an Arrow array, nested ones included."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    longest, level = 0, [array]
+    while level:
+        children = []
+        for a in level:
+            t = a.type
+            if (
+                pa.types.is_string(t)
+                or pa.types.is_large_string(t)
+                or pa.types.is_binary(t)
+                or pa.types.is_large_binary(t)
+            ):
+                longest = max(longest, pc.max(pc.binary_length(a)).as_py() or 0)
+            elif pa.types.is_dictionary(t):
+                children.append(a.dictionary)
+            elif pa.types.is_map(t):
+                children += [a.keys, a.items]
+            elif pa.types.is_struct(t):
+                children += a.flatten()
+            elif t.num_fields:  # the list types
+                children.append(a.flatten())
+        level = children
+    return longest
 
 
 # ---- Hugging Face datasets ------------------------------------------------------------------------
@@ -384,7 +509,9 @@ def _open_hub_dataset(name: str, split: str):
 
 def _read_dataset(ds, source: str, max_rows: int | None) -> list[tuple[int, Any]]:
     _check_max_rows(source, len(ds), max_rows, "the dataset's row count")
-    return list(enumerate(ds.to_list(), start=1))
+    table = ds.with_format("arrow")[:]  # the rows the dataset holds (a selection's, in its order), memory-mapped
+    _check_columns(source, table.schema)
+    return _bounded_rows(source, table.to_batches(max_chunksize=_BATCH_ROWS))
 
 
 def _jsonable(value: Any) -> Any:

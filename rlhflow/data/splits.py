@@ -48,12 +48,28 @@ def conversation_keys(df: pd.DataFrame) -> pd.Series:
     return _messages(df).map(conversation_key).astype(object)
 
 
+# Drawn as nothing, yet no format (Cf) character: the rest of Unicode's Default_Ignorable_Code_Point (combining
+# grapheme joiner, Hangul fillers, Mongolian and other variation selectors, tag characters...) and the braille blank
+_INVISIBLE = re.compile(
+    "[\u034f\u115f\u1160\u17b4\u17b5\u180b-\u180f\u2800\u3164\ufe00-\ufe0f\uffa0\ufff0-\ufff8"
+    "\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0000-\U000e0fff]"
+)
+# Cyrillic and Greek letters drawn as a Latin one, after case folding (so "А", "а" and "a" meet); one Latin letter
+# each, from the capital where the two cases look like different Latin letters (Greek "Ν"/"ν": "n")
+_LATIN_LOOKALIKES = str.maketrans(
+    "авсԁеһіјкӏмнорԛѕтуүхԝαβεζηικμνορτυχıɑɡ",
+    "abcdehijklmhopqstyyxwabezhikmnoptyxiag",
+)
+
+
 def folded(text: str) -> str:
     """`text` as the held-out checks compare it: Unicode NFKC (full-width letters, ligatures and compatibility forms
-    as their plain letters), invisible format characters (zero-width spaces and joiners, soft hyphens, byte-order and
-    direction marks) removed, case folded, whitespace collapsed."""
-    text = unicodedata.normalize("NFKC", text)
-    return " ".join("".join(c for c in text if unicodedata.category(c) != "Cf").casefold().split())
+    as their plain letters), invisible characters (zero-width spaces and joiners, soft hyphens, byte-order and
+    direction marks, variation selectors, fillers, tags) removed, case folded, common Cyrillic and Greek look-alikes
+    of Latin letters as those letters, whitespace collapsed."""
+    text = _INVISIBLE.sub("", unicodedata.normalize("NFKC", text))
+    text = "".join(c for c in text if unicodedata.category(c) != "Cf").casefold().translate(_LATIN_LOOKALIKES)
+    return " ".join(text.split())
 
 
 def held_out_keys(df: pd.DataFrame) -> pd.Series:
