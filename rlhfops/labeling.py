@@ -292,7 +292,7 @@ def load_secrets(root: Path) -> dict[str, str]:
     if path.exists():
         return json.loads(path.read_text())
     made = {"password": secrets.token_urlsafe(18), "token": secrets.token_hex(20)}
-    write_private(path, json.dumps(made))
+    write_private(private_dir(root) / path.name, json.dumps(made))  # its directory the owner's alone, as at start
     return made
 
 

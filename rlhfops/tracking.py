@@ -32,6 +32,8 @@ from mlflow.data.dataset_source_registry import get_registered_sources
 from mlflow.entities import Metric
 from mlflow.utils.credentials import get_default_host_creds
 from mlflow.utils.rest_utils import http_request
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from rlhflow.config import credentials
 from rlhflow.config.params import REPO_ROOT, Config, project_root
@@ -53,9 +55,6 @@ def tracking_uri(cfg: Config) -> str:
 def is_sqlite_uri(uri: str) -> bool:
     """Whether MLflow opens `uri` as a sqlite database: its database layer (SQLAlchemy) reads `sqlite:`, with any
     driver (`sqlite+pysqlite:`, `sqlite+aiosqlite:`) and in any case."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
     try:
         return make_url(uri).get_backend_name().lower() == "sqlite"
     except (ArgumentError, ValueError):

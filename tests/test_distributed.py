@@ -170,7 +170,9 @@ def root(tmp_path_factory, tiny_model_dir) -> Path:
 
 
 @pytest.mark.system
-def test_reward_model_two_processes_equal_one_process_with_the_same_global_batch(root, tiny_model_dir, one_thread):
+def test_reward_model_two_processes_equal_one_process_with_the_same_global_batch(
+    root, tiny_model_dir, one_thread, allow_test_reward
+):
     single = run_single_process("reward_model", overrides(root, tiny_model_dir, "one"))
 
     _, runs_two = stage_runs(root, "two", "reward_model")
@@ -192,7 +194,9 @@ def test_reward_model_two_processes_equal_one_process_with_the_same_global_batch
 
 
 @pytest.mark.system
-def test_ppo_two_processes_equal_one_process_with_the_same_global_batch(root, tiny_model_dir, one_thread):
+def test_ppo_two_processes_equal_one_process_with_the_same_global_batch(
+    root, tiny_model_dir, one_thread, allow_test_reward
+):
     single = run_single_process("ppo", overrides(root, tiny_model_dir, "one"))
 
     history_two = pd.read_csv(root / "two" / "metrics" / "ppo_history.csv")
