@@ -6,6 +6,7 @@ control: per seed, as means over seeds, paired by seed, and at equal KL.
     .venv/bin/python -m bench.arm_frontier --setting reward_model.length_head --arms false,true --seeds 3
     .venv/bin/python -m bench.arm_frontier --setting ppo.precision --arms fp32,bf16 --seeds 3 --betas 1,0.5
     .venv/bin/python -m bench.arm_frontier ... --table-only          # the table from MLflow, nothing run
+    .venv/bin/python -m bench.arm_frontier ... --table-only --stage reward_model   # a stage's own figures
 
 bench.precision_frontier is this bench for ppo.precision. How it measures: docs/benchmark-methods.md#arm_frontier.
 """
@@ -80,6 +81,34 @@ def find_runs(points: list[Point]) -> None:
         p.metrics = found[0].data.metrics if found else None
 
 
+def find_stage_runs(points: list[Point], stage: str) -> None:
+    """Each point's figures from the newest finished `stage` run under a finished pipeline run of its parameters: a
+    pipeline run of some stages (`--stages validate sft reward_model`) logs their figures on their own runs only."""
+    import mlflow
+
+    from rlhfops import tracking
+
+    tracking.setup(points[0].cfg)
+    client = mlflow.MlflowClient()
+    experiment = client.get_experiment_by_name(points[0].cfg.tracking.experiment)
+    finished = "attributes.status = 'FINISHED'"
+    for p in points:
+        p.metrics = None
+        if experiment is None:
+            continue
+        digest = f"tags.{tracking.PARAMS_DIGEST_TAG} = '{tracking.params_digest(p.cfg)}'"
+        for parent in client.search_runs(
+            [experiment.experiment_id],
+            f"{digest} and {finished} and attributes.run_name = 'pipeline'",
+            order_by=["attributes.start_time DESC"],
+        ):
+            child = f"tags.mlflow.parentRunId = '{parent.info.run_id}' and tags.stage = '{stage}' and {finished}"
+            runs = client.search_runs([experiment.experiment_id], child)
+            if runs:
+                p.metrics = runs[0].data.metrics
+                break
+
+
 def _summary(values: list[float], decimals: int) -> str:
     from rlhflow.evaluation.stats import across_seeds
 
@@ -113,6 +142,8 @@ def table(points: list[Point]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     by_key = {(p.arm, p.beta, p.seed): p.metrics for p in done}
     for row, metric, decimals in FIGURES:
+        if all(metric not in p.metrics for p in done):
+            continue  # a figure no run has (a stage's own figures: no evaluation)
         cells = [row]
         for arm, beta in groups:
             values = [p.metrics.get(metric, math.nan) for p in done if (p.arm, p.beta) == (arm, beta)]
@@ -124,7 +155,7 @@ def table(points: list[Point]) -> str:
                 for s in seeds
             ]
             cells.append(_interval(across_seeds(pairs), decimals) if len(pairs) > 1 else "")
-        if metric == KL:
+        if metric == KL or all(KL not in p.metrics for p in done):
             cells.append("")
         else:
             x = [p.metrics.get(KL, math.nan) for p in done]
@@ -141,6 +172,7 @@ def main(argv: list[str] | None = None, *, setting: str | None = None, arms: str
     parser.add_argument("--betas", default="1", help="comma-separated multiples of the default ppo.kl_coef")
     parser.add_argument("--seeds", type=int, default=3, help="training seeds per point")
     parser.add_argument("--table-only", action="store_true", help="no runs: the table from MLflow")
+    parser.add_argument("--stage", default=None, help="the table of this stage's own figures (its stage runs)")
     add_overrides_argument(parser, "params.yaml overrides for every point")
     args = parser.parse_args(argv)
     arm_values = args.arms.split(",")
@@ -155,7 +187,7 @@ def main(argv: list[str] | None = None, *, setting: str | None = None, arms: str
         grid = {args.setting: arm_values, "ppo.kl_coef": list(dict.fromkeys(p.beta for p in points))}
         base = load_config(overrides=args.overrides)
         rlhf_sweep(grid=grid, overrides=args.overrides, best_of_n=[], config=base, seeds=args.seeds)
-    find_runs(points)
+    find_stage_runs(points, args.stage) if args.stage else find_runs(points)
     markdown = table(points)
     write_text_atomic(points[0].cfg.path(f"reports/frontier_{args.setting.replace('.', '_')}.md"), markdown + "\n")
     print(markdown)
