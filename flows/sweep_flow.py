@@ -34,7 +34,7 @@ from rlhflow.evaluation.frontier import (
 )
 from rlhflow.evaluation.held_out import evaluation_prompts
 from rlhflow.evaluation.stats import across_seeds
-from rlhflow.fsutil import write_json_atomic, write_text_atomic
+from rlhflow.fsutil import atomic_file, write_json_atomic, write_text_atomic
 from rlhflow.models.loading import load_causal_lm, load_tokenizer, pick_device
 from rlhflow.training.reward_model import RewardModel
 from rlhfops import tracking, workspace
@@ -352,7 +352,8 @@ def write_frontier(cfg: Config, outcomes: list[PointOutcome], baseline: list) ->
     csv = cfg.path(cfg.metrics_dir) / FRONTIER_CSV
     write_text_atomic(csv, pd.DataFrame([p.row() for p in points]).to_csv(index=False))
     fig = frontier_plot(points, objective)
-    fig.savefig(report_dir / "frontier.png", dpi=110)
+    with atomic_file(report_dir / "frontier.png", binary=True) as png:  # the writes rule, as for every output
+        fig.savefig(png, format="png", dpi=110)
     plots.close(fig)
     markdown = frontier_markdown(points, objective, groups, outcomes)
     write_text_atomic(report_dir / "frontier.md", markdown)

@@ -26,6 +26,7 @@ import mlflow
 from mlflow.exceptions import MlflowException
 
 from rlhflow.config.params import REPO_ROOT, Config
+from rlhflow.fsutil import atomic_file
 from rlhfops import tracking, workspace
 from rlhfops.dvc_yaml import stage_deps
 from rlhfops.hashing import dvc_md5s, file_md5
@@ -477,7 +478,8 @@ def _checkout_stage(repo: Any, name: str, outputs: Path | None) -> dict[str, str
         if out.use_cache:
             continue
         copy = _kept_copy(outputs, out.def_path)  # `_verify_copies` found it, with the recorded md5
-        Path(out.fs_path).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(copy, out.fs_path)
+        # through the writes rule: a file the pipeline did not put there is refused, not replaced
+        with open(copy, "rb") as source, atomic_file(out.fs_path, binary=True) as target:
+            shutil.copyfileobj(source, target)
         sources[out.def_path] = "mlflow"
     return sources
