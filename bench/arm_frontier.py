@@ -83,7 +83,7 @@ def find_runs(points: list[Point]) -> None:
 
 def find_stage_runs(points: list[Point], stage: str) -> None:
     """Each point's figures from the newest finished `stage` run under a finished pipeline run of its parameters: a
-    pipeline run of some stages (`--stages validate sft reward_model`) logs their figures on their own runs only."""
+    pipeline run of some stages (`--stages validate,sft,reward_model`) logs their figures on their own runs only."""
     import mlflow
 
     from rlhfops import tracking
@@ -99,7 +99,7 @@ def find_stage_runs(points: list[Point], stage: str) -> None:
         digest = f"tags.{tracking.PARAMS_DIGEST_TAG} = '{tracking.params_digest(p.cfg)}'"
         for parent in client.search_runs(
             [experiment.experiment_id],
-            f"{digest} and {finished} and attributes.run_name = 'pipeline'",
+            f"{digest} and {finished}",  # a pipeline run of any stages (its name lists them)
             order_by=["attributes.start_time DESC"],
         ):
             child = f"tags.mlflow.parentRunId = '{parent.info.run_id}' and tags.stage = '{stage}' and {finished}"
