@@ -192,6 +192,8 @@ def _check_mlflow_database(path: Path) -> None:
         )
 
 
+# MLflow's switch for its client following a tracking server's redirects (on by default)
+ALLOW_REDIRECTS = "MLFLOW_ALLOW_HTTP_REDIRECTS"
 # what MLflow sends to a tracking server from the environment: a password or a token
 TRACKING_CREDENTIALS = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 
@@ -199,9 +201,12 @@ TRACKING_CREDENTIALS = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 def check_transport(uri: str) -> None:
     """The one rule of rlhflow/config/credentials.py on what MLflow sends an http(s) tracking server by itself: a URI
     that clients read differently is refused, and so is plain http to another host where credentials would go.
-    Sends nothing; raises TrackingUnavailableError."""
+    Sends nothing; raises TrackingUnavailableError. MLflow's client is told to follow no redirect: a tracking server
+    answers its API itself, and a redirect would take the run's data (its credentials too, were requests' rule of
+    dropping them elsewhere ever relaxed) to wherever it points. A user whose proxy needs one sets the variable."""
     if credentials.scheme_and_host(uri)[0] not in ("http", "https"):  # as MLflow reads the scheme: spaces stripped
         return
+    os.environ.setdefault(ALLOW_REDIRECTS, "false")
     sent = [name for name in TRACKING_CREDENTIALS if os.environ.get(name)]
     if user_info_removed(uri) != uri:
         sent.append("the password in the tracking URI")
@@ -239,6 +244,13 @@ def _check_server(uri: str, timeout: float) -> None:
             "tracking.tracking_uri / $MLFLOW_TRACKING_URI at a reachable server or a sqlite:/// file. "
             "Nothing was run."
         ) from None
+    if 300 <= response.status_code < 400:
+        elsewhere = redact(response.headers.get("Location", "nowhere named"))[:300]
+        raise TrackingUnavailableError(
+            f"MLflow tracking server {shown} answered HTTP {response.status_code}, a redirect to {elsewhere}: the "
+            f"client follows none; point the tracking URI at the server itself (or set {ALLOW_REDIRECTS}=true to "
+            "follow it). Nothing was run."
+        )
     if response.status_code in (401, 403):
         raise TrackingUnavailableError(
             f"MLflow tracking server {shown} refused the credentials (HTTP {response.status_code}); set "

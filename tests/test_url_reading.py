@@ -236,6 +236,53 @@ def test_the_judge_follows_no_redirect_and_names_it(listener, monkeypatch):
     assert listener.received == []
 
 
+@pytest.fixture
+def redirects_unset(monkeypatch):
+    """MLFLOW_ALLOW_HTTP_REDIRECTS as a user's shell has it (unset), put back as it was after the test."""
+    monkeypatch.setenv("MLFLOW_ALLOW_HTTP_REDIRECTS", "unset")  # records the variable's state for the teardown
+    monkeypatch.delenv("MLFLOW_ALLOW_HTTP_REDIRECTS")
+
+
+def redirect_api_to(listener):
+    return redirect_to(f"http://{listener.host}:{listener.port}/api/2.0/mlflow/experiments/search")
+
+
+def test_the_tracking_client_follows_no_redirect_and_the_preflight_names_it(
+    listener, mlflow_gives_up_at_once, redirects_unset
+):
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from rlhfops.tracking import TrackingUnavailableError, preflight
+
+    with local_server(redirect_api_to(listener)) as url:
+        with pytest.raises(TrackingUnavailableError, match=rf"HTTP 302, a redirect to http://{listener.host}"):
+            preflight(load_config(overrides=[f"tracking.tracking_uri={url}"]))
+        with pytest.raises(MlflowException, match="302"):  # a stage's own call, after the preflight set the rule
+            MlflowClient(url).search_experiments()
+    assert listener.received == []
+
+
+def test_a_tracking_redirect_followed_by_choice_carries_no_credential(listener, mlflow_gives_up_at_once, monkeypatch):
+    """With MLFLOW_ALLOW_HTTP_REDIRECTS=true the request goes on to the other host, without the password: requests
+    drops an Authorization header on a redirect to another host (and from https to http)."""
+    import base64
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from rlhfops.tracking import check_transport
+
+    monkeypatch.setenv("MLFLOW_ALLOW_HTTP_REDIRECTS", "true")
+    with local_server(redirect_api_to(listener)) as url:
+        check_transport(url)
+        with pytest.raises(MlflowException, match="search"):  # the listener reads the request and hangs up
+            MlflowClient(url).search_experiments()
+    sent = b"".join(listener.received)
+    assert b"/api/2.0/mlflow/experiments/search" in sent  # the request did arrive, and without credentials
+    assert b"authorization" not in sent.lower() and base64.b64encode(f"bob:{SECRET}".encode()) not in sent
+
+
 # ---- a judge's reply, bounded ---------------------------------------------------------------------------------
 
 
