@@ -449,7 +449,8 @@ def rlhf_sweep(
         seeds: training seeds per point (seed, seed + 1, ...); the splits and the judge stay fixed
     """
 
-    base = with_overrides(config, overrides)
+    # the best point is chosen on the dev split: every point answers it up front (evaluate.dev_figures)
+    base = with_overrides(config, [*(overrides or []), "evaluate.dev_figures=true"])
     if seeds < 1:
         raise ValueError(f"seeds must be at least 1, got {seeds}")
     # (grid point, its seed or None), seed by seed: the stages a seed changes and a point does not (the reward model,

@@ -179,6 +179,7 @@ STAGES: list[Stage] = [
             "evaluate.top_p",
             "evaluate.repetition_penalty",
             "evaluate.degenerate_repetition",
+            "evaluate.dev_figures",
             "evaluate.precision",
             "evaluate.batch_size",
             "evaluate.reference_dir",

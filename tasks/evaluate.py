@@ -1,9 +1,10 @@
-"""Stage evaluate: on one held-out prompt per test and dev conversation, sample the policy and compare its answers with
-the SFT model's (the sft_answers stage), scored by the proxy reward model and by the judge (never optimised
-against): ended / cut / degenerate shares, win rates (overall, both ended, length-controlled) with intervals over
+"""Stage evaluate: on one held-out prompt per test conversation, sample the policy and compare its answers with the
+SFT model's (the sft_answers stage), scored by the proxy reward model and by the judge (never optimised against):
+ended / cut / degenerate shares, win rates (overall, both ended, length-controlled) with intervals over
 conversations, the proxy-judge gap, KL to the reference, perplexity, drift, and the reward models on held-out pairs
-beside the length rule. Every figure on the test split (eval/...); what choices read, on the dev split (dev/...).
-Then the champion decisions for the registered reward model and policy (rlhflow/evaluation/champion.py).
+beside the length rule. Every figure on the test split (eval/...). The dev split is answered where a choice reads
+it: up front with evaluate.dev_figures (dev/..., what a sweep chooses by), else by the champion rule's head to head
+alone. Then the champion decisions for the registered reward model and policy (rlhflow/evaluation/champion.py).
 
 Metrics go to the stage run, the parent run and metrics/evaluate.json; plots and the samples table to the stage
 run; reports/evaluate/report.md says which version is champion and why. Definitions: docs/evaluation.md.
@@ -90,13 +91,13 @@ def evaluation_basis(inputs: EvaluationInputs) -> dict[str, str]:
     return basis
 
 
-def registered_head_to_head(client, name: str, result, compare):
+def registered_head_to_head(client, name: str, has_dev: bool, compare):
     """`compare(model_dir, challenge)` against the registered version's model dir, on the dev split: the head to
     head that `promotion.challenge_champion` calls; None without a dev split (nothing is chosen on the test split)."""
     from rlhfops import registry
 
     def head_to_head(version, challenge: int):
-        if result.dev is None:
+        if not has_dev:
             return None
         with tempfile.TemporaryDirectory() as tmp:
             return compare(str(registry.registered_model_dir(client, name, version.version, tmp)), challenge)
@@ -131,7 +132,7 @@ def champion_decisions(inputs: EvaluationInputs, promote: str, client, evaluator
         version = registry.version_of_model_dir(client, name, model_dir)
         if version is not None:
             own_basis = {k: v for k, v in basis.items() if k.startswith(basis_of)}
-            head_to_head = registered_head_to_head(client, name, result, compare)
+            head_to_head = registered_head_to_head(client, name, evaluator.data.dev_rows is not None, compare)
             decisions.append(
                 promotion.challenge_champion(client, name, str(version.version), own_basis, head_to_head, promote)
             )

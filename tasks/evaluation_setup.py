@@ -87,6 +87,7 @@ def evaluation_settings(cfg: Config) -> EvaluationSettings:
         n_prompts=e.n_prompts,
         samples_per_prompt=e.samples_per_prompt,
         degenerate_repetition=e.degenerate_repetition,
+        dev_figures=e.dev_figures,
         score_batch_size=e.score_batch_size,
         perplexity_rows=e.perplexity_rows,
         missing_eos_penalty=cfg.ppo.missing_eos_penalty,
@@ -113,6 +114,7 @@ def sft_answers_key(
         sft_md5=dir_md5(sft_dir),
         held_out_md5={split: file_md5(path) for split, path in files.items()},
         prompts=held_out.counts,
+        splits=list(held_out.answered(settings.dev_figures)),
     )
 
 

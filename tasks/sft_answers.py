@@ -1,7 +1,8 @@
-"""Stage sft_answers: the SFT model's answers to the evaluation prompts (one per test conversation), sampled once
-with the evaluation's settings, classified (ended / cut / degenerate) and scored by the proxy and the judge. Every
-evaluate of a policy, and every point of a sweep, compares against these same answers: they change only with the
-SFT model, the test split, the sampling settings, the proxy or the judge (rlhflow/evaluation/held_out.py)."""
+"""Stage sft_answers: the SFT model's answers to the evaluation prompts (one per test conversation, and one per dev
+conversation with evaluate.dev_figures), sampled once with the evaluation's settings, classified (ended / cut /
+degenerate) and scored by the proxy and the judge. Every evaluate of a policy, and every point of a sweep, compares
+against these same answers: they change only with the SFT model, the held-out splits, the sampling settings, the
+proxy or the judge (rlhflow/evaluation/held_out.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
         HeldOutPrompts,
         held_out_files,
         reference_record,
-        sample_reference,
+        sample_answers,
     )
     from rlhflow.models.loading import pick_device
     from rlhflow.training.reward_model import RewardModel
@@ -37,7 +38,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     device = pick_device(inputs.device)
     held_out = HeldOutPrompts.load(files, settings.n_prompts, settings.samples_per_prompt)
     tokenizer, sft = sft_in_precision(inputs.sft_dir, settings.precision, device)
-    answers = sample_reference(settings, sft, tokenizer, held_out)
+    _, answers = sample_answers(settings, sft, tokenizer, held_out)
     del sft  # the scorers load next
     rm = RewardModel.load(inputs.proxy_dir, batch_size=inputs.proxy_batch_size, device=device)
     judge = load_evaluation_judge(inputs, device)

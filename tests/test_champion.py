@@ -146,7 +146,7 @@ def test_the_policy_champion_comparison_reads_only_dev_prompts():
             return np.array([1.0 if t.startswith("challenger") else 0.0 for t in texts])
 
     mine = Answers.from_outputs(_outputs([f"challenger {i}" for i in range(4)], [True] * 4), 0.5)
-    dev = compare.DevAnswers(dev_prompts, ["a", "b", "c", "d"], mine, kl=3.0, pair_rows=[], pairs=None)
+    dev = compare.DevAnswers(dev_prompts, ["a", "b", "c", "d"], mine, kl=3.0)
     result = compare.PolicyEvaluation({}, {}, [], None, dev)
     settings = dataclasses.replace(evaluation_settings(load_config()), sampling=Sampling())
     models = compare.EvaluatedModels("cpu", torch.float32, None, None, None, None, Judge())

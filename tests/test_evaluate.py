@@ -218,6 +218,11 @@ def test_first_run_becomes_champion_and_the_report_says_so(dvc_repo):
     client = _mlflow_client(repo)
     report = (repo / "reports/evaluate/report.md").read_text()
     assert "## Model registry" in report and report.count("no champion yet") == 2
+    # no decision read the dev split (a first champion is not compared): neither model answered it
+    answers = json.loads((repo / "data/sft_answers/answers.json").read_text())
+    assert list(answers["answers"]) == ["test"] and answers["key"]["splits"] == ["test"]
+    metrics = json.loads((repo / "metrics/evaluate.json").read_text())
+    assert "eval/judge_win_rate_vs_sft" in metrics and not [k for k in metrics if k.startswith("dev/")]
     for name, stage in [("rlhf-reward-model", "reward_model"), ("rlhf-policy", "ppo")]:
         champion = client.get_model_version_by_alias(name, "champion")
         assert champion.version == client.get_model_version_by_alias(name, "candidate").version

@@ -274,6 +274,33 @@ def test_sampled_kl_is_response_kl_of_each_row_whatever_the_batching(tok):
         torch.testing.assert_close(kl, per_batch.double(), rtol=1e-5, atol=1e-5)
 
 
+def test_the_first_rows_are_answered_as_sampling_every_prompt_answers_them(tok):
+    """Sampling the first `rows` prompts alone (a held-out split that leads another) gives each of their answers as
+    sampling every prompt does: their batches are sampled whole, on the same random streams; later batches are not
+    sampled. Each part's KL (`parts`) is the same whether or not the other part is scored beside it."""
+    from rlhflow.evaluation.metrics import sampled_kl
+    from rlhflow.models.sampling import sample_responses
+    from tests.fixtures import tiny_llama
+
+    policy, reference = tiny_llama(tok), tiny_llama(tok, seed=1)
+    prompts = [[{"role": "user", "content": "hi " * n}] for n in (9, 1, 5, 2, 14, 3, 7)]
+    settings = dict(batch_size=3, max_prompt_length=64, max_new_tokens=6, temperature=1.0, seed=0)
+    every = sample_responses(policy, tok, prompts, **settings)
+    first = sample_responses(policy, tok, prompts, rows=4, **settings)
+    assert [len(o.texts) for o in every] == [3, 3, 1] and [len(o.texts) for o in first] == [3, 1]
+    assert sum((o.texts for o in first), []) == sum((o.texts for o in every), [])[:4]
+    for got, want in zip(first, every):
+        rows = len(got.texts)
+        assert torch.equal(got.response, want.response[:rows]) and torch.equal(got.ended, want.ended[:rows])
+        assert torch.equal(got.query_response, want.query_response[:rows])
+    kl = dict(pad_token_id=tok.pad_token_id, batch_size=2)
+    both = sampled_kl(policy, reference, every, 1.0, parts=[4, 3], **kl)
+    alone = sampled_kl(policy, reference, first, 1.0, parts=[4], **kl)
+    assert torch.equal(both[:4], alone)  # to every digit: the first part was batched alone both times
+    with pytest.raises(ValueError, match="parts of 5 rows for 7 answers"):
+        sampled_kl(policy, reference, every, 1.0, parts=[4, 1], **kl)
+
+
 def test_scoring_batches_are_as_wide_as_their_longest_row():
     """A scoring batch holds each row's prompt and response left-padded as one: as wide as its longest row (not its
     longest prompt plus its longest response), with every row's response, and nothing else, under its mask."""

@@ -79,7 +79,8 @@ class EvaluateConfig(Section):
         ge=1,
         description="answers sampled per batch (ended answers leave it); nearly every batch holds an answer that runs "
         "to the limit, so fewer, larger batches finish sooner (128 vs 48 on 128 prompts, 2 CPU cores: 1.22x the "
-        "SFT model's tokens per second, 1.37x the policy's); 144 answers both held-out splits in two batches",
+        "SFT model's tokens per second, 1.37x the policy's); 144 answers the test split in one batch, both held-out "
+        "splits in two",
     )
     score_batch_size: int = Field(
         16,
@@ -88,6 +89,12 @@ class EvaluateConfig(Section):
         "batched by length, and each holds full-vocabulary logits for every position",
     )
     perplexity_rows: int = Field(64, ge=1)
+    dev_figures: bool = Field(
+        False,
+        description="also answer the dev prompts with both models up front and log the policy against the SFT model "
+        "there (dev/...: what a sweep chooses its best point by; a sweep sets it); unset, the dev split is answered "
+        "only when the champion rule compares the policy with a champion, by the policy and the champion alone",
+    )
     reference_dir: str = Field(
         "data/sft_answers",
         description="the SFT model's evaluation answers and their scores (the sft_answers stage), reused by every "

@@ -21,7 +21,7 @@ from rlhflow.evaluation import stats
 from rlhflow.evaluation.answers import Answers
 from rlhflow.evaluation.champion import HeadToHead, alpha_spent, guard_failures, sign_test
 from rlhflow.evaluation.frontier import objective_scores
-from rlhflow.evaluation.held_out import HeldOutData, as_precision
+from rlhflow.evaluation.held_out import HeldOutData, as_precision, sample_answers, score_answers
 from rlhflow.evaluation.judges import verdicts_from_scores
 from rlhflow.evaluation.metrics import (
     confidence_buckets,
@@ -241,8 +241,6 @@ class DevAnswers:
     conversations: list[str]
     answers: Answers
     kl: float  # mean KL to the SFT model on these answers
-    pair_rows: list[dict]  # the dev split's pairs
-    pairs: Any  # the proxy's verdict on each of them
 
 
 # ---- head to head, for the champion rule ------------------------------------------------------------------------
@@ -293,7 +291,7 @@ class PolicyEvaluation:
     samples: dict[str, list]  # per answer: the prompt, both answers, their classes, proxy and judge figures, the KL
     buckets: list  # the reward model's confidence buckets (calibration)
     pairs: Any  # the proxy's verdict on each test pair (rlhflow.evaluation.pairs.evaluate_pairs)
-    dev: DevAnswers | None  # the policy on the dev split (None: no dev split)
+    dev: DevAnswers | None  # the policy on the dev split (None: not answered yet, or no dev split)
 
 
 def _verdicts(judge, prompts, policy: Answers, sft: Answers):
@@ -328,9 +326,9 @@ class PolicyEvaluator:
         self.data = data
 
     def evaluate(self) -> PolicyEvaluation:
-        """Every figure on the test split (eval/...), the choosing figures on the dev split (dev/...); the proxy's
-        accuracy on every test pair; perplexities on the chosen responses of the first `perplexity_rows` test
-        prompts. Figures that are NaN (no value) are left out."""
+        """Every figure on the test split (eval/...), and with `evaluate.dev_figures` the choosing figures on the dev
+        split (dev/...); the proxy's accuracy on every test pair; perplexities on the chosen responses of the first
+        `perplexity_rows` test prompts. Figures that are NaN (no value) are left out."""
         held_out, reference = self.data.prompts, self.data.reference
         parts, kl = self.answer_held_out()
         figures = {split: self.split_figures(split, answers, reference[split]) for split, answers in parts.items()}
@@ -341,11 +339,7 @@ class PolicyEvaluator:
         if "dev" in parts:
             dev_kl = float(kl["dev"].mean())
             metrics.update(dev_metrics(figures["dev"][0], dev_kl))
-            dev_rows = self.data.dev_rows
-            dev_pairs = evaluate_pairs(self.models.rm, dev_rows)
-            dev = DevAnswers(
-                held_out.prompts["dev"], held_out.conversations["dev"], parts["dev"], dev_kl, dev_rows, dev_pairs
-            )
+            dev = DevAnswers(held_out.prompts["dev"], held_out.conversations["dev"], parts["dev"], dev_kl)
         samples = answer_samples(held_out, parts["test"], reference["test"], judged, judge_scores, kl["test"])
         return PolicyEvaluation(
             metrics={k: v for k, v in metrics.items() if not math.isnan(v)},  # NaN: "no value" (tracking.valued)
@@ -356,28 +350,41 @@ class PolicyEvaluator:
         )
 
     def answer_held_out(self):
-        """The policy's answers to both held-out splits' prompts, sampled at once (full batches, and the random
-        streams the SFT model's answers were drawn with), with the proxy's and a pointwise judge's scores and each
-        answer's KL to the SFT model in the sampling precision: (answers per split, KL per split)."""
-        settings, models, held_out = self.settings, self.models, self.data.prompts
-        everything = held_out.all()
+        """The policy's answers to the splits answered up front (the test split; the dev split too with
+        `evaluate.dev_figures`), on the random streams the SFT model's answers were drawn with, with the proxy's and
+        a pointwise judge's scores and each answer's KL to the SFT model in the sampling precision, each split
+        scored apart: (answers per split, KL per split)."""
+        models = self.models
         policy_low = as_precision(models.policy, models.dtype)
-        policy_out = settings.sampling.sample(policy_low, models.tokenizer, everything)
-        answers = Answers.from_outputs(policy_out, settings.degenerate_repetition)
-        answers.extra["proxy"] = models.rm.score(everything, answers.texts).tolist()
-        if models.judge.pointwise:
-            answers.extra["judge"] = [float(x) for x in models.judge.score(everything, answers.texts)]
+        outputs, parts = sample_answers(self.settings, policy_low, models.tokenizer, self.data.prompts)
+        return parts, self.scored(policy_low, outputs, parts)
+
+    def scored(self, policy_low, outputs, parts: dict[str, Answers]) -> dict[str, np.ndarray]:
+        """The proxy's and a pointwise judge's scores of each split's answers (into `parts`), and their KL to the SFT
+        model per split."""
+        settings, models = self.settings, self.models
+        score_answers(parts, self.data.prompts, models.rm, models.judge)
+        sizes = [len(part) for part in parts.values()]
         kl_all = sampled_kl(
             policy_low,
             as_precision(models.sft, models.dtype),
-            policy_out,
+            outputs,
             settings.temperature,
             pad_token_id=models.tokenizer.pad_token_id,
             batch_size=settings.score_batch_size,
+            parts=sizes,
         )
-        parts = answers.split(held_out.sizes())
-        kl = dict(zip(parts, np.split(np.asarray(kl_all), np.cumsum(list(held_out.sizes().values()))[:-1])))
-        return parts, kl
+        return dict(zip(parts, np.split(np.asarray(kl_all), np.cumsum(sizes)[:-1])))
+
+    def answer_dev(self) -> DevAnswers:
+        """The policy's answers to the dev prompts alone, for the champion rule of a run that did not answer them up
+        front: on the random streams the champion's answers are sampled with (`policy_against`)."""
+        settings, models, held_out = self.settings, self.models, self.data.prompts
+        policy_low = as_precision(models.policy, models.dtype)
+        outputs = settings.sampling.sample(policy_low, models.tokenizer, held_out.prompts["dev"])
+        parts = {"dev": Answers.from_outputs(outputs, settings.degenerate_repetition)}
+        kl = self.scored(policy_low, outputs, parts)["dev"]
+        return DevAnswers(held_out.prompts["dev"], held_out.conversations["dev"], parts["dev"], float(kl.mean()))
 
     def split_figures(self, split: str, policy_answers: Answers, sft_answers: Answers):
         """One split's comparison of the policy's answers with the SFT model's: (figures, the judge's verdicts, a
@@ -421,6 +428,8 @@ class PolicyEvaluator:
         chat template and special tokens, as it would be served) on the dev prompts, sampled with the evaluation's
         settings and judged by the same judge on the pairs where both answers ended, after the guards
         (evaluate.champion)."""
+        if result.dev is None:  # the dev split was not answered up front: this decision is the first to read it
+            result.dev = self.answer_dev()
         settings, judge, dev = self.settings, self.models.judge, result.dev
         other = as_precision(other, self.models.dtype)
         other_answers = Answers.from_outputs(
@@ -445,11 +454,11 @@ class PolicyEvaluator:
 
     def reward_model_against(self, result: PolicyEvaluation, other, challenge: int) -> HeadToHead:
         """The proxy head to head with another reward model (the champion's, loaded) on the dev split's pairs."""
-        dev = result.dev
-        other_pairs = evaluate_pairs(other, dev.pair_rows)
-        conversations = list(conversation_keys(pd.DataFrame(dev.pair_rows)))
+        rows = self.data.dev_rows
+        mine, other_pairs = evaluate_pairs(self.models.rm, rows), evaluate_pairs(other, rows)
+        conversations = list(conversation_keys(pd.DataFrame(rows)))
         return reward_model_head_to_head(
-            dev.pairs.correct.tolist(), other_pairs.correct.tolist(), conversations, self.settings.champion, challenge
+            mine.correct.tolist(), other_pairs.correct.tolist(), conversations, self.settings.champion, challenge
         )
 
 

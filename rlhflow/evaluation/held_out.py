@@ -1,6 +1,6 @@
 """The held-out prompts of an evaluation (one per test or dev conversation), what else it reads from disk
 (`HeldOutData`), and the SFT model's answers to the prompts: the sft_answers stage samples and scores those once
-(`sample_reference`), for every evaluate and sweep point to read (`load_reference`)."""
+(`sample_answers`, `reference_record`), for every evaluate and sweep point to read (`load_reference`)."""
 
 from __future__ import annotations
 
@@ -65,6 +65,11 @@ class HeldOutPrompts:
     def sizes(self) -> dict[str, int]:
         return {split: len(p) for split, p in self.prompts.items()}
 
+    def answered(self, dev: bool) -> dict[str, int]:
+        """The rows of the splits answered up front: the test split's, and the dev split's with `dev` (where there
+        is one). They lead `all()`, so sampling the first sum(rows) prompts answers them."""
+        return {split: n for split, n in self.sizes().items() if split == "test" or dev}
+
 
 def repeated(items: list, k: int) -> list:
     """Each item k times in a row: the rows of k samples per prompt."""
@@ -89,38 +94,50 @@ class HeldOutData:
     test_pair_scores: Any  # the reward model stage's scores of the test pairs; None: it saved none for them
 
 
-def sample_reference(settings: EvaluationSettings, sft, tokenizer, held_out: HeldOutPrompts) -> Answers:
-    """The SFT model's answers (in the sampling precision) to the evaluation prompts of both held-out splits,
-    classified."""
-    outputs = settings.sampling.sample(sft, tokenizer, held_out.all())
-    return Answers.from_outputs(outputs, settings.degenerate_repetition)
+def sample_answers(settings: EvaluationSettings, model, tokenizer, held_out: HeldOutPrompts):
+    """A model's answers (in the sampling precision) to the splits answered up front (`HeldOutPrompts.answered`):
+    each the answer sampling both splits' prompts gives, on the same random streams for every model. Returns the
+    sampled outputs and the classified answers per split."""
+    sizes = held_out.answered(settings.dev_figures)
+    outputs = settings.sampling.sample(model, tokenizer, held_out.all(), rows=sum(sizes.values()))
+    return outputs, Answers.from_outputs(outputs, settings.degenerate_repetition).split(sizes)
 
 
-def reference_record(answers: Answers, rm, judge, held_out: HeldOutPrompts, key: dict) -> tuple[dict, dict]:
-    """The sft_answers stage's record: the SFT model's answers with the proxy's scores (and the judge's, for a judge
-    that scores answers one at a time) per split, under what they are keyed by (`reference_key`); and the answers'
-    class shares per split as metrics."""
-    prompts = held_out.all()
-    answers.extra["proxy"] = rm.score(prompts, answers.texts).tolist()
-    if judge.pointwise:
-        answers.extra["judge"] = [float(x) for x in judge.score(prompts, answers.texts)]
-    parts = answers.split(held_out.sizes())
+def score_answers(parts: dict[str, Answers], held_out: HeldOutPrompts, rm, judge) -> None:
+    """The proxy's scores (and the judge's, for a judge that scores answers one at a time) of each split's answers,
+    into their `extra`; each split scored apart, so a split's scores do not depend on whether another was answered."""
+    for split, part in parts.items():
+        prompts = held_out.prompts[split]
+        part.extra["proxy"] = rm.score(prompts, part.texts).tolist()
+        if judge.pointwise:
+            part.extra["judge"] = [float(x) for x in judge.score(prompts, part.texts)]
+
+
+def reference_record(parts: dict[str, Answers], rm, judge, held_out: HeldOutPrompts, key: dict) -> tuple[dict, dict]:
+    """The sft_answers stage's record: the SFT model's answers per split with the proxy's and a pointwise judge's
+    scores (`score_answers`), under what they are keyed by (`reference_key`); and the answers' class shares per
+    split as metrics."""
+    score_answers(parts, held_out, rm, judge)
+    answers = sum(len(part) for part in parts.values())
     record = {"key": key, "answers": {split: part.to_json() for split, part in parts.items()}}
-    metrics = {"sft_answers/answers": float(len(answers))}
+    metrics = {"sft_answers/answers": float(answers)}
     for split, part in parts.items():
         prefix = "sft_answers/" if split == "test" else f"sft_answers/{split}_"
         metrics.update({f"{prefix}{name}": share for name, share in part.shares().items()})
     return record, metrics
 
 
-def reference_key(settings: EvaluationSettings, *, sft_md5: str, held_out_md5: dict, prompts: dict[str, int]) -> dict:
+def reference_key(
+    settings: EvaluationSettings, *, sft_md5: str, held_out_md5: dict, prompts: dict[str, int], splits: list[str]
+) -> dict:
     """What the SFT answers depend on besides the code: the SFT model, the held-out split files, the number of
-    evaluation prompts of each (`prompts`) and every sampling and classification setting. The sft_answers stage
-    writes it with the answers; evaluate takes them only under the same key."""
+    evaluation prompts of each (`prompts`), the splits answered (`splits`) and every sampling and classification
+    setting. The sft_answers stage writes it with the answers; evaluate takes them only under the same key."""
     return {
         "sft_md5": sft_md5,
         "held_out_md5": held_out_md5,
         "prompts": prompts,
+        "splits": splits,
         "samples_per_prompt": settings.samples_per_prompt,
         "sampling": settings.sampling.key(),
         "degenerate_repetition": settings.degenerate_repetition,

@@ -127,11 +127,20 @@ def response_kl(
 
 @torch.no_grad()
 def sampled_kl(
-    policy, reference, outputs, temperature: float, *, pad_token_id: int, batch_size: int = 8, by_length: bool = True
+    policy,
+    reference,
+    outputs,
+    temperature: float,
+    *,
+    pad_token_id: int,
+    batch_size: int = 8,
+    by_length: bool = True,
+    parts: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """`response_kl` of every response in `outputs` (GenerationOutputs, as sampled), float64 [N] in their order.
     The rows are taken out of their sampling batches and scored in batches of `batch_size` in order of length
-    (`by_length`; else in the given order), so that a batch pads little."""
+    (`by_length`; else in the given order), so that a batch pads little. `parts`: the sizes of consecutive parts of
+    the rows (held-out splits) scored apart, so that a part's figures do not depend on the others; None: one part."""
     queries, answers = [], []
     for o in outputs:
         ctx = o.context_length
@@ -142,14 +151,20 @@ def sampled_kl(
             answers.append(response[response_mask.bool()].tolist())
     device = next(policy.parameters()).device
     kl = torch.zeros(len(answers), dtype=torch.float64)
-    for rows, query_response, attention, context_length, response_mask in _batches_by_length(
-        queries, answers, pad_token_id, batch_size, by_length, device
-    ):
-        kl[rows] = (
-            response_kl(policy, reference, query_response, attention, context_length, response_mask, temperature)
-            .double()
-            .cpu()
-        )
+    start = 0
+    for size in [len(answers)] if parts is None else parts:
+        part = slice(start, start + size)
+        for rows, query_response, attention, context_length, response_mask in _batches_by_length(
+            queries[part], answers[part], pad_token_id, batch_size, by_length, device
+        ):
+            kl[[start + i for i in rows]] = (
+                response_kl(policy, reference, query_response, attention, context_length, response_mask, temperature)
+                .double()
+                .cpu()
+            )
+        start += size
+    if start != len(answers):
+        raise ValueError(f"parts of {start} rows for {len(answers)} answers")
     return kl
 
 

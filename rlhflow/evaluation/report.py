@@ -124,6 +124,12 @@ def _overview_lines(fmt: Figures, settings: str) -> list[str]:
             "Nothing is chosen on the test split, so the figures below are not selected on.",
             "",
         ]
+    else:
+        lines += [
+            "The dev split was not answered up front (`evaluate.dev_figures` false): the champion rule answers it "
+            "where it compares with a champion, and a sweep sets it. Nothing is chosen on the test split.",
+            "",
+        ]
     return lines
 
 

@@ -19,6 +19,7 @@ class EvaluationSettings:
     n_prompts: int | None  # per held-out split; None: one per conversation
     samples_per_prompt: int
     degenerate_repetition: float
+    dev_figures: bool  # answer the dev split up front, both models (evaluate.dev_figures); else only for a champion
     # scoring
     score_batch_size: int
     perplexity_rows: int

@@ -43,6 +43,24 @@ class GenerationOutput:
         return self.query_response.shape[1] - self.response.shape[1]
 
 
+def first_rows(out: GenerationOutput, rows: int) -> GenerationOutput:
+    """The first `rows` rows of a sampled batch, every per-row field cut alike (columns as they are)."""
+
+    def cut(x):
+        return None if x is None else x[:rows]
+
+    return GenerationOutput(
+        query_response=out.query_response[:rows],
+        response=out.response[:rows],
+        response_mask=out.response_mask[:rows],
+        ended=out.ended[:rows],
+        texts=out.texts[:rows],
+        attention_mask=cut(out.attention_mask),
+        logits=cut(out.logits),
+        hidden=cut(out.hidden),
+    )
+
+
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_or_generation_config=None) -> list[int]:
     """Every token id that ends a response: the tokenizer's EOS and each EOS id the model's generation_config lists
     (an int or a list; Llama-3 and Qwen instruct models list several, e.g. an end-of-turn besides end-of-text)."""

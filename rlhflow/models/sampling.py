@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Literal
 
-from rlhflow.models.generation import GenerationOutput, generate
+from rlhflow.models.generation import GenerationOutput, first_rows, generate
 from rlhflow.models.kv_cache import KVCache
 from rlhflow.models.policy import Messages, encode_prompts
 
@@ -40,14 +40,18 @@ def sample_responses(
     drop_finished: bool = True,
     draw: str = "inverse_cdf",
     kv_cache: KVCache = "preallocated",
+    rows: int | None = None,
 ) -> list[GenerationOutput]:
     """`generate` over all prompts in batches of `batch_size`, on the model's device. Batch i samples with seed
     `seed + i`, so two models given the same prompts and seed are compared on the same random streams.
     drop_finished False: transformers' own `generate`, which keeps ended rows until the batch's last one ends;
-    True: `draw` picks each token (rlhflow.models.decoding.DRAWS). kv_cache: rlhflow.models.kv_cache."""
+    True: `draw` picks each token (rlhflow.models.decoding.DRAWS). kv_cache: rlhflow.models.kv_cache.
+    rows: the answers to the first `rows` prompts alone, each the one sampling every prompt gives: the batches that
+    hold them are sampled whole (their other rows share the random stream) and the outputs cut after row `rows`."""
     device = next(model.parameters()).device
+    wanted = len(prompt_messages) if rows is None else min(rows, len(prompt_messages))
     outs = []
-    for start in range(0, len(prompt_messages), batch_size):
+    for start in range(0, wanted, batch_size):
         query, mask = encode_prompts(tokenizer, prompt_messages[start : start + batch_size], max_prompt_length)
         outs.append(
             generate(
@@ -67,6 +71,8 @@ def sample_responses(
                 kv_cache=kv_cache,
             )
         )
+    if outs and wanted < len(prompt_messages):
+        outs[-1] = first_rows(outs[-1], wanted - batch_size * (len(outs) - 1))
     return outs
 
 
@@ -94,7 +100,9 @@ class Sampling:
         share one random stream; the decoder too: which rows share each draw)."""
         return {**asdict(self), "stop_strings": list(self.stop_strings)}
 
-    def sample(self, model, tokenizer, prompt_messages) -> list[GenerationOutput]:
+    def sample(self, model, tokenizer, prompt_messages, rows: int | None = None) -> list[GenerationOutput]:
+        """The answers to `prompt_messages`; to the first `rows` of them alone, as sampling them all gives them
+        (`sample_responses`)."""
         return sample_responses(
             model,
             tokenizer,
@@ -111,4 +119,5 @@ class Sampling:
             drop_finished=self.decoder == "drop_finished",
             draw=self.draw,
             kv_cache=self.kv_cache,
+            rows=rows,
         )
