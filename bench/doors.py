@@ -57,6 +57,7 @@ BENCH_DOORS = (
     "bench.decode_roofline",
     "bench.eval_batching",
     "bench.gpu_ppo",
+    "bench.headline",
     "bench.logprob_error",
     "bench.orchestration",
     "bench.ppo_bench",

@@ -394,3 +394,31 @@ def test_precision_frontier_compares_pairs_by_seed_and_at_equal_kl():
     assert [line.split(" | ")[0] for line in lines[2:-2]] == [f"| {row}" for row in logged] and len(logged) == 3
     assert lines[-1] == "No finished run yet: bf16 beta 0.025 seed 0."
     assert table(runs[-1:]) == "No finished run yet: bf16 beta 0.025 seed 0."  # no empty table before any run
+
+
+def test_headline_table_shows_each_seed_and_concludes_only_where_every_seed_agrees():
+    """bench.headline: a row per figure with each seed's value and interval and the range over seeds; a conclusion
+    against 0.5 only as far as every seed's figure (and interval) agrees."""
+    from bench.headline import table
+
+    def seed(win, low, high, lc):
+        return {
+            "machine": {"cpu": "AMD EPYC", "cores": "2", "torch_cpu_capability": "AVX512"},
+            "figures": {
+                "eval/judge_win_rate_vs_sft": win,
+                "eval/judge_win_rate_ci_low": low,
+                "eval/judge_win_rate_ci_high": high,
+                "eval/judge_win_rate_lc": lc,
+                "eval/judge_win_rate_lc_ci_low": lc - 0.1,
+                "eval/judge_win_rate_lc_ci_high": lc + 0.1,
+                "eval/kl": 5.0,
+            },
+        }
+
+    markdown = table({0: seed(0.77, 0.70, 0.84, 0.48), 1: seed(0.71, 0.63, 0.79, 0.62), 2: seed(0.74, 0.52, 0.9, 0.55)})
+    assert "AMD EPYC (2 cores, torch kernels AVX512)" in markdown
+    row = next(line for line in markdown.splitlines() if "`eval/judge_win_rate_vs_sft`" in line)
+    assert "| 0.770 (0.700 to 0.840) | 0.710 (0.630 to 0.790) |" in row and row.endswith("| 0.710 to 0.770 |")
+    assert "judge win rate vs SFT: above 0.5 at every seed, each interval above it." in markdown
+    assert "length-controlled: the seeds disagree (above 0.5 at seed(s) [1, 2] alone): no conclusion." in markdown
+    assert "KL to SFT" in markdown and "proxy accuracy" not in markdown  # no seed logged it: no row
