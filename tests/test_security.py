@@ -92,6 +92,7 @@ def test_model_code_runs_only_when_params_turn_trust_remote_code_on(remote_code_
     [
         ("sft.trust_remote_code", "sft.trust_remote_code=true"),
         ("ppo.reward_fn", "ppo.reward_fn=tests.fixtures:prompt_length_reward"),
+        ("launch.accelerate_config", "launch.accelerate_config=/tmp/rendezvous.yaml"),
     ],
 )
 def test_a_setting_that_runs_code_needs_the_environment_to_allow_it(setting, override, monkeypatch):
@@ -108,6 +109,32 @@ def test_a_setting_that_runs_code_needs_the_environment_to_allow_it(setting, ove
     monkeypatch.setenv("RLHFLOW_ALLOW_CODE", f"{setting}_typo")
     with pytest.raises(ConfigError, match=rf"names '{setting}_typo', which is no setting that runs code"):
         load_config(None, [override])
+
+
+def test_an_accelerate_config_runs_no_code_only_from_the_shipped_folder(tmp_path, monkeypatch):
+    """accelerate copies its config's sections onto torchrun's arguments (a rendezvous backend that unpickles a
+    file): a config other than the shipped configs/accelerate/ ones, links resolved, needs the environment's
+    allowance."""
+    from rlhflow.config.params import REPO_ROOT, ConfigError, load_config
+
+    monkeypatch.delenv("RLHFLOW_ALLOW_CODE", raising=False)
+    for named in ("configs/accelerate/cpu_2proc.yaml", str(REPO_ROOT / "configs/accelerate/ddp.yaml")):
+        assert load_config(None, [f"launch.accelerate_config={named}"]).launch.accelerate_config == named
+    with pytest.raises(ConfigError, match="launch.accelerate_config runs .* outside the shipped"):
+        load_config(None, ["launch.accelerate_config=configs/accelerate/../../rendezvous.yaml"])
+    # links are resolved: a link in the shipped folder to a file outside it is outside (a folder of the test's own
+    # stands for configs/accelerate/, so that nothing is written into the project)
+    from rlhflow.config import code_settings
+
+    shipped, outside = tmp_path / "shipped", tmp_path / "rendezvous.yaml"
+    shipped.mkdir()
+    outside.write_text("rdzv_backend: static\n")
+    (shipped / "cpu.yaml").symlink_to(outside)
+    (shipped / "own.yaml").write_text("num_processes: 2\n")
+    monkeypatch.setattr(code_settings, "SHIPPED_ACCELERATE_CONFIGS", str(shipped))
+    assert load_config(None, [f"launch.accelerate_config={shipped / 'own.yaml'}"])
+    with pytest.raises(ConfigError, match="launch.accelerate_config runs .* outside the shipped"):
+        load_config(None, [f"launch.accelerate_config={shipped / 'cpu.yaml'}"])
 
 
 def test_weights_load_only_from_safetensors(tmp_path, tiny_model_dir):

@@ -7,18 +7,23 @@ separated by commas): something a params file cannot set.
 
 - `sft.trust_remote_code: true` runs the Python files that come with the models the stages load (the SFT model, its
   tokenizer, the reward model's and judge's backbones) as soon as a stage loads one;
-- `ppo.reward_fn` naming a module other than the shipped rlhflow.ppo.reward_functions imports and calls it.
+- `ppo.reward_fn` naming a module other than the shipped rlhflow.ppo.reward_functions imports and calls it;
+- `launch.accelerate_config` naming a file outside the shipped configs/accelerate/: `accelerate launch` copies its
+  sections onto its own and torchrun's arguments (a rendezvous backend and its endpoint, a DeepSpeed config, a
+  launcher), and such arguments load code and unpickle files.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 ALLOW_CODE_VARIABLE = "RLHFLOW_ALLOW_CODE"
 SHIPPED_REWARD_FUNCTIONS = "rlhflow.ppo.reward_functions"
-CODE_SETTINGS = ("sft.trust_remote_code", "ppo.reward_fn")
+SHIPPED_ACCELERATE_CONFIGS = "configs/accelerate"  # relative to the project root
+CODE_SETTINGS = ("sft.trust_remote_code", "ppo.reward_fn", "launch.accelerate_config")
 
 
 def code_in_use(cfg: Any) -> dict[str, str]:
@@ -30,7 +35,17 @@ def code_in_use(cfg: Any) -> dict[str, str]:
     module = (cfg.ppo.reward_fn or "").partition(":")[0]
     if module and module != SHIPPED_REWARD_FUNCTIONS:
         found["ppo.reward_fn"] = f"the module {module!r}, imported and called"
+    if cfg.launch.accelerate_config and not shipped_accelerate_config(cfg.path(cfg.launch.accelerate_config), cfg):
+        found["launch.accelerate_config"] = (
+            f"what accelerate and torchrun make of {cfg.launch.accelerate_config!r}, a file outside the shipped "
+            f"{SHIPPED_ACCELERATE_CONFIGS}/ (its sections become their arguments)"
+        )
     return found
+
+
+def shipped_accelerate_config(path: Path, cfg: Any) -> bool:
+    """Whether `path`, its links resolved, is a file of the project's own configs/accelerate/."""
+    return path.resolve().is_relative_to(cfg.path(SHIPPED_ACCELERATE_CONFIGS).resolve())
 
 
 def models_loaded(cfg: Any) -> dict[str, str]:
