@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import importlib
 import json
+import logging
 import sys
 import time
 from typing import Literal
@@ -91,6 +92,33 @@ TRANSIENT_RETRIES = dict(
     retry_condition_fn=_retry_if_transient,
     cache_policy=NO_CACHE,
 )
+
+
+# the flow's own bookkeeping tasks: a run log names their failures and retries, not each completion
+BOOKKEEPING_TASKS = frozenset(
+    {"ensure-training-limit", "check-up-to-date", "record-stage", "log-lineage", "publish-report"}
+)
+
+
+class TaskRunLines(logging.Filter):
+    """Prefect ends each task run with "Finished in state Completed()", and the UI's log of a flow run shows it
+    without the task's name: a task's line names it ("ppo finished in state Completed()"), and a bookkeeping task's
+    completion is left out (its failure stays)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith("Finished in state "):
+            return True
+        name = getattr(record, "task_name", None)
+        if name in BOOKKEEPING_TASKS and record.levelno < logging.WARNING:
+            return False
+        if name:
+            record.msg, record.args = f"{name} finished in state {message[len('Finished in state ') :]}", ()
+        return True
+
+
+if not any(isinstance(f, TaskRunLines) for f in logging.getLogger("prefect.task_runs").filters):
+    logging.getLogger("prefect.task_runs").addFilter(TaskRunLines())
 
 
 def selected_stages(cfg: Config, stages: list[str] | None) -> list[str]:

@@ -96,3 +96,21 @@ def test_dvc_records_the_stages_code_without_warnings(caplog):
                     if path.is_file():
                         dep.save()
     assert noise("\n".join(r.getMessage() for r in caplog.records)) == []
+
+
+def test_task_run_lines_name_their_task_and_bookkeeping_completions_are_left_out():
+    """The UI's log of a flow run shows a task run's message without its name: a stage's "Finished in state" line
+    names the stage; the flow's bookkeeping tasks (up-to-date checks, records) say nothing when they complete."""
+    from flows.pipeline_flow import TaskRunLines
+
+    def line(task: str, message: str, level: int = logging.INFO) -> logging.LogRecord | None:
+        record = logging.LogRecord("prefect.task_runs", level, __file__, 1, message, (), None)
+        record.task_name = task
+        return record if TaskRunLines().filter(record) else None
+
+    assert line("ppo", "Finished in state Completed()").getMessage() == "ppo finished in state Completed()"
+    assert line("record-stage", "Finished in state Completed()") is None
+    failed = line("record-stage", "Finished in state Failed('disk full')", logging.ERROR)
+    assert failed.getMessage() == "record-stage finished in state Failed('disk full')"
+    assert line("ppo", "reward model: trained 52 steps").getMessage() == "reward model: trained 52 steps"
+    assert any(isinstance(f, TaskRunLines) for f in logging.getLogger("prefect.task_runs").filters)
