@@ -144,13 +144,15 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
 
     from rlhflow.evaluation import report
     from rlhflow.evaluation.compare import PolicyEvaluator
+    from rlhflow.progress import ProgressLines
     from rlhfops import promotion
 
     inputs = evaluation_inputs(cfg)  # the stage's reading of params.yaml; what follows uses these values
     algorithm, promote = cfg.align.algorithm, cfg.evaluate.promote
     registering = cfg.tracking.log_models and cfg.tracking.register_models
 
-    evaluator = PolicyEvaluator(inputs.settings, load_evaluated_models(inputs), read_held_out_data(inputs))
+    models, data = load_evaluated_models(inputs), read_held_out_data(inputs)
+    evaluator = PolicyEvaluator(inputs.settings, models, data, lines=ProgressLines(NAME))
     result = evaluator.evaluate()
     ctx.log_metrics(result.metrics, on_parent=True)
     mlflow.set_tag("algorithm", algorithm)  # what made the policy (align.algorithm, one of its params)

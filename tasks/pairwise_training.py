@@ -143,6 +143,7 @@ def train_pairwise_model(
             seed=seed,
             log_fn=lambda m, step: ctx.log_metrics({f"{prefix}/{k}": v for k, v in m.items()}, step=step),
             trust_remote_code=cfg.sft.trust_remote_code,
+            what="judge" if section == "judge" else "reward model",  # how its lines in the run log begin
         )
         if rm is None:  # not the main process: its part of the training is done
             return {}

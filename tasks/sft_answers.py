@@ -31,6 +31,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
         sample_answers,
     )
     from rlhflow.models.loading import pick_device
+    from rlhflow.progress import ProgressLines
     from rlhflow.training.reward_model import RewardModel
 
     inputs = evaluation_inputs(cfg)  # the stage's reading of params.yaml; what follows uses these values
@@ -38,7 +39,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     device = pick_device(inputs.device)
     held_out = HeldOutPrompts.load(files, settings.n_prompts, settings.samples_per_prompt)
     tokenizer, sft = sft_in_precision(inputs.sft_dir, settings.precision, device)
-    _, answers = sample_answers(settings, sft, tokenizer, held_out)
+    _, answers = sample_answers(settings, sft, tokenizer, held_out, lines=ProgressLines(NAME))
     del sft  # the scorers load next
     rm = RewardModel.load(inputs.proxy_dir, batch_size=inputs.proxy_batch_size, device=device)
     judge = load_evaluation_judge(inputs, device)

@@ -24,7 +24,7 @@ LAYERS = ["rlhflow", "rlhfops", "tasks", "flows"]  # lowest first; bench sits be
 ABOVE = {name: set(LAYERS[i + 1 :]) | {"bench", "tests"} for i, name in enumerate(LAYERS)}
 MAX_LINES = 600
 ROOMS = ["config", "data", "models", "training", "ppo", "evaluation"]  # rlhflow's rooms, lowest first
-BASE = {"fsutil", "redaction"}  # rlhflow's top-level modules, below every room
+BASE = {"fsutil", "progress", "redaction"}  # rlhflow's top-level modules, below every room
 PROJECT = ["rlhflow", "rlhfops", "tasks", "flows", "bench"]
 
 

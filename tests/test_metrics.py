@@ -274,19 +274,25 @@ def test_sampled_kl_is_response_kl_of_each_row_whatever_the_batching(tok):
         torch.testing.assert_close(kl, per_batch.double(), rtol=1e-5, atol=1e-5)
 
 
-def test_the_first_rows_are_answered_as_sampling_every_prompt_answers_them(tok):
+def test_the_first_rows_are_answered_as_sampling_every_prompt_answers_them(tok, capsys):
     """Sampling the first `rows` prompts alone (a held-out split that leads another) gives each of their answers as
     sampling every prompt does: their batches are sampled whole, on the same random streams; later batches are not
     sampled. Each part's KL (`parts`) is the same whether or not the other part is scored beside it."""
     from rlhflow.evaluation.metrics import sampled_kl
     from rlhflow.models.sampling import sample_responses
+    from rlhflow.progress import ProgressLines
     from tests.fixtures import tiny_llama
 
     policy, reference = tiny_llama(tok), tiny_llama(tok, seed=1)
     prompts = [[{"role": "user", "content": "hi " * n}] for n in (9, 1, 5, 2, 14, 3, 7)]
     settings = dict(batch_size=3, max_prompt_length=64, max_new_tokens=6, temperature=1.0, seed=0)
     every = sample_responses(policy, tok, prompts, **settings)
-    first = sample_responses(policy, tok, prompts, rows=4, **settings)
+    first = sample_responses(policy, tok, prompts, rows=4, lines=ProgressLines("sft_answers", every=0), **settings)
+    said = capsys.readouterr().out.splitlines()  # progress lines: each decoding step of each batch sampled
+    assert said[0] == "sft_answers: answers: batch 1 of 2, token 1 of 6, 3 of 3 still sampling", said
+    assert all(
+        line.startswith(("sft_answers: answers: batch 1 of 2", "sft_answers: answers: batch 2 of 2")) for line in said
+    )
     assert [len(o.texts) for o in every] == [3, 3, 1] and [len(o.texts) for o in first] == [3, 1]
     assert sum((o.texts for o in first), []) == sum((o.texts for o in every), [])[:4]
     for got, want in zip(first, every):

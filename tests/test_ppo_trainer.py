@@ -274,9 +274,13 @@ def test_non_finite_loss_and_kl_raise(tok, tmp_path, monkeypatch, quantity, targ
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_save_writes_a_plain_model_and_value_head(tok, tmp_path):
+def test_save_writes_a_plain_model_and_value_head(tok, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("rlhflow.progress.PROGRESS_SECONDS", 0.0)  # a progress line after every update
     trainer = make_trainer(tok, tmp_path, steps=2)
     trainer.train()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ppo: ")]
+    assert [line.split(":")[1] for line in lines] == [" update 1 of 2", " update 2 of 2"], lines
+    assert all(", KL " in line and "reward " in line for line in lines)
     out = trainer.save(tmp_path / "policy")
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.tensor([[5, 6, 7, 8, 9]])

@@ -114,3 +114,21 @@ def test_task_run_lines_name_their_task_and_bookkeeping_completions_are_left_out
     assert failed.getMessage() == "record-stage finished in state Failed('disk full')"
     assert line("ppo", "reward model: trained 52 steps").getMessage() == "reward model: trained 52 steps"
     assert any(isinstance(f, TaskRunLines) for f in logging.getLogger("prefect.task_runs").filters)
+
+
+def test_progress_lines_come_at_most_every_so_many_seconds(capsys):
+    """A stage's progress reaches the run log as print()ed lines, at most one every PROGRESS_SECONDS; a line's text
+    is made only when it is printed."""
+    from rlhflow.progress import PROGRESS_SECONDS, ProgressLines
+
+    now = [0.0]
+    lines = ProgressLines("ppo", clock=lambda: now[0])
+    made = []
+    for t in (1.0, PROGRESS_SECONDS, PROGRESS_SECONDS + 5, 2 * PROGRESS_SECONDS + 1):
+        now[0] = t
+        lines(lambda t=t: made.append(t) or f"at {t:g} s")
+    assert capsys.readouterr().out.splitlines() == [
+        f"ppo: at {PROGRESS_SECONDS:g} s",
+        f"ppo: at {2 * PROGRESS_SECONDS + 1:g} s",
+    ]
+    assert made == [PROGRESS_SECONDS, 2 * PROGRESS_SECONDS + 1]

@@ -54,11 +54,15 @@ def test_pairwise_accuracy_counts_ties_half():
     assert pairwise_accuracy(torch.tensor([1.0, 0.0, 2.0, 1.0]), torch.tensor([0.0, 1.0, 2.0, 0.5])) == 0.625
 
 
-def test_training_learns_a_separable_preference_and_reloads(tiny_model_dir, tmp_path):
+def test_training_learns_a_separable_preference_and_reloads(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("rlhflow.progress.PROGRESS_SECONDS", 0.0)  # a progress line after every step
     cfg = RewardModelConfig(epochs=4, batch_size=8, learning_rate=3e-3, max_length=64, warmup_ratio=0.0)
     rm = train_reward_model(
         cfg, _pairs(32), backbone=str(tiny_model_dir), out_dir=tmp_path / "rm", work_dir=tmp_path / "work", seed=0
     )
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("reward model: step ")]
+    assert lines[0].startswith("reward model: step 1 of 16 (epoch 0.25)") and len(lines) == 16, lines
+    assert lines[-1].startswith("reward model: step 16 of 16 (epoch 4.00), loss "), lines
     held_out = _pairs(16, offset=100)
     assert evaluate_pairs(rm, held_out).metrics["accuracy"] >= 0.9
     # scores are normalised over the training responses

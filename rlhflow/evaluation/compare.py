@@ -320,10 +320,11 @@ class PolicyEvaluator:
     scored by the proxy and the judge; then, for the champion rule, against another policy or reward model on the
     dev split. It gets the settings, the loaded models and the held-out data (`HeldOutData`) from its stage."""
 
-    def __init__(self, settings: EvaluationSettings, models: EvaluatedModels, data: HeldOutData):
+    def __init__(self, settings: EvaluationSettings, models: EvaluatedModels, data: HeldOutData, lines=None):
         self.settings = settings
         self.models = models
         self.data = data
+        self.lines = lines  # progress lines while it samples and scores (rlhflow.progress.ProgressLines)
 
     def evaluate(self) -> PolicyEvaluation:
         """Every figure on the test split (eval/...), and with `evaluate.dev_figures` the choosing figures on the dev
@@ -356,7 +357,7 @@ class PolicyEvaluator:
         scored apart: (answers per split, KL per split)."""
         models = self.models
         policy_low = as_precision(models.policy, models.dtype)
-        outputs, parts = sample_answers(self.settings, policy_low, models.tokenizer, self.data.prompts)
+        outputs, parts = sample_answers(self.settings, policy_low, models.tokenizer, self.data.prompts, self.lines)
         return parts, self.scored(policy_low, outputs, parts)
 
     def scored(self, policy_low, outputs, parts: dict[str, Answers]) -> dict[str, np.ndarray]:
@@ -373,6 +374,7 @@ class PolicyEvaluator:
             pad_token_id=models.tokenizer.pad_token_id,
             batch_size=settings.score_batch_size,
             parts=sizes,
+            lines=self.lines,
         )
         return dict(zip(parts, np.split(np.asarray(kl_all), np.cumsum(sizes)[:-1])))
 
@@ -381,7 +383,7 @@ class PolicyEvaluator:
         front: on the random streams the champion's answers are sampled with (`policy_against`)."""
         settings, models, held_out = self.settings, self.models, self.data.prompts
         policy_low = as_precision(models.policy, models.dtype)
-        outputs = settings.sampling.sample(policy_low, models.tokenizer, held_out.prompts["dev"])
+        outputs = settings.sampling.sample(policy_low, models.tokenizer, held_out.prompts["dev"], lines=self.lines)
         parts = {"dev": Answers.from_outputs(outputs, settings.degenerate_repetition)}
         kl = self.scored(policy_low, outputs, parts)["dev"]
         return DevAnswers(held_out.prompts["dev"], held_out.conversations["dev"], parts["dev"], float(kl.mean()))

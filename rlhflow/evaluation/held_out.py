@@ -94,12 +94,12 @@ class HeldOutData:
     test_pair_scores: Any  # the reward model stage's scores of the test pairs; None: it saved none for them
 
 
-def sample_answers(settings: EvaluationSettings, model, tokenizer, held_out: HeldOutPrompts):
+def sample_answers(settings: EvaluationSettings, model, tokenizer, held_out: HeldOutPrompts, lines=None):
     """A model's answers (in the sampling precision) to the splits answered up front (`HeldOutPrompts.answered`):
     each the answer sampling both splits' prompts gives, on the same random streams for every model. Returns the
-    sampled outputs and the classified answers per split."""
+    sampled outputs and the classified answers per split. `lines` writes progress lines (rlhflow.progress)."""
     sizes = held_out.answered(settings.dev_figures)
-    outputs = settings.sampling.sample(model, tokenizer, held_out.all(), rows=sum(sizes.values()))
+    outputs = settings.sampling.sample(model, tokenizer, held_out.all(), rows=sum(sizes.values()), lines=lines)
     return outputs, Answers.from_outputs(outputs, settings.degenerate_repetition).split(sizes)
 
 

@@ -136,11 +136,13 @@ def sampled_kl(
     batch_size: int = 8,
     by_length: bool = True,
     parts: Sequence[int] | None = None,
+    lines=None,
 ) -> torch.Tensor:
     """`response_kl` of every response in `outputs` (GenerationOutputs, as sampled), float64 [N] in their order.
     The rows are taken out of their sampling batches and scored in batches of `batch_size` in order of length
     (`by_length`; else in the given order), so that a batch pads little. `parts`: the sizes of consecutive parts of
-    the rows (held-out splits) scored apart, so that a part's figures do not depend on the others; None: one part."""
+    the rows (held-out splits) scored apart, so that a part's figures do not depend on the others; None: one part.
+    `lines`: a progress line writer (rlhflow.progress.ProgressLines), told how many answers are scored."""
     queries, answers = [], []
     for o in outputs:
         ctx = o.context_length
@@ -151,7 +153,7 @@ def sampled_kl(
             answers.append(response[response_mask.bool()].tolist())
     device = next(policy.parameters()).device
     kl = torch.zeros(len(answers), dtype=torch.float64)
-    start = 0
+    start = scored = 0
     for size in [len(answers)] if parts is None else parts:
         part = slice(start, start + size)
         for rows, query_response, attention, context_length, response_mask in _batches_by_length(
@@ -162,6 +164,9 @@ def sampled_kl(
                 .double()
                 .cpu()
             )
+            scored += len(rows)
+            if lines:
+                lines(f"KL to the SFT model: {scored} of {len(answers)} answers scored")
         start += size
     if start != len(answers):
         raise ValueError(f"parts of {start} rows for {len(answers)} answers")

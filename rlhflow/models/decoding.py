@@ -203,6 +203,7 @@ def sample_dropping_finished(
     stop_criterion: StoppingCriteria | None = None,
     draw: Callable[[torch.Tensor], torch.Tensor] = inverse_cdf_draw,
     kv_cache: KVCache = "preallocated",
+    on_step: Callable[[int, int], None] | None = None,
 ) -> tuple[torch.Tensor, list[int | None]]:
     """Sample up to `max_new_tokens` tokens after each left-padded prompt.
 
@@ -210,8 +211,8 @@ def sample_dropping_finished(
     row's length; like `generate(...).sequences`) and, per row, the number of tokens generated when
     `stop_criterion` (e.g. transformers' StopStringCriteria) stopped it, or None. A row ends on a token of
     `stop_ids` (kept) or when `stop_criterion` fires. `draw` picks one token per row from the processed
-    probabilities (`multinomial_draw`: generate's own draws); `kv_cache` names the cache (rlhflow.models.kv_cache);
-    "compiled" draws other tokens than the others at one seed (its batch holds extra rows), the same when greedy."""
+    probabilities (`multinomial_draw`: generate's own draws); `kv_cache` names the cache (rlhflow.models.kv_cache;
+    "compiled" draws other tokens at one seed: its batch holds extra rows). `on_step(tokens, live)` after each step."""
     B, P = input_ids.shape
     device = input_ids.device
     steps = (
@@ -240,6 +241,8 @@ def sample_dropping_finished(
                 stopped_after[int(rows[i])] = step + 1
             ended |= stopped
         done |= ended
+        if on_step is not None:
+            on_step(generated, int((~done).sum()))
         if bool(done.all()) or step + 1 == max_new_tokens:
             break
         keep = steps.keep(done)

@@ -11,7 +11,7 @@ finished by themselves.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,17 +205,16 @@ def generate(
     drop_finished: bool = False,
     draw: str = "inverse_cdf",
     kv_cache: KVCache = "preallocated",
+    on_step: Callable[[int, int], None] | None = None,
 ) -> GenerationOutput:
     """Sample one response per prompt from logits / temperature, then top-k / top-p, with only the settings given
     here (the model's own generation processors would change the distribution PPO's ratios assume).
     `generator_seed`: reproducible, the global RNG untouched. return_logits / return_hidden keep the sampling pass's
     raw logits and last hidden states (PPO's old log-probs and values without a second forward pass).
-    compute_dtype bf16: under autocast. drop_finished: ended rows leave the batch (`rlhflow.models.decoding`; not
-    with return_logits / return_hidden), each token drawn by `draw` (`rlhflow.models.decoding.DRAWS`). kv_cache:
-    `rlhflow.models.kv_cache`. In float32 on CPU the linear layers sample on oneDNN-packed weights (`packed_linear`)."""
+    compute_dtype bf16: under autocast (fp32 on CPU: oneDNN-packed linear weights). drop_finished: ended rows leave
+    the batch (`sample_dropping_finished`, with `draw`, `kv_cache`, `on_step`; not with return_logits / hidden)."""
     stop_strings = [s for s in stop_strings if s]
     eos_ids = stop_token_ids(tokenizer, model, stop_strings)  # before the model's generation_config is set aside
-    # only what we set: the model's own generation defaults must not change the sampling distribution
     gen_config = GenerationConfig(
         do_sample=True,
         temperature=temperature,
@@ -243,6 +242,7 @@ def generate(
         drop_finished=drop_finished,
         draw=draw,
         kv_cache=kv_cache,
+        on_step=on_step,
     )
     kept = gen_out if return_logits or return_hidden else None
     return _generation_output(tokenizer, input_ids, attention_mask, out, kept, stops, eos_ids, stop_strings)
@@ -252,8 +252,7 @@ def _sample_sequences(
     model, input_ids, attention_mask, gen_config: GenerationConfig, stops, eos_ids: list[int], **how
 ) -> tuple[torch.Tensor, Any]:
     """The prompt and response token ids of each row, sampled as `gen_config` says, and transformers' output (None
-    when ended rows left the batch). `how`: generate's generator_seed, compute_dtype, drop_finished, draw and
-    kv_cache."""
+    when ended rows left the batch). `how`: generate's keyword arguments from generator_seed on."""
     was_training = model.training
     model.eval()
     cuda = [input_ids.device.index or 0] if input_ids.device.type == "cuda" else []
@@ -286,6 +285,7 @@ def _sample_sequences(
                 stop_criterion=stops.criterion if stops else None,
                 draw=DRAWS[how["draw"]],
                 kv_cache=how["kv_cache"],
+                on_step=how["on_step"],
             )
             if stops:
                 stops.stopped_after = stopped

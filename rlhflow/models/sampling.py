@@ -10,7 +10,7 @@ so the stages cannot drift apart.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -41,18 +41,21 @@ def sample_responses(
     draw: str = "inverse_cdf",
     kv_cache: KVCache = "preallocated",
     rows: int | None = None,
+    lines: Callable[[str | Callable[[], str]], None] | None = None,
 ) -> list[GenerationOutput]:
     """`generate` over all prompts in batches of `batch_size`, on the model's device. Batch i samples with seed
     `seed + i`, so two models given the same prompts and seed are compared on the same random streams.
     drop_finished False: transformers' own `generate`, which keeps ended rows until the batch's last one ends;
     True: `draw` picks each token (rlhflow.models.decoding.DRAWS). kv_cache: rlhflow.models.kv_cache.
     rows: the answers to the first `rows` prompts alone, each the one sampling every prompt gives: the batches that
-    hold them are sampled whole (their other rows share the random stream) and the outputs cut after row `rows`."""
+    hold them are sampled whole (their other rows share the random stream) and the outputs cut after row `rows`.
+    lines: a progress line writer (rlhflow.progress.ProgressLines), told the batch, token and rows still sampling."""
     device = next(model.parameters()).device
     wanted = len(prompt_messages) if rows is None else min(rows, len(prompt_messages))
     outs = []
     for start in range(0, wanted, batch_size):
         query, mask = encode_prompts(tokenizer, prompt_messages[start : start + batch_size], max_prompt_length)
+        where = f"answers: batch {start // batch_size + 1} of {-(-wanted // batch_size)}"
         outs.append(
             generate(
                 model,
@@ -69,11 +72,19 @@ def sample_responses(
                 drop_finished=drop_finished,
                 draw=draw,
                 kv_cache=kv_cache,
+                on_step=_progress(lines, where, max_new_tokens, len(query)) if lines else None,
             )
         )
     if outs and wanted < len(prompt_messages):
         outs[-1] = first_rows(outs[-1], wanted - batch_size * (len(outs) - 1))
     return outs
+
+
+def _progress(lines, where: str, max_new_tokens: int, rows: int):
+    """A decoder's on_step that tells `lines` where a batch is: its token and the rows still sampling."""
+    return lambda tokens, live: lines(
+        lambda: f"{where}, token {tokens} of {max_new_tokens}, {live} of {rows} still sampling"
+    )
 
 
 @dataclass(frozen=True)
@@ -100,9 +111,9 @@ class Sampling:
         share one random stream; the decoder too: which rows share each draw)."""
         return {**asdict(self), "stop_strings": list(self.stop_strings)}
 
-    def sample(self, model, tokenizer, prompt_messages, rows: int | None = None) -> list[GenerationOutput]:
+    def sample(self, model, tokenizer, prompt_messages, rows: int | None = None, lines=None) -> list[GenerationOutput]:
         """The answers to `prompt_messages`; to the first `rows` of them alone, as sampling them all gives them
-        (`sample_responses`)."""
+        (`sample_responses`); `lines` writes progress lines."""
         return sample_responses(
             model,
             tokenizer,
@@ -120,4 +131,5 @@ class Sampling:
             draw=self.draw,
             kv_cache=self.kv_cache,
             rows=rows,
+            lines=lines,
         )

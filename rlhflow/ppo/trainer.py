@@ -35,6 +35,7 @@ from rlhflow.models.loading import (
 from rlhflow.models.policy import Critic, PolicyAndValue, encode_prompts, sequence_logprobs
 from rlhflow.ppo import core
 from rlhflow.ppo.checkpoints import Checkpoints, repo_path
+from rlhflow.progress import ProgressLines
 from rlhflow.training import distributed
 
 ScoreFn = Callable[[list, list[str]], "torch.Tensor | Sequence[float]"]
@@ -578,11 +579,17 @@ class PPOTrainer(Checkpoints):
             unit="update",
             disable=not distributed.is_main_process(),
         )
+        lines = ProgressLines("ppo") if distributed.is_main_process() else None  # the run log's view of the bar
         try:
             while self.step < self.cfg.steps:
                 stats = self.update()
                 bar.set_postfix(reward=f"{stats['ppo/score_mean']:.3f}", kl=f"{stats['ppo/kl']:.3f}")
                 bar.update(1)
+                if lines:
+                    lines(
+                        f"update {self.step} of {self.cfg.steps}: reward {stats['ppo/score_mean']:.3f}, "
+                        f"KL {stats['ppo/kl']:.3f}"
+                    )
         finally:
             bar.close()
         return self.history

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from rlhflow.progress import ProgressLines
+
 LogFn = Callable[[dict, int], None]  # (metrics, step)
 
 
@@ -74,6 +76,27 @@ def progress_bar_without_log_dicts(trainer) -> None:
         trainer.add_callback(_Bar())
 
 
+def progress_lines(what: str):
+    """A TrainerCallback that writes "<what>: step i of n (epoch e), loss l" at most every PROGRESS_SECONDS
+    (rlhflow.progress): the run log's view of the bar."""
+    from transformers.trainer_callback import TrainerCallback
+
+    class _Lines(TrainerCallback):
+        def __init__(self):
+            self.lines, self.loss = ProgressLines(what), None
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if "loss" in (logs or {}):
+                self.loss = logs["loss"]
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                loss = "" if self.loss is None else f", loss {self.loss:.4g}"
+                self.lines(lambda: f"step {state.global_step} of {state.max_steps} (epoch {state.epoch:.2f}){loss}")
+
+    return _Lines()
+
+
 def train_resuming(trainer, work_dir: str | os.PathLike, *, what: str, log_fn: LogFn | None) -> None:
     """`trainer.train()`, from the last complete checkpoint in `work_dir` when there is one (the caller keeps
     `work_dir` only for the same inputs: `rlhflow.fsutil.prepare_checkpoint_dir`); says so and logs
@@ -85,6 +108,7 @@ def train_resuming(trainer, work_dir: str | os.PathLike, *, what: str, log_fn: L
         if log_fn:
             log_fn({"resumed_from_step": float(step)}, step)
     progress_bar_without_log_dicts(trainer)
+    trainer.add_callback(progress_lines(what))
     with trl_alias_warning_off():
         done = trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
     if trainer.is_world_process_zero():

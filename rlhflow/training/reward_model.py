@@ -343,6 +343,7 @@ def train_reward_model(
     seed: int = 0,
     log_fn: Callable[[dict, int], None] | None = None,
     trust_remote_code: bool = False,
+    what: str = "reward model",
 ) -> RewardModel | None:
     """Train with trl's RewardTrainer on `train_rows` (dicts with prompt_messages/chosen/rejected) and save a
     plain model dir with its score normalisation to `out_dir`. `cfg` is the `reward_model` params section.
@@ -353,7 +354,8 @@ def train_reward_model(
 
     With `cfg.checkpoint_every` > 0 the Trainer checkpoints into `work_dir` every that many steps (the last one
     kept), and training resumes from the last complete checkpoint found there: the caller keeps `work_dir` only
-    for the same inputs (see `rlhflow.fsutil.prepare_checkpoint_dir`)."""
+    for the same inputs (see `rlhflow.fsutil.prepare_checkpoint_dir`). `what` begins its lines in the run log
+    ("reward model: step 20 of 52 ...")."""
     from trl import RewardTrainer
 
     torch.manual_seed(seed)  # the new score head's initialisation: the same in every run and every process
@@ -364,7 +366,7 @@ def train_reward_model(
     args = reward_config(cfg, work_dir, seed)
     build = functools.partial(length_heads_trainer, cfg) if cfg.length_head else RewardTrainer
     trainer = build(model=model, args=args, train_dataset=train, processing_class=tok, callbacks=[log_callback(log_fn)])
-    train_resuming(trainer, work_dir, what="reward model", log_fn=log_fn)
+    train_resuming(trainer, work_dir, what=what, log_fn=log_fn)
     if log_fn:  # the batch the Trainer actually used per optimisation step, over all processes
         log_fn(
             {
