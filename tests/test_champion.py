@@ -119,8 +119,11 @@ def _outputs(texts: list[str], ended: list[bool]):
     return [SimpleNamespace(response=response, response_mask=torch.ones_like(response), ended=ended, texts=texts)]
 
 
-def test_the_policy_champion_comparison_reads_only_dev_prompts():
-    """Whatever the challenger is compared with, the prompts sampled and judged are the dev split's."""
+@pytest.mark.parametrize("answered_up_front", [True, False])
+def test_the_policy_champion_comparison_reads_only_dev_prompts(answered_up_front):
+    """Whatever the challenger is compared with, the prompts sampled and judged are the dev split's. A run that did
+    not answer the dev split up front (evaluate.dev_figures false) samples the challenger's dev answers there, on
+    the streams the champion's are sampled with, and measures no KL that no guard reads."""
     import dataclasses
 
     import torch
@@ -132,10 +135,13 @@ def test_the_policy_champion_comparison_reads_only_dev_prompts():
 
     dev_prompts = [[{"role": "user", "content": f"dev question {i}"}] for i in range(4)]
     sampled, judged = [], []
+    champion, challenger = object(), object()
 
     class Sampling:
-        def sample(self, model, tokenizer, prompts):
-            sampled.extend(prompts)
+        def sample(self, model, tokenizer, prompts, lines=None):
+            sampled.append((model, prompts))
+            if model is challenger:
+                return _outputs([f"challenger {i}" for i in range(len(prompts))], [True] * 4)
             return _outputs([f"champion {i}" for i in range(len(prompts))], [True, True, False, True])
 
     class Judge:
@@ -146,16 +152,19 @@ def test_the_policy_champion_comparison_reads_only_dev_prompts():
             return np.array([1.0 if t.startswith("challenger") else 0.0 for t in texts])
 
     mine = Answers.from_outputs(_outputs([f"challenger {i}" for i in range(4)], [True] * 4), 0.5)
-    dev = compare.DevAnswers(dev_prompts, ["a", "b", "c", "d"], mine, kl=3.0)
+    dev = compare.DevAnswers(dev_prompts, ["a", "b", "c", "d"], mine, kl=3.0) if answered_up_front else None
     result = compare.PolicyEvaluation({}, {}, [], None, dev)
     settings = dataclasses.replace(evaluation_settings(load_config()), sampling=Sampling())
-    models = compare.EvaluatedModels("cpu", torch.float32, None, None, None, None, Judge())
-    evaluator = compare.PolicyEvaluator(settings, models, data=None)
-    h2h = evaluator.policy_against(result, other=object(), tokenizer=None, challenge=1)
-    assert sampled == dev_prompts
+    models = compare.EvaluatedModels("cpu", torch.float32, None, None, challenger, None, Judge())
+    held_out = SimpleNamespace(prompts={"dev": dev_prompts}, conversations={"dev": ["a", "b", "c", "d"]})
+    evaluator = compare.PolicyEvaluator(settings, models, data=SimpleNamespace(prompts=held_out))
+    h2h = evaluator.policy_against(result, other=champion, tokenizer=None, challenge=1)
+    expected = [(champion, dev_prompts)] if answered_up_front else [(challenger, dev_prompts), (champion, dev_prompts)]
+    assert sampled == expected
     assert judged and all(p in dev_prompts for p in judged)
     assert (h2h.test.wins, h2h.test.losses, h2h.test.ties) == (3, 0, 0)  # the pair where the champion was cut drops
     assert h2h.metric == "judge win rate over the champion, both ended"
+    assert result.dev.kl == 3.0 if answered_up_front else math.isnan(result.dev.kl)  # kl_budget unset: not measured
 
 
 def test_dev_figures_are_named_apart_from_the_reported_ones():

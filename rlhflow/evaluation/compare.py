@@ -240,7 +240,7 @@ class DevAnswers:
     prompts: list
     conversations: list[str]
     answers: Answers
-    kl: float  # mean KL to the SFT model on these answers
+    kl: float  # mean KL to the SFT model on these answers (NaN: not measured, no guard reads it)
 
 
 # ---- head to head, for the champion rule ------------------------------------------------------------------------
@@ -363,10 +363,14 @@ class PolicyEvaluator:
     def scored(self, policy_low, outputs, parts: dict[str, Answers]) -> dict[str, np.ndarray]:
         """The proxy's and a pointwise judge's scores of each split's answers (into `parts`), and their KL to the SFT
         model per split."""
-        settings, models = self.settings, self.models
-        score_answers(parts, self.data.prompts, models.rm, models.judge)
+        score_answers(parts, self.data.prompts, self.models.rm, self.models.judge)
         sizes = [len(part) for part in parts.values()]
-        kl_all = sampled_kl(
+        return dict(zip(parts, np.split(self.kl_to_sft(policy_low, outputs, sizes), np.cumsum(sizes)[:-1])))
+
+    def kl_to_sft(self, policy_low, outputs, sizes: list[int]) -> np.ndarray:
+        """Each sampled answer's KL to the SFT model in the sampling precision, each part of `sizes` rows apart."""
+        settings, models = self.settings, self.models
+        kl = sampled_kl(
             policy_low,
             as_precision(models.sft, models.dtype),
             outputs,
@@ -376,17 +380,20 @@ class PolicyEvaluator:
             parts=sizes,
             lines=self.lines,
         )
-        return dict(zip(parts, np.split(np.asarray(kl_all), np.cumsum(sizes)[:-1])))
+        return np.asarray(kl)
 
     def answer_dev(self) -> DevAnswers:
         """The policy's answers to the dev prompts alone, for the champion rule of a run that did not answer them up
-        front: on the random streams the champion's answers are sampled with (`policy_against`)."""
+        front: on the random streams the champion's answers are sampled with (`policy_against`). Their KL to the SFT
+        model is measured only where a guard reads it (`evaluate.champion.kl_budget`); NaN otherwise."""
         settings, models, held_out = self.settings, self.models, self.data.prompts
         policy_low = as_precision(models.policy, models.dtype)
         outputs = settings.sampling.sample(policy_low, models.tokenizer, held_out.prompts["dev"], lines=self.lines)
-        parts = {"dev": Answers.from_outputs(outputs, settings.degenerate_repetition)}
-        kl = self.scored(policy_low, outputs, parts)["dev"]
-        return DevAnswers(held_out.prompts["dev"], held_out.conversations["dev"], parts["dev"], float(kl.mean()))
+        answers = Answers.from_outputs(outputs, settings.degenerate_repetition)
+        kl = math.nan
+        if settings.champion.kl_budget is not None:
+            kl = float(self.kl_to_sft(policy_low, outputs, [len(answers)]).mean())
+        return DevAnswers(held_out.prompts["dev"], held_out.conversations["dev"], answers, kl)
 
     def split_figures(self, split: str, policy_answers: Answers, sft_answers: Answers):
         """One split's comparison of the policy's answers with the SFT model's: (figures, the judge's verdicts, a
