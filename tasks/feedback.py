@@ -225,10 +225,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(USAGE)
     cfg, _ = parse_config_args(argv[1:], f"feedback step {argv[0]}: {BODIES[argv[0]].__doc__.splitlines()[0]}")
     from rlhflow.data.feedback import FeedbackError  # pandas: once the command line is parsed
+    from rlhfops.tracking import TrackingUnavailableError  # mlflow: likewise
 
     try:
         metrics = run_step(argv[0], cfg)
-    except (FeedbackError, LabelingError, FileNotFoundError) as err:
+    except (FeedbackError, LabelingError, FileNotFoundError, TrackingUnavailableError) as err:
         sys.exit(f"\nfeedback {argv[0]} failed: {err}")
     for key, value in sorted(metrics.items()):
         print(f"{key:40s} {value:.4f}")

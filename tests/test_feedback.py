@@ -387,3 +387,12 @@ def test_a_record_past_the_readers_line_bound_is_refused_before_anything_is_writ
     assert path.read_bytes() == before
     assert append_records(path, [label("p3", "b")], key=label_key) == 1
     assert [x["pair_id"] for x in read_records(path, LABEL_FIELDS)] == ["p1", "p3"]
+
+
+def test_a_step_whose_tracking_store_cannot_be_reached_fails_with_a_line_not_a_traceback(capsys):
+    """`python -m tasks.feedback collect` with the tracking server down: one paragraph naming the store, exit 1."""
+    from tasks.feedback import main
+
+    with pytest.raises(SystemExit) as failed:
+        main(["collect", "--set", "tracking.tracking_uri=http://127.0.0.1:9"])  # the discard port: nothing listens
+    assert str(failed.value).startswith("\nfeedback collect failed: ") and "127.0.0.1:9" in str(failed.value)
