@@ -128,8 +128,9 @@ def judge_prefers_a(cfg: Config, judged: list[tuple[dict, str]]):
 def collect(cfg: Config) -> dict[str, float]:
     """The project's labels appended to feedback.labels_file (each label once), and what all labels so far say: the
     policy's win rate over the SFT model by people, and how often the judge and the length rule agree with them.
-    A label for a pair the pipeline never sent fails the step before anything is written; an annotation of another
-    shape, or with an overlong comment, is named and left out (rlhfops.labeling.read_labels)."""
+    An annotation of another shape, with an overlong comment, or for a pair the pipeline never sent (a task someone
+    made in Label Studio) is named and left out (rlhfops.labeling.read_labels); a label of the labels file for such
+    a pair fails the step before anything is written."""
     from rlhflow.data.feedback import LABEL_FIELDS, PAIR_FIELDS, append_records, check_labels, label_key, read_records
     from rlhflow.evaluation.human import agreement_metrics, human_win_metrics, judged_pairs
     from rlhfops import tracking
@@ -137,6 +138,11 @@ def collect(cfg: Config) -> dict[str, float]:
     pairs = read_records(cfg.path(cfg.feedback.pairs_file), PAIR_FIELDS)
     server = label_studio(cfg)
     new, waiting, refused = read_labels(server.tasks(server.project(cfg.feedback.project)))
+    sent = {p["pair_id"] for p in pairs}
+    refused += [
+        f"a label for pair {x['pair_id']!r}, which the pipeline never sent" for x in new if x["pair_id"] not in sent
+    ]
+    new = [x for x in new if x["pair_id"] in sent]
     for problem in refused:
         print(f"feedback collect: left out {problem}", flush=True)
     labels_file = cfg.path(cfg.feedback.labels_file)

@@ -342,6 +342,23 @@ def test_collect_keeps_the_good_labels_of_a_hostile_export_private_and_readable_
     append_records(pairs_file, pairs, key=lambda p: p["pair_id"])
     cfg = load_config(None, [f"feedback.pairs_file={pairs_file}", f"feedback.labels_file={labels_file}"])
     export = hostile_export(pairs)
+    # a task the pipeline never sent (made in Label Studio): left out, not a failure of every collect
+    export.append(
+        {
+            "id": 14,
+            "data": {"pair_id": "made-in-label-studio"},
+            "annotations": [
+                {
+                    "id": 21,
+                    "completed_by": 4,
+                    "updated_at": "t21",
+                    "result": [
+                        {"from_name": "preference", "value": {"choices": ["A is better"]}},
+                    ],
+                }
+            ],
+        }
+    )
 
     class Server:
         def project(self, title):
@@ -365,7 +382,7 @@ def test_collect_keeps_the_good_labels_of_a_hostile_export_private_and_readable_
         second = feedback.collect(cfg)  # the file the first wrote reads back: a later collect still works
     finally:
         os.umask(before)
-    assert (first["feedback/labels_added"], first["feedback/annotations_refused"]) == (1, 10)
+    assert (first["feedback/labels_added"], first["feedback/annotations_refused"]) == (1, 11)
     assert (second["feedback/labels_added"], second["feedback/labels"]) == (1, 2)
     lines = labels_file.read_text(encoding="utf-8").splitlines()  # every line break Python knows
     assert len(lines) == 2 and all(json.loads(line) for line in lines)
