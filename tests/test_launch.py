@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.system]
 TWO = ["launch.reward_model=2", "launch.ppo=2", "launch.accelerate_config=configs/accelerate/cpu_2proc.yaml"]
 
 
-def test_the_command_follows_the_launch_section():
+def test_the_command_follows_the_launch_section(monkeypatch):
     one = launch.command("ppo", load_config(), ["--set", "seed=1"])
     assert one == [sys.executable, "-m", "tasks.ppo", "--set", "seed=1"]
     assert launch.command("evaluate", load_config(overrides=["launch.ppo=4"]), []) == [
@@ -31,6 +31,7 @@ def test_the_command_follows_the_launch_section():
     assert two[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
     assert two[two.index("--num_processes") + 1] == "2" and two[-4:] == ["-m", "tasks.ppo", "--set", "seed=1"]
     assert two[two.index("--config_file") + 1].endswith("configs/accelerate/cpu_2proc.yaml")
+    monkeypatch.setenv("RLHFLOW_ALLOW_CODE", "launch.accelerate_config")  # a file of the user's own, allowed
     with pytest.raises(FileNotFoundError, match="launch.accelerate_config"):
         launch.command("ppo", load_config(overrides=["launch.ppo=2", "launch.accelerate_config=nowhere.yaml"]), [])
 
