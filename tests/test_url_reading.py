@@ -1,8 +1,8 @@
 """One reading of a URL for the check and the client: a URL that urllib.parse, urllib3 (requests, MLflow) and httpx
 read differently gets no credential; every command that reaches the tracking server checks it first; no credential
 follows a redirect to another host; a judge's reply is bounded in time and size; a sweep's grid point is shown
-without secrets. "Another host" is this machine's network address (the rule names 127.0.0.0/8, ::1 and localhost
-alone as this machine), so a test proves that nothing reaches it."""
+without secrets. "Another host" is 0.0.0.0 in a URL (the rule names 127.0.0.0/8, ::1 and localhost alone as this
+machine), which reaches a listener on 127.0.0.1, so a test proves that nothing reaches it and sends to loopback only."""
 
 from __future__ import annotations
 
@@ -22,24 +22,17 @@ from rlhflow.evaluation import judges
 SECRET = "pw-SECRET-4242"
 
 
-def another_host_address() -> tuple[str, str]:
-    """(the address a URL names, the address to listen on): this machine's network address, another host under the
-    rule; without one, 0.0.0.0 (another host too), which Linux delivers to a listener on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("192.0.2.1", 9))  # a UDP connect sends nothing: it only picks the outgoing address
-            address = probe.getsockname()[0]
-        except OSError:
-            address = "127.0.0.1"
-    return (address, address) if not address.startswith("127.") else ("0.0.0.0", "127.0.0.1")
+# A URL naming 0.0.0.0 is another host under the rule (only 127.0.0.0/8, ::1 and localhost are this machine), and
+# Linux delivers a connection to it to a listener on 127.0.0.1: the tests send to loopback alone.
+ANOTHER_HOST, LISTEN_ON = "0.0.0.0", "127.0.0.1"
 
 
 class Listener:
     """A socket on another host's address that records every connection and the bytes it received."""
 
     def __init__(self):
-        self.host, bind = another_host_address()
-        self.sock = socket.create_server((bind, 0))
+        self.host = ANOTHER_HOST
+        self.sock = socket.create_server((LISTEN_ON, 0))
         self.sock.settimeout(0.2)
         self.port = self.sock.getsockname()[1]
         self.received: list[bytes] = []
@@ -195,7 +188,7 @@ def test_each_command_refuses_a_plain_http_tracking_server_elsewhere_before_it_s
     monkeypatch.setattr(workspace, "exclusive", lambda *args, **kwargs: contextlib.nullcontext())
     monkeypatch.setenv("LABEL_STUDIO_API_KEY", "ls-token-123456")
     cfg = load_config(overrides=[f"tracking.tracking_uri=http://{listener.host}:{listener.port}"])
-    with pytest.raises(tracking.TrackingUnavailableError, match="MLFLOW_TRACKING_PASSWORD would cross"):
+    with pytest.raises(tracking.TrackingUnavailableError, match="MLFLOW_TRACKING_PASSWORD and every run"):
         command(cfg)
     assert listener.received == []
 
@@ -335,3 +328,45 @@ def test_a_sweeps_grid_point_is_printed_and_tagged_without_its_secrets(monkeypat
     outcome = PointOutcome(point, "finished", seed=2)
     for shown in (outcome.label, outcome.run_label, point_label(point, 2)):
         assert "SECRET" not in shown and "judge.endpoint=https://judge.example/v1" in shown
+
+
+# ---- Label Studio's reply, bounded ----------------------------------------------------------------------------
+
+
+def test_a_label_studio_reply_past_its_bounds_fails_naming_the_request(monkeypatch):
+    """An export read as it arrives: past the byte bound, or trickling past the whole-reply time bound though each
+    read comes within its timeout, the request fails naming it; errors show Label Studio's URL without user info."""
+    from rlhfops import labeling
+
+    monkeypatch.setattr(labeling, "MAX_REPLY_BYTES", 2**16)
+    monkeypatch.setattr(labeling, "MAX_REPLY_SECONDS", 1.0)
+
+    def flood(handler):
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(2**20))
+        handler.end_headers()
+        with contextlib.suppress(OSError):
+            handler.wfile.write(b"[" + b" " * (2**20 - 2) + b"]")
+
+    def trickle(handler):
+        handler.send_response(200)
+        handler.end_headers()
+        with contextlib.suppress(OSError):
+            for _ in range(40):
+                handler.wfile.write(b" ")
+                handler.wfile.flush()
+                time.sleep(0.1)
+
+    with local_server(flood) as url:
+        with pytest.raises(labeling.LabelingError, match=r"GET /api/projects/1/export.*passed 65,536 bytes; not read"):
+            labeling.LabelStudio(url, "token", timeout=5).tasks(1)
+    with local_server(trickle) as url:
+        started = time.monotonic()
+        with pytest.raises(labeling.LabelingError, match=r"export.*took over 1 s; not read"):
+            labeling.LabelStudio(url, "token", timeout=5).tasks(1)
+        assert time.monotonic() - started < 3
+        with_user = url.replace("http://", f"http://admin:{SECRET}@")
+        down = labeling.LabelStudio(with_user.replace(url.rsplit(":", 1)[1], "9"), "token", timeout=5)
+        with pytest.raises(labeling.LabelingError, match="is not reachable") as err:
+            down.tasks(1)
+        assert SECRET not in str(err.value)
