@@ -105,12 +105,10 @@ def check_equal_budgets(points: list[Point]) -> dict[str, int]:
 def _pipeline_runs(cfg: Config, digests: set[str]) -> dict[str, tuple[object, object]]:
     """params_md5 -> (the newest finished pipeline run, its ppo stage run), for the digests asked for (a stage run
     is looked up for those only)."""
-    import mlflow
-
     from rlhfops import tracking
 
     tracking.setup(cfg)
-    client = mlflow.MlflowClient()
+    client = tracking.client()
     experiment = client.get_experiment_by_name(cfg.tracking.experiment)
     if experiment is None:
         return {}

@@ -84,12 +84,10 @@ def find_runs(points: list[Point]) -> None:
 def find_stage_runs(points: list[Point], stage: str) -> None:
     """Each point's figures from the newest finished `stage` run under a finished pipeline run of its parameters: a
     pipeline run of some stages (`--stages validate,sft,reward_model`) logs their figures on their own runs only."""
-    import mlflow
-
     from rlhfops import tracking
 
     tracking.setup(points[0].cfg)
-    client = mlflow.MlflowClient()
+    client = tracking.client()
     experiment = client.get_experiment_by_name(points[0].cfg.tracking.experiment)
     finished = "attributes.status = 'FINISHED'"
     for p in points:

@@ -162,9 +162,9 @@ def ui_client_env(prefect_url: str) -> tuple[dict[str, str], Path]:
 def mlflow_ui_link(mlflow_url: str, tracking_uri: str, experiment: str) -> str:
     """The experiment's runs in the UI's model-training view once the store has the experiment; before, the
     experiment list in that view."""
-    import mlflow
+    from rlhfops import tracking
 
-    found = mlflow.MlflowClient(tracking_uri).get_experiment_by_name(experiment)
+    found = tracking.client(tracking_uri).get_experiment_by_name(experiment)
     where = f"/{found.experiment_id}/runs" if found else ""
     return f"{mlflow_url}/#/experiments{where}{MODEL_TRAINING_VIEW}"
 

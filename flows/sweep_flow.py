@@ -164,7 +164,7 @@ def finished_point(cfg: Config):
     """The newest FINISHED whole-pipeline run of exactly this config at a commit whose code is HEAD's
     (tracking.same_code: commits in between that change only docs, tests or benches do not count), or None."""
 
-    client = mlflow.MlflowClient()
+    client = tracking.client()
     experiment = client.get_experiment_by_name(cfg.tracking.experiment)
     if experiment is None:
         return None
@@ -185,7 +185,7 @@ def finished_point(cfg: Config):
 
 def run_point(cfg: Config, overrides: list[str], sweep_run_id: str, seed: int | None = None) -> PointOutcome:
     label = point_label(overrides, seed)
-    client = mlflow.MlflowClient()
+    client = tracking.client()
     done = finished_point(cfg)
     if done is not None:
         print(f"sweep: {label}: finished before (MLflow run {done.info.run_id}), not rerun")

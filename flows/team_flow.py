@@ -88,7 +88,7 @@ def stage_on_worker(
 
     os.chdir(REPO_ROOT)  # the worker starts flow runs in a temporary directory; DVC works from the clone
     cfg, worker = config, worker_name()
-    client = mlflow.MlflowClient(tracking.tracking_uri(cfg))
+    client = tracking.client(tracking.tracking_uri(cfg))
     client.set_tag(parent_run_id, WORKER_TAG + stage, worker)
     if os.environ.get("PREFECT__WORKER_NAME"):
         client.set_tag(parent_run_id, PREFECT_WORKER_TAG + stage, os.environ["PREFECT__WORKER_NAME"])
@@ -173,7 +173,7 @@ def team_pipeline(
         parent_id = parent.info.run_id
         print(f"MLflow parent run {parent_id} at {tracking.redact(uri)}")
         lock: dict[str, Any] = {"schema": "2.0", "stages": {}}
-        client = mlflow.MlflowClient(uri)
+        client = tracking.client(uri)
         for name in names:
             start = time.perf_counter()
             dispatch_stage(name, stage_cfg, lock, parent_id, client, remote=remote, force=force)

@@ -24,10 +24,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlhflow.config import credentials
 from rlhflow.config.credentials import readings
 from rlhflow.config.params import REPO_ROOT
 from rlhflow.data.errors import excerpt
-from rlhflow.redaction import redact_url
+from rlhflow.redaction import redact_url, redact_urls
 from rlhfops.stack import http_ok, wait_until
 from rlhfops.stack_access import PRIVATE_UMASK, private_dir, private_opener, write_private
 
@@ -106,6 +107,9 @@ class SameOriginRedirects(urllib.request.HTTPRedirectHandler):
 
 
 OPENER = urllib.request.build_opener(SameOriginRedirects)
+# A reply of Label Studio's, bounded before it is read whole: an export of every task of a feedback round is a few MB
+MAX_REPLY_BYTES = 256 * 2**20
+MAX_REPLY_SECONDS = 300.0
 
 
 @dataclass
@@ -114,7 +118,23 @@ class LabelStudio:
 
     url: str
     token: str
-    timeout: float = 30.0
+    timeout: float = 30.0  # seconds per read
+    allow_plain_http: bool = False  # feedback.allow_plain_http: the token may go to http elsewhere
+
+    def __post_init__(self):
+        """Built only for a URL the token may go to (rlhflow/config/credentials.py), whoever builds it."""
+        lift = "feedback.allow_plain_http"
+        what = "the API token and every pair"
+        problem = (
+            credentials.reading_problem("feedback.label_studio_url", self.url)
+            if self.allow_plain_http
+            else credentials.transport_problem("feedback.label_studio_url", self.url, what, lift)
+        )
+        if not problem and credentials.scheme_and_host(self.url)[0] not in ("http", "https"):
+            problem = f"feedback.label_studio_url {redact_url(self.url)!r} is not an http(s) URL"
+        if problem:
+            raise LabelingError(problem)
+        self.shown = redact_url(self.url)  # what errors name: no user info, no query
 
     def request(self, method: str, path: str, body: object = None) -> object:
         data = None if body is None else json.dumps(body).encode()
@@ -123,22 +143,40 @@ class LabelStudio:
         req.add_header("Content-Type", "application/json")
         try:
             with OPENER.open(req, timeout=self.timeout) as response:
-                answer = response.read()
+                answer = self._bounded_reply(response, f"{method} {path}")
         except urllib.error.HTTPError as e:
             if e.code in (401, 403):
-                raise LabelingError(f"Label Studio at {self.url} refused the API token (HTTP {e.code})") from None
-            detail = e.read()[:500].decode(errors="replace")
-            raise LabelingError(f"Label Studio at {self.url}: {method} {path}: HTTP {e.code}: {detail}") from None
+                raise LabelingError(f"Label Studio at {self.shown} refused the API token (HTTP {e.code})") from None
+            detail = redact_urls(e.read(500).decode(errors="replace"))
+            raise LabelingError(f"Label Studio at {self.shown}: {method} {path}: HTTP {e.code}: {detail}") from None
         except (urllib.error.URLError, OSError) as e:
+            reason = redact_urls(str(getattr(e, "reason", e)))
             raise LabelingError(
-                f"Label Studio at {self.url} is not reachable ({getattr(e, 'reason', e)}): start it with `make label`"
+                f"Label Studio at {self.shown} is not reachable ({reason}): start it with `make label`"
             ) from None
         try:
             return json.loads(answer or b"null")
         except (ValueError, RecursionError) as e:  # not JSON, or nested past Python's recursion limit
             raise LabelingError(
-                f"Label Studio at {self.url}: {method} {path}: answered what is no JSON to read ({type(e).__name__})"
+                f"Label Studio at {self.shown}: {method} {path}: answered what is no JSON to read ({type(e).__name__})"
             ) from None
+
+    def _bounded_reply(self, response, what: str) -> bytes:
+        """The reply's body, read as it arrives: at most MAX_REPLY_BYTES, within MAX_REPLY_SECONDS in all (a server
+        that trickles a byte per read timeout is cut off too)."""
+        deadline, chunks, size = time.monotonic() + MAX_REPLY_SECONDS, [], 0
+        while chunk := response.read1(2**16):
+            size += len(chunk)
+            if size > MAX_REPLY_BYTES:
+                raise LabelingError(
+                    f"Label Studio at {self.shown}: {what}: the reply passed {MAX_REPLY_BYTES:,} bytes; not read"
+                )
+            if time.monotonic() > deadline:
+                raise LabelingError(
+                    f"Label Studio at {self.shown}: {what}: the reply took over {MAX_REPLY_SECONDS:.0f} s; not read"
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def project(self, title: str) -> int:
         """The id of the project called `title`, made with the pairwise interface if there is none."""
@@ -153,7 +191,7 @@ class LabelStudio:
         """Every task of the project with its annotations (Label Studio's JSON export)."""
         tasks = self.request("GET", f"/api/projects/{project}/export?exportType=JSON&download_all_tasks=true")
         if not isinstance(tasks, list):
-            raise LabelingError(f"Label Studio at {self.url}: the export of project {project} is not a list")
+            raise LabelingError(f"Label Studio at {self.shown}: the export of project {project} is not a list")
         return tasks
 
     def send(self, project: int, pairs: Sequence[dict]) -> int:

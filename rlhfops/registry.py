@@ -17,6 +17,7 @@ import yaml
 from mlflow.exceptions import MlflowException
 
 from rlhflow.config.params import REPO_ROOT, Config
+from rlhfops import tracking
 from rlhfops.hashing import dir_md5
 
 # one place for the names: stages and evaluation share them without importing each other
@@ -63,7 +64,7 @@ def log_model_dir(
             code_paths=[str(REPO_ROOT / "rlhflow"), str(REPO_ROOT / "rlhfops")],
         )
     if registered_name and info.registered_model_version is not None:
-        client = mlflow.MlflowClient()
+        client = tracking.client()
         client.set_registered_model_alias(registered_name, alias, str(info.registered_model_version))
         # lets a later stage (evaluate, even under `dvc repro` in another process) find the version of a model dir
         client.set_model_version_tag(
@@ -105,6 +106,7 @@ def version_of_model_dir(client, name: str, model_dir: str | os.PathLike):
 def registered_model_dir(client, name: str, version: str, dst: str | os.PathLike) -> Path:
     """Download a registered pyfunc model (logged by `log_model_dir`) and return its plain model dir."""
 
+    client.model_version_location(name, version)  # where the store keeps its files passes the rule first
     local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(dst)))
     flavor = yaml.safe_load((local / "MLmodel").read_text())["flavors"]["python_function"]
     return local / flavor["artifacts"]["model_dir"]["path"]

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import mlflow
 from mlflow.exceptions import MlflowException
 
 from rlhflow.config.params import REPO_ROOT, Config
@@ -69,11 +68,9 @@ class Restored:
 def run_lock(run_id: str, cfg: Config, dst: Path) -> tuple[dict[str, Any], Path | None]:
     """The run's `dvc.lock` artifact (parsed) and its downloaded `outputs/` folder (None when it has none)."""
 
-    uri = tracking.tracking_uri(cfg)
+    client = tracking.client(tracking.tracking_uri(cfg))
     try:
-        local = mlflow.artifacts.download_artifacts(
-            run_id=run_id, artifact_path=LOCK_FILE, dst_path=str(dst), tracking_uri=uri
-        )
+        local = client.download_artifacts(run_id, LOCK_FILE, str(dst))
     except (MlflowException, OSError) as err:
         raise RestoreError(
             f"run {run_id} has no {LOCK_FILE} artifact ({err}): it is not a pipeline parent run "
@@ -81,11 +78,7 @@ def run_lock(run_id: str, cfg: Config, dst: Path) -> tuple[dict[str, Any], Path 
         ) from None
     lock = load_lock(Path(local).read_text())
     try:
-        outputs = Path(
-            mlflow.artifacts.download_artifacts(
-                run_id=run_id, artifact_path="outputs", dst_path=str(dst), tracking_uri=uri
-            )
-        )
+        outputs = Path(client.download_artifacts(run_id, "outputs", str(dst)))
     except (MlflowException, OSError):
         outputs = None
     return lock, outputs

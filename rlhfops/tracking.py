@@ -32,6 +32,7 @@ from mlflow.data.dataset_source_registry import get_registered_sources
 from mlflow.entities import Metric
 from mlflow.utils.credentials import get_default_host_creds
 from mlflow.utils.rest_utils import http_request
+from mlflow.utils.uri import extract_db_type_from_uri
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
@@ -39,6 +40,7 @@ from rlhflow.config import credentials
 from rlhflow.config.params import REPO_ROOT, Config, project_root
 from rlhflow.fsutil import write_json_atomic
 from rlhflow.redaction import REDACTED, redact_url, redact_urls, user_info_removed
+from rlhfops import store_transport
 from rlhfops.hashing import file_md5
 
 
@@ -124,7 +126,7 @@ def _create_sqlite_store_once(uri: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".create-lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        mlflow.MlflowClient(uri).search_experiments(max_results=1)
+        client(uri).search_experiments(max_results=1)
 
 
 # What MLflow's UI shows for the experiment: its kind, and a description (the experiment page's note).
@@ -194,28 +196,76 @@ def _check_mlflow_database(path: Path) -> None:
 
 # MLflow's switch for its client following a tracking server's redirects (on by default)
 ALLOW_REDIRECTS = "MLFLOW_ALLOW_HTTP_REDIRECTS"
-# what MLflow sends to a tracking server from the environment: a password or a token
-TRACKING_CREDENTIALS = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 
 
 def check_transport(uri: str) -> None:
-    """The one rule of rlhflow/config/credentials.py on what MLflow sends an http(s) tracking server by itself: a URI
-    that clients read differently is refused, and so is plain http to another host where credentials would go.
-    Sends nothing; raises TrackingUnavailableError. MLflow's client is told to follow no redirect: a tracking server
-    answers its API itself, and a redirect would take the run's data (its credentials too, were requests' rule of
-    dropping them elsewhere ever relaxed) to wherever it points. A user whose proxy needs one sets the variable."""
-    if credentials.scheme_and_host(uri)[0] not in ("http", "https"):  # as MLflow reads the scheme: spaces stripped
-        return
-    os.environ.setdefault(ALLOW_REDIRECTS, "false")
-    sent = [name for name in TRACKING_CREDENTIALS if os.environ.get(name)]
-    if user_info_removed(uri) != uri:
-        sent.append("the password in the tracking URI")
-    if sent:
-        problem = credentials.transport_problem("the tracking URI", uri, " and ".join(sent))
+    """The rule of rlhfops/store_transport.py on what the store's client sends by itself: a URI that clients read
+    differently is refused, and so are plain http and an unencrypted database connection to another host, whatever
+    credentials are or are not found. Sends nothing; raises TrackingUnavailableError. MLflow's client is told to
+    follow no redirect: a tracking server answers its API itself, and a redirect would take the run's data (its
+    credentials too, were requests' rule of dropping them elsewhere ever relaxed) to wherever it points. A user whose
+    proxy needs one sets the variable."""
+    scheme = credentials.scheme_and_host(uri)[0]  # as MLflow reads the scheme: spaces stripped
+    if scheme in ("http", "https"):
+        os.environ.setdefault(ALLOW_REDIRECTS, "false")
+        problem = store_transport.http_store_problem(uri)
+    elif "://" in uri and not is_sqlite_uri(uri) and _is_database_uri(uri):
+        problem = store_transport.database_store_problem(uri)
     else:
-        problem = credentials.reading_problem("the tracking URI", uri)
+        problem = None
     if problem:
         raise TrackingUnavailableError(f"{problem}. Nothing was run.")
+
+
+def client(uri: str | None = None) -> CheckedClient:
+    """The project's one way to an MLflow client (tests/test_security.py holds every other module to it): the
+    store's transport checked before anything is sent, and every run's artifact location before a file goes there
+    or comes from there. `uri`: the store setup() chose when None."""
+    uri = uri or mlflow.get_tracking_uri()
+    check_transport(uri)
+    return CheckedClient(uri)
+
+
+class CheckedClient(mlflow.MlflowClient):
+    """MLflow's client, whose artifact transfers first check the location the store names for the run."""
+
+    def _checked_run(self, run_id: str) -> None:
+        check_artifact_location(self.get_run(run_id).info.artifact_uri, self._tracking_client.tracking_uri)
+
+    def log_artifact(self, run_id, local_path, artifact_path=None):
+        self._checked_run(run_id)
+        return super().log_artifact(run_id, local_path, artifact_path)
+
+    def log_artifacts(self, run_id, local_dir, artifact_path=None):
+        self._checked_run(run_id)
+        return super().log_artifacts(run_id, local_dir, artifact_path)
+
+    def download_artifacts(self, run_id, path, dst_path=None):
+        self._checked_run(run_id)
+        return super().download_artifacts(run_id, path, dst_path)
+
+    def model_version_location(self, name: str, version: str) -> str:
+        """Where a registered model version's files are, checked."""
+        location = self.get_model_version_download_uri(name, version)
+        return check_artifact_location(location, self._tracking_client.tracking_uri)
+
+
+def _is_database_uri(uri: str) -> bool:
+    """Whether MLflow opens `uri` through SQLAlchemy (postgresql, mysql, mssql and their drivers)."""
+    try:
+        extract_db_type_from_uri(uri)
+        return True
+    except Exception:  # MLflow's own test: not one of its database schemes
+        return False
+
+
+def check_artifact_location(location: str, tracking: str | None = None) -> str:
+    """`location` (a run's or model version's artifact URI, as the store handed it back) when the rule lets the
+    client write to and read from it; raises TrackingUnavailableError naming it otherwise."""
+    problem = store_transport.artifact_location_problem(location, tracking or mlflow.get_tracking_uri())
+    if problem:
+        raise TrackingUnavailableError(f"{problem}. Nothing was sent there.")
+    return location
 
 
 def _check_server(uri: str, timeout: float) -> None:
@@ -357,6 +407,7 @@ def start_run(
     tags = {**tags, **({"git_commit": commit, GIT_COMMIT_TAG: commit} if commit else {})}
     run = mlflow.start_run(run_name=name, parent_run_id=parent_run_id, nested=parent_run_id is not None, tags=tags)
     try:
+        check_artifact_location(run.info.artifact_uri)  # before any file goes where the store says
         if params:
             mlflow.log_params(
                 {k: "null" if v is None else redact(v) if isinstance(v, str) else v for k, v in flatten(params).items()}
@@ -415,7 +466,7 @@ def log_metrics(metrics: dict[str, float], *, run_ids: list[str | None] = (), st
     batch = [Metric(key, value, now, step or 0) for key, value in clean.items()]
     for run_id in run_ids:
         if run_id and batch:
-            mlflow.MlflowClient().log_batch(run_id, metrics=batch)  # one request, not one per metric
+            client().log_batch(run_id, metrics=batch)  # one request, not one per metric
 
 
 def log_dataset(path: str | os.PathLike, *, name: str, context: str) -> str:
@@ -450,9 +501,9 @@ def link_stage_runs(parent_run_id: str) -> list[str]:
     inputs, their logged models as its outputs, and the registry versions they created as the tag
     `registered_models` ("name/version, ..."). Returns those versions."""
 
-    client = mlflow.MlflowClient()
-    parent = client.get_run(parent_run_id)
-    children = client.search_runs(
+    store = client()
+    parent = store.get_run(parent_run_id)
+    children = store.search_runs(
         [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}'", order_by=["start_time ASC"]
     )
     seen = {(d.dataset.name, d.dataset.digest) for d in parent.inputs.dataset_inputs}
@@ -463,13 +514,13 @@ def link_stage_runs(parent_run_id: str) -> list[str]:
                 seen.add((inp.dataset.name, inp.dataset.digest))
                 datasets.append(inp)
         models += child.outputs.model_outputs if child.outputs else []
-        versions += [f"{v.name}/{v.version}" for v in client.search_model_versions(f"run_id = '{child.info.run_id}'")]
+        versions += [f"{v.name}/{v.version}" for v in store.search_model_versions(f"run_id = '{child.info.run_id}'")]
     if datasets:
-        client.log_inputs(parent_run_id, datasets=datasets)
+        store.log_inputs(parent_run_id, datasets=datasets)
     if models:
-        client.log_outputs(parent_run_id, models)
+        store.log_outputs(parent_run_id, models)
     if versions:
-        client.set_tag(parent_run_id, REGISTERED_MODELS_TAG, ", ".join(versions))
+        store.set_tag(parent_run_id, REGISTERED_MODELS_TAG, ", ".join(versions))
     return versions
 
 

@@ -145,7 +145,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     from rlhflow.evaluation import report
     from rlhflow.evaluation.compare import PolicyEvaluator
     from rlhflow.progress import ProgressLines
-    from rlhfops import promotion
+    from rlhfops import promotion, tracking
 
     inputs = evaluation_inputs(cfg)  # the stage's reading of params.yaml; what follows uses these values
     algorithm, promote = cfg.align.algorithm, cfg.evaluate.promote
@@ -158,7 +158,7 @@ def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
     mlflow.set_tag("algorithm", algorithm)  # what made the policy (align.algorithm, one of its params)
     mlflow.log_table(result.samples, artifact_file="samples.json")
 
-    client = mlflow.MlflowClient()
+    client = tracking.client()
     decisions = champion_decisions(inputs, promote, client, evaluator, result) if registering else []
 
     # the judge stage's figures (the judge against the length rule), for the report

@@ -33,11 +33,9 @@ if TYPE_CHECKING:
 
 def policy_run_id(cfg: Config) -> str:
     """The MLflow run that registered the policy in ppo.out_dir (by its weights' md5), else `unregistered:<md5>`."""
-    import mlflow
+    from rlhfops import registry, tracking
 
-    from rlhfops import registry
-
-    version = registry.version_of_model_dir(mlflow.MlflowClient(), registry.POLICY, cfg.path(cfg.ppo.out_dir))
+    version = registry.version_of_model_dir(tracking.client(), registry.POLICY, cfg.path(cfg.ppo.out_dir))
     return version.run_id if version is not None else f"unregistered:{dir_md5(cfg.path(cfg.ppo.out_dir))}"
 
 
@@ -86,7 +84,7 @@ def label_studio(cfg: Config) -> LabelStudio:
         raise LabelingError(
             f"${cfg.feedback.token_env} is not set: the Label Studio API token (`make label` says where)"
         )
-    return LabelStudio(cfg.feedback.label_studio_url, token)
+    return LabelStudio(cfg.feedback.label_studio_url, token, allow_plain_http=cfg.feedback.allow_plain_http)
 
 
 def send(cfg: Config) -> dict[str, float]:

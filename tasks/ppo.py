@@ -156,13 +156,13 @@ def register_policy(cfg: Config, out_dir, algorithm: str) -> None:
     it."""
     import mlflow
 
-    from rlhfops import registry
+    from rlhfops import registry, tracking
     from rlhfops.serving.policy import PolicyPyfunc
 
     mlflow.set_tag("algorithm", algorithm)
     version = registry.log_model_dir(cfg, out_dir, name="policy", wrapper=PolicyPyfunc, registered_name=registry.POLICY)
     if version is not None:
-        mlflow.MlflowClient().set_model_version_tag(registry.POLICY, version, "algorithm", algorithm)
+        tracking.client().set_model_version_tag(registry.POLICY, version, "algorithm", algorithm)
 
 
 def train_trl(cfg: Config, ctx: StageContext) -> TrainedPolicy | None:

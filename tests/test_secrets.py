@@ -114,25 +114,127 @@ def test_label_studio_elsewhere_must_be_https_unless_allowed(url):
     assert load_config(overrides=["feedback.label_studio_url=https://ls.example.com"])
 
 
-def test_the_tracking_server_gets_mlflows_credentials_only_over_https_or_here(monkeypatch):
-    """MLflow sends $MLFLOW_TRACKING_TOKEN (or the password) to the tracking URI by itself: to an http server
-    elsewhere the preflight refuses, naming what would be sent and nothing of its value, before any request."""
+def test_the_tracking_server_gets_mlflows_credentials_only_over_https_or_here(monkeypatch, tmp_path):
+    """MLflow sends $MLFLOW_TRACKING_TOKEN, a password, ~/.mlflow/credentials' or ~/.netrc's by itself: to an http
+    server elsewhere the preflight refuses before any request, naming what it found and nothing of its value, and
+    refuses with nothing found too (a credentials file may appear before the next request)."""
     from rlhfops.tracking import TrackingUnavailableError, preflight
 
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("NETRC", raising=False)
     monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "tok-SECRET-123456")
     cfg = load_config(overrides=["tracking.tracking_uri=http://10.0.0.5:5000"])
     with pytest.raises(
         TrackingUnavailableError,
-        match=r"the tracking URI http://10.0.0.5:5000 is not https: "
-        r"MLFLOW_TRACKING_TOKEN would cross",
+        match=r"the tracking URI http://10.0.0.5:5000 is not https: MLFLOW_TRACKING_TOKEN and every run",
     ) as err:
         preflight(cfg)
     assert "SECRET" not in str(err.value)
     monkeypatch.delenv("MLFLOW_TRACKING_TOKEN")
     cfg = load_config(overrides=["tracking.tracking_uri=http://bob:pw-SECRET@10.0.0.5:5000"])
-    with pytest.raises(TrackingUnavailableError, match="the password in the tracking URI would cross") as err:
+    with pytest.raises(TrackingUnavailableError, match="the password in the tracking URI and every run") as err:
         preflight(cfg)
     assert "SECRET" not in str(err.value)
+    cfg = load_config(overrides=["tracking.tracking_uri=http://10.0.0.5:5000"])
+    with pytest.raises(TrackingUnavailableError, match=r"is not https: every run's params, metrics and models would"):
+        preflight(cfg)  # no credential anywhere: still not over plain http to another host
+    (tmp_path / ".mlflow").mkdir()
+    (tmp_path / ".mlflow" / "credentials").write_text("[mlflow]\nmlflow_tracking_password = pw-SECRET\n")
+    (tmp_path / ".netrc").write_text("machine 10.0.0.5 login bob password pw-SECRET\n")
+    with pytest.raises(TrackingUnavailableError, match=r"~/.mlflow/credentials and ~/.netrc and every run") as err:
+        preflight(cfg)
+    assert "SECRET" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("uri", "refused"),
+    [
+        ("postgresql://bob@db.example.com/mlflow", "PostgreSQL at db.example.com without sslmode"),
+        ("postgresql+psycopg://bob@10.0.0.5:5432/mlflow?sslmode=prefer", "PostgreSQL at 10.0.0.5 without sslmode"),
+        ("postgresql:///mlflow?host=db.example.com", "PostgreSQL at db.example.com without sslmode"),
+        ("postgresql:///mlflow?service=prod", "PostgreSQL at a host of a libpq service file without"),
+        ("mysql+pymysql://bob@db.example.com/mlflow", "a mysql database at db.example.com"),
+        ("postgresql://bob@db.example.com/mlflow?sslmode=verify-full", None),
+        ("postgresql+psycopg://bob:pw@127.0.0.1:5432/mlflow", None),
+        ("postgresql:///mlflow", None),  # libpq's local socket
+        ("postgresql:///mlflow?host=/var/run/postgresql", None),
+        ("mysql://bob@localhost/mlflow", None),
+    ],
+)
+def test_a_database_store_elsewhere_is_reached_only_encrypted(uri, refused, monkeypatch):
+    """libpq sends the URI's password, $PGPASSWORD or ~/.pgpass to the host it names: a database store on another
+    host must ask for an encrypted connection, whatever credentials are present."""
+    from rlhfops.tracking import TrackingUnavailableError, check_transport
+
+    for name in ("PGHOST", "PGHOSTADDR", "PGSSLMODE", "PGSERVICE"):
+        monkeypatch.delenv(name, raising=False)
+    if refused is None:
+        check_transport(uri)
+    else:
+        with pytest.raises(TrackingUnavailableError, match=refused):
+            check_transport(uri)
+    if uri == "postgresql:///mlflow":  # libpq's variables name the host where the URI does not
+        monkeypatch.setenv("PGHOST", "db.example.com")
+        with pytest.raises(TrackingUnavailableError, match="PostgreSQL at db.example.com without sslmode"):
+            check_transport(uri)
+        monkeypatch.setenv("PGSSLMODE", "require")
+        check_transport(uri)
+
+
+@pytest.mark.parametrize(
+    ("store", "location", "refused"),
+    [
+        ("https://mlflow.example.com", "mlflow-artifacts:/1/abc/artifacts", None),
+        ("https://mlflow.example.com", "mlflow-artifacts://mlflow.example.com/1/abc", None),
+        ("https://mlflow.example.com", "mlflow-artifacts://evil.example.net/1/abc", "on another host"),
+        ("https://mlflow.example.com", "https://evil.example.net/artifacts", "on another host"),
+        ("https://mlflow.example.com", "http://mlflow.example.com/artifacts", "is not https"),
+        ("https://mlflow.example.com", "/home/me/.config/autostart", "a path on this machine"),
+        ("https://mlflow.example.com", "file:///home/me/.config", "a path on this machine"),
+        ("https://mlflow.example.com", "s3://bucket/artifacts", None),
+        ("https://mlflow.example.com", "gs://bucket/artifacts", None),
+        ("http://127.0.0.1:5000", "file:///srv/mlartifacts/1/abc", None),  # a server on this machine
+        ("sqlite:////srv/mlflow.db", "/srv/mlartifacts/1/abc", None),
+    ],
+)
+def test_the_artifact_location_a_store_hands_back_follows_the_rule(store, location, refused, monkeypatch):
+    """A tracking server names where each run's files go: another host would get the store's credentials, a path
+    here would let a server elsewhere choose where the pipeline writes; S3 goes only through an endpoint that follows
+    the rule."""
+    from rlhfops.tracking import TrackingUnavailableError, check_artifact_location
+
+    for name in ("MLFLOW_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    if refused is None:
+        assert check_artifact_location(location, store) == location
+    else:
+        with pytest.raises(TrackingUnavailableError, match=refused):
+            check_artifact_location(location, store)
+    if location.startswith("s3:"):
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://minio.example.com:9000")
+        with pytest.raises(TrackingUnavailableError, match=r"\$AWS_ENDPOINT_URL_S3 http://minio.example.com:9000"):
+            check_artifact_location(location, store)
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9000")
+        check_artifact_location(location, store)
+
+
+def test_a_run_whose_store_names_another_host_for_its_files_logs_nothing_there(tmp_path):
+    """An experiment whose artifact location is another host's (a store can be made to hand back any): the stage run
+    fails before a param or file is logged, and the client downloads nothing from it."""
+    import mlflow
+
+    from rlhfops import tracking
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = load_config(overrides=[f"tracking.tracking_uri={uri}", "tracking.experiment=elsewhere"])
+    tracking.client(uri).create_experiment("elsewhere", artifact_location="https://evil.example.net/artifacts")
+    with pytest.raises(tracking.TrackingUnavailableError, match="evil.example.net.*on another host"):
+        with tracking.stage_run(cfg, "validate", ["validate"]):
+            pytest.fail("the stage ran")
+    (run,) = mlflow.search_runs(experiment_names=["elsewhere"], output_format="list")
+    assert run.info.status == "FAILED" and run.data.params == {}
+    with pytest.raises(tracking.TrackingUnavailableError, match="on another host"):
+        tracking.client(uri).download_artifacts(run.info.run_id, "outputs", str(tmp_path))
 
 
 @pytest.mark.parametrize(

@@ -172,6 +172,59 @@ def test_every_torch_load_in_the_project_uses_weights_only():
     assert all(ok for _, ok in calls), [where for where, ok in calls if not ok]
 
 
+# The one place each client that carries a credential is built, and what builds it there: (file, function)
+CLIENT_BUILDERS = {
+    "MlflowClient": ("rlhfops/tracking.py", "client"),  # and CheckedClient, its subclass
+    "httpx.Client": ("rlhflow/evaluation/judges.py", "client"),  # LLMJudge.client, built from a checked LLMJudge
+    "httpx.AsyncClient": None,
+    "OpenAI": None,
+}
+
+
+def calls_by_function(tree: ast.AST):
+    """(dotted name of the called thing, the innermost function around the call) for every call in `tree`."""
+
+    def dotted(node) -> str:
+        return f"{dotted(node.value)}.{node.attr}" if isinstance(node, ast.Attribute) else getattr(node, "id", "?")
+
+    def walk(node, function: str | None):
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            if isinstance(child, ast.Call):
+                yield dotted(child.func), function
+            yield from walk(child, inner)
+
+    return walk(tree, None)
+
+
+def test_every_client_that_carries_a_credential_is_built_where_it_is_checked():
+    """An MLflow client comes from tracking.client (the store's transport, then each run's artifact location checked),
+    the judge's http client from LLMJudge.client (its endpoint checked when the judge is built), a Label Studio
+    client from LabelStudio, whose constructor checks: code that builds one another way fails here."""
+    from rlhflow.config.params import JudgeConfig
+    from rlhflow.evaluation import judges
+    from rlhfops import tracking
+    from rlhfops.labeling import LabelingError, LabelStudio
+
+    elsewhere = []
+    for path in sorted(p for d in ("rlhflow", "rlhfops", "tasks", "flows", "bench") for p in (REPO / d).rglob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        for name, function in calls_by_function(ast.parse(path.read_text(encoding="utf-8"))):
+            kind = next((k for k in CLIENT_BUILDERS if name == k or name.endswith(f".{k}")), None)
+            if kind and CLIENT_BUILDERS[kind] != (rel, function):
+                elsewhere.append(f"{rel}: {name}() in {function}")
+    assert elsewhere == [], elsewhere
+    with pytest.raises(LabelingError, match="is not https"):
+        LabelStudio("http://10.0.0.5:8080", "token")
+    assert LabelStudio("http://10.0.0.5:8080", "token", allow_plain_http=True).shown == "http://10.0.0.5:8080"
+    settings = {**JudgeConfig().model_dump(), "kind": "llm", "model": "m", "endpoint": "http://10.0.0.5:8000/v1"}
+    unchecked = JudgeConfig.model_construct(**settings)  # settings that skipped the check at load
+    with pytest.raises(judges.JudgeUnavailableError, match="is not https"):
+        judges.LLMJudge(unchecked)
+    with pytest.raises(tracking.TrackingUnavailableError, match="is not https"):
+        tracking.client("http://10.0.0.5:5000")
+
+
 def test_redact_masks_url_credentials_and_secret_environment_values(monkeypatch):
     from rlhfops.tracking import redact
 

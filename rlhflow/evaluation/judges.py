@@ -30,6 +30,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from scipy.special import expit
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from rlhflow.config import credentials
 from rlhflow.config.params import REPO_ROOT, JudgeConfig
 from rlhflow.data.sources import SourceNotFoundError, resolve_source
 from rlhflow.evaluation.pairs import accuracy_standard_error, evaluate_pairs, length_aware_pair_metrics
@@ -300,6 +301,16 @@ class LLMJudge(Judge):
     def __init__(self, settings: JudgeConfig, *, workers: int = LLM_WORKERS):
         self.endpoint, self.model = settings.endpoint, settings.model
         self.api_key_env = settings.api_key_env
+        # the rule params.yaml was loaded under, again: built from settings made any other way, it holds too
+        problem = credentials.variable_problem("judge.api_key_env", self.api_key_env, credentials.JUDGE) or (
+            credentials.reading_problem("judge.endpoint", self.endpoint)
+            if settings.allow_plain_http
+            else credentials.transport_problem(
+                "judge.endpoint", self.endpoint, f"the API key (${self.api_key_env})", "judge.allow_plain_http"
+            )
+        )
+        if problem:
+            raise JudgeUnavailableError(problem)
         self.timeout, self.max_retries = settings.request_timeout, settings.max_retries
         self.template, self.template_name = load_template(settings.template)
         self.workers = workers
