@@ -283,24 +283,32 @@ def _record_path(path: Path) -> Path:
 
 
 def _recorded_md5s(path: Path) -> set[str]:
+    record = _record_path(path)
+    if record.parent.is_symlink() or record.is_symlink():  # a record reached through a link vouches for nothing
+        return set()
     with contextlib.suppress(FileNotFoundError):
-        return set(_record_path(path).read_text().split())
+        return set(record.read_text().split())
     return set()
 
 
+# The project whose dvc.lock vouches for its outputs: the one this code belongs to (a DVC experiment's temporary
+# copy holds its own), never a dvc.lock found above a path elsewhere
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
 def _dvc_lock_md5s(path: Path) -> set[str]:
-    """The md5s that the dvc.lock of the DVC project holding `path` records for it as an output: what `dvc
-    checkout`, `dvc pull`, `dvc repro` and a restore (which writes the run's lock entries) put there."""
-    path = Path(os.path.abspath(path))
-    root = next((d for d in path.parents if (d / "dvc.yaml").is_file()), None)
-    if root is None or not (root / "dvc.lock").is_file():
+    """The md5s that the project's dvc.lock records for `path` as an output: what `dvc checkout`, `dvc pull`, `dvc
+    repro` and a restore (which writes the run's lock entries) put there. A path outside the project (its links
+    resolved) has none, and a linked dvc.lock vouches for nothing."""
+    path, lock = Path(path).resolve(), PROJECT_ROOT / "dvc.lock"
+    if not path.is_relative_to(PROJECT_ROOT) or lock.is_symlink() or not lock.is_file():
         return set()
     try:  # BaseLoader: every value a string, as DVC wrote it (an all-digit md5 is no number)
-        stages = yaml.load((root / "dvc.lock").read_text(), Loader=yaml.BaseLoader)["stages"]
+        stages = yaml.load(lock.read_text(), Loader=yaml.BaseLoader)["stages"]
         outs = [out for entry in stages.values() for out in entry.get("outs", [])]
     except (yaml.YAMLError, KeyError, TypeError, AttributeError):
         return set()  # no lock DVC could read either: it vouches for nothing
-    rel = path.relative_to(root).as_posix()
+    rel = path.relative_to(PROJECT_ROOT).as_posix()
     return {out.get("md5") for out in outs if isinstance(out, dict) and out.get("path") == rel}
 
 

