@@ -325,13 +325,13 @@ def test_a_json_list_item_past_the_line_limit_fails_naming_file_and_line(tmp_pat
 
 
 def test_a_file_past_the_decompressed_limit_fails_naming_file_and_line(tmp_path, monkeypatch):
-    """Blank lines are no rows, so validate.max_rows cannot stop them: the decompressed size does."""
+    """Without validate.max_rows, rows of any number read on: the decompressed size stops them."""
     from rlhflow.data import readers
     from rlhflow.data.errors import DataFormatError
 
     monkeypatch.setattr(readers, "MAX_DECOMPRESSED_BYTES", 1 << 20)  # 1 MiB: the same check as 4 GiB, sooner
     path = tmp_path / "p.jsonl.gz"
-    path.write_bytes(gzip.compress((json.dumps(row(0)) + "\n").encode() + (b" " * 1000 + b"\n") * 4096))
+    path.write_bytes(gzip.compress((json.dumps(row(0)) + "\n").encode() + (b'{"pad": "' + b"x" * 989 + b'"}\n') * 4096))
     first = len(json.dumps(row(0))) + 1
     stop = (readers.MAX_DECOMPRESSED_BYTES - first) // 1001 + 2  # the line whose bytes pass the limit
     with pytest.raises(
@@ -386,22 +386,39 @@ def test_every_reader_refuses_malformed_and_oversized_files_with_its_own_error(s
             assert "MAX_NESTING" in message, message
 
 
+@pytest.mark.parametrize("line", [b"{x\n", b"\n", b" \t\n"], ids=["invalid", "blank", "whitespace"])
 @pytest.mark.parametrize("reader", ["jsonl", "feedback"])
-def test_a_file_of_unreadable_lines_stops_at_the_bad_line_limit_naming_the_first(reader, tmp_path):
-    """A small gzip can hold millions of unreadable lines: the read stops at the MAX_BAD_LINES-th (past it, a line
-    that would fail otherwise is never reached)."""
+def test_a_file_of_unreadable_lines_stops_at_the_bad_line_limit_naming_the_first(reader, line, tmp_path):
+    """A small gzip can hold millions of unreadable lines, blank ones too: the read stops at the MAX_BAD_LINES-th
+    (past it, a line that would fail otherwise is never reached)."""
     from rlhflow.data import readers
     from rlhflow.data.errors import DataFormatError
     from rlhflow.data.feedback import FeedbackError, read_records
 
     path = tmp_path / "p.jsonl.gz"
-    path.write_bytes(gzip.compress(b"{x\n" * readers.MAX_BAD_LINES + b"\xff" * (readers.MAX_LINE_BYTES + 1)))
+    good = b'{"prompt": "p", "chosen": "c", "rejected": "r"}\n'
+    path.write_bytes(gzip.compress(good + line * readers.MAX_BAD_LINES + b"\xff" * (readers.MAX_LINE_BYTES + 1)))
     with pytest.raises((DataFormatError, FeedbackError)) as refused:
         read_records(path, ["prompt"]) if reader == "feedback" else readers.read_file(path, None)
     message = str(refused.value)
-    assert f"stopped reading at line {readers.MAX_BAD_LINES}," in message, message
-    assert f"{path}: {readers.MAX_BAD_LINES} unreadable line(s) (rows 1, 2, 3" in message, message
+    assert f"stopped reading at line {readers.MAX_BAD_LINES + 1}," in message, message
+    assert f"{path}: {readers.MAX_BAD_LINES} unreadable line(s) (rows 2, 3, 4" in message, message
     assert len(message) < 2000
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", "feedback"])
+def test_a_number_past_pythons_limit_fails_naming_file_and_line(suffix, tmp_path):
+    """An integer of 5,000 digits is valid JSON that Python refuses to read (its digit limit): a bad line of the
+    file, named, not a ValueError naming nothing."""
+    from rlhflow.data import readers
+    from rlhflow.data.errors import DataFormatError
+    from rlhflow.data.feedback import FeedbackError, read_records
+
+    record = '{"prompt": "p", "chosen": "c", "rejected": "r", "n": ' + "9" * 5000 + "}"
+    path = tmp_path / ("p.json" if suffix == ".json" else "p.jsonl")
+    path.write_text(f"[\n{record}]" if suffix == ".json" else f'{{"prompt": "ok"}}\n{record}\n')
+    with pytest.raises((DataFormatError, FeedbackError), match=rf"{re.escape(str(path))}: .*line 2.*past Python"):
+        read_records(path, ["prompt"]) if suffix == "feedback" else readers.read_file(path, None)
 
 
 def _parquet(path: Path, table_or_rows, **options) -> Path:

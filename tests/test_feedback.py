@@ -105,7 +105,8 @@ def test_two_processes_appending_at_once_lose_nothing(tmp_path):
 def test_unreadable_rows_and_foreign_labels_are_named(tmp_path):
     path = tmp_path / "labels.jsonl"
     path.write_text(json.dumps(label("p", "a")) + "\nnot json\n" + json.dumps({"pair_id": "p"}) + "\n")
-    with pytest.raises(FeedbackError, match=r"line 2: not JSON; line 3: no label, annotator, labelled_at, source"):
+    unreadable = r"line 2: not JSON \(Expecting value\); line 3: no label, annotator, labelled_at, source"
+    with pytest.raises(FeedbackError, match=unreadable):
         read_records(path, LABEL_FIELDS)
     assert read_records(tmp_path / "missing.jsonl", LABEL_FIELDS) == []
     pairs = pairs_of(2)

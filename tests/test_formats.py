@@ -30,9 +30,12 @@ def row(prompt="What is 2+2?", chosen="It is 4.", rejected="No idea.") -> str:
 
 def test_plain_jsonl_rows_are_numbered_by_line(tmp_path):
     path = write_lines(tmp_path / "p.jsonl", [row(), "", row(prompt="Hi", chosen="Hello!", rejected="Go away.")])
+    with pytest.raises(DataFormatError, match=r"p.jsonl: 1 unreadable line\(s\) \(row 2\): line 2: blank"):
+        load_preferences(str(path))  # a blank line is a bad line: a file of blank lines stops at the bound
+    path = write_lines(tmp_path / "p.jsonl", [row(), row(prompt="Hi", chosen="Hello!", rejected="Go away.")])
     df = load_preferences(str(path))
     assert list(df.columns) == ["prompt", "prompt_messages", "chosen", "rejected", "source_row"]
-    assert df["source_row"].tolist() == [1, 3]  # the blank line 2 is skipped but still counted
+    assert df["source_row"].tolist() == [1, 2]
     assert df.loc[1, "prompt"] == "Hi"
     assert df.loc[1, "prompt_messages"] == [{"role": "user", "content": "Hi"}]
     assert df.loc[1, ["chosen", "rejected"]].tolist() == ["Hello!", "Go away."]

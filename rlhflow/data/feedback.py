@@ -95,11 +95,15 @@ def read_records(path: str | os.PathLike, fields: Sequence[str]) -> list[dict]:
     try:
         for number, raw in bounded_lines(path):
             if not raw.strip():
+                bad.add(number, "blank")
                 continue
             try:
                 record = json_record(raw.decode("utf-8"), f"{path}: line {number}")
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                bad.add(number, "not JSON")
+            except UnicodeDecodeError:
+                bad.add(number, "not UTF-8")
+                continue
+            except json.JSONDecodeError as err:
+                bad.add(number, f"not JSON ({err.msg})")
                 continue
             missing = [f for f in fields if not isinstance(record, dict) or f not in record]
             if missing:

@@ -52,12 +52,16 @@ _BATCH_ROWS = 1024  # rows decoded at a time, checked before the next batch is r
 
 def json_record(text: str, where: str) -> Any:
     """`text` decoded as JSON, nested at most MAX_NESTING levels; `where` ("FILE: line N") names it in the error.
-    Invalid JSON raises json.JSONDecodeError, for the caller to gather."""
+    Invalid JSON, a number Python will not read among it, raises json.JSONDecodeError, for the caller to gather."""
     try:
         value = json.loads(text)
         too_deep = nesting(value) > MAX_NESTING
     except RecursionError:
         too_deep = True
+    except json.JSONDecodeError:
+        raise
+    except ValueError as err:  # an integer past Python's digit limit (sys.get_int_max_str_digits)
+        raise json.JSONDecodeError(f"a number past Python's limit ({str(err).split(';')[0]})", text, 0) from None
     if too_deep:
         raise DataFormatError(
             f"{where}: nested deeper than {MAX_NESTING} levels of lists and objects (rlhflow.data.readers.MAX_NESTING)"
@@ -237,7 +241,8 @@ class BadLines:
 
 
 def _iter_jsonl(path: Path, max_rows: int | None) -> Iterator[tuple[int, Any]]:
-    """Yield (line number, object) for each non-blank line; gather bad lines and raise once."""
+    """Yield (line number, object) for each line; gather bad lines (blank ones too: a JSON line holds one record, and
+    a file of blank lines must stop at the bad-line bound) and raise once."""
     bad = BadLines(path)
     count = 0
     offset = 0
@@ -251,6 +256,7 @@ def _iter_jsonl(path: Path, max_rows: int | None) -> Iterator[tuple[int, Any]]:
         if line_no == 1:
             text = text.lstrip("\ufeff")
         if not text.strip():
+            bad.add(line_no, "blank (one JSON object a line)")
             continue
         count += 1
         _check_max_rows(path, count, max_rows, f"line {line_no}")
@@ -358,6 +364,8 @@ def _iter_json_array(path: Path, max_rows: int | None) -> Iterator[tuple[int, An
                         raise fail(f"{err.msg} (item {item})", err.pos) from None
                 except RecursionError:  # deeper than Python reads
                     raise fail(_item_problem(None, item, too_deep=True), pos) from None
+                except ValueError as err:  # an integer past Python's digit limit
+                    raise fail(f"a number past Python's limit ({str(err).split(';')[0]}) (item {item})", pos) from None
                 if len(buf) - pos > MAX_LINE_BYTES:  # characters: at least as many bytes
                     raise fail(f"item {item} is longer than MAX_LINE_BYTES={MAX_LINE_BYTES} bytes", pos)
                 refill(max(_CHUNK, len(buf)))
