@@ -287,11 +287,11 @@ MEMORY_PROBE = """
 import resource, sys
 from pathlib import Path
 from rlhflow.data.errors import DataFormatError
-from rlhflow.data.readers import read_file
+from rlhflow.data.readers import read_rows
 
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:
-    read_file(Path(sys.argv[1]), None)
+    read_rows(Path(sys.argv[1]))
 except DataFormatError as err:
     print(err)
 print("peak growth KiB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
@@ -299,14 +299,19 @@ print("peak growth KiB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - be
 
 
 @pytest.mark.system
-def test_a_gigabyte_line_in_a_small_gzip_fails_naming_file_and_line_in_bounded_memory(tmp_path):
+@pytest.mark.parametrize("given", ["file", "directory"])
+def test_a_gigabyte_line_in_a_small_gzip_fails_naming_file_and_line_in_bounded_memory(given, tmp_path):
+    """Named as a file, or as a dataset directory holding it (read file by file by the same readers, not
+    converted by Hugging Face's loader first)."""
     from rlhflow.data.readers import MAX_LINE_BYTES
 
-    path = write_gzipped_long_line(tmp_path / "bomb.jsonl.gz", 1 << 30)
+    (tmp_path / "data").mkdir()
+    path = write_gzipped_long_line(tmp_path / "data" / "train.jsonl.gz", 1 << 30)
     assert path.stat().st_size < 2 << 20  # about 1 MB on disk for 1 GiB of line
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    named = path if given == "file" else path.parent
     done = subprocess.run(
-        [sys.executable, "-c", MEMORY_PROBE, str(path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", MEMORY_PROBE, str(named)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr
     assert f"{path}: line 2 is longer than {MAX_LINE_BYTES} bytes" in done.stdout, done.stdout
@@ -476,6 +481,30 @@ def test_parquet_past_the_decompressed_limit_fails_before_its_rows_are_read(tmp_
     path = _parquet(tmp_path / "p.parquet", [row(i) for i in range(2000)])
     with pytest.raises(DataFormatError, match=r"p\.parquet: \d+ bytes once decompressed, more than 65536"):
         readers.read_file(path, None)
+
+
+def test_a_directory_of_data_files_is_read_file_by_file_by_split(tmp_path, monkeypatch):
+    """A directory's files, by the split their names give (every file is train without one); a file of another kind
+    is named, never handed to another loader; max_rows counts across the files."""
+    import datasets
+
+    from rlhflow.data import readers
+    from rlhflow.data.errors import DataFormatError
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("Hugging Face's loader was called"))
+    (tmp_path / "d" / "data").mkdir(parents=True)
+    write_rows(tmp_path / "d" / "data" / "train-00000.jsonl", [row(0), row(1)])
+    write_rows(tmp_path / "d" / "data" / "train-00001.jsonl", [row(2)])
+    write_rows(tmp_path / "d" / "test.jsonl", [row(3)])
+    assert [n for n, _ in readers.read_rows(tmp_path / "d")] == [1, 2, 3]
+    assert [r["prompt"] for _, r in readers.read_rows(tmp_path / "d", hf_split="test")] == [row(3)["prompt"]]
+    with pytest.raises(DataFormatError, match=r"d: no split 'validation'; splits found: test, train"):
+        readers.read_rows(tmp_path / "d", hf_split="validation")
+    with pytest.raises(DataFormatError, match=r"d: more than max_rows=2 rows"):
+        readers.read_rows(tmp_path / "d", max_rows=2)
+    (tmp_path / "d" / "notes.csv").write_text("prompt,chosen\n")
+    with pytest.raises(DataFormatError, match=r"d: a data directory holds .* files only; found notes.csv"):
+        readers.read_rows(tmp_path / "d")
 
 
 def test_a_dataset_directory_is_held_to_the_same_bounds(tmp_path, monkeypatch):
