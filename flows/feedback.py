@@ -32,11 +32,12 @@ def main(argv: list[str] | None = None) -> None:
     cfg, args = parse_config_args(argv, description, parents=(own,))
     from flows.feedback_flow import feedback_round
     from rlhflow.data.feedback import FeedbackError
+    from rlhfops.tracking import stored_config
 
     start_temporary_server()
     try:
         feedback_round(
-            config=cfg,
+            config=stored_config(cfg),
             sample=not args.no_sample,
             wait_minutes=args.wait_minutes,
             poll_seconds=args.poll_seconds,

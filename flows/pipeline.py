@@ -51,11 +51,12 @@ def main(argv: list[str] | None = None) -> None:
         parents=(pre,),
     )
     from flows.pipeline_flow import rlhf_pipeline
+    from rlhfops.tracking import stored_config
 
     start = time.perf_counter()
     start_temporary_server()
     stages = args.stages.split(",") if args.stages else None
-    rlhf_pipeline(config=cfg, stages=stages, force=args.force, push=args.push, remote=args.remote)
+    rlhf_pipeline(config=stored_config(cfg), stages=stages, force=args.force, push=args.push, remote=args.remote)
     print(f"{'total wall time':44s} {time.perf_counter() - start:9.1f}s")
 
 

@@ -56,8 +56,9 @@ def deployments() -> list:
     from flows.restore_flow import restore_run
     from flows.stage_flows import STAGE_FLOWS
     from flows.sweep_flow import rlhf_sweep
+    from rlhfops.tracking import stored_config
 
-    params = load_config()  # params.yaml now: the defaults of every deployment's parameter form
+    params = stored_config(load_config())  # params.yaml now: the defaults of every deployment's parameter form
     # flow runs import the flows by module (flows.pipeline_flow.rlhf_pipeline), whatever the current directory
     common = dict(tags=["rlhf"], entrypoint_type=EntrypointType.MODULE_PATH)
     served = [

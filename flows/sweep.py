@@ -67,10 +67,12 @@ def main(argv: list[str] | None = None) -> None:
     ns = None if args.best_of_n is None else parse_best_of_n(args.best_of_n)
     grid = parse_grid(args.grid)
     from flows.sweep_flow import DEFAULT_BEST_OF_N, rlhf_sweep
+    from rlhfops.tracking import stored_config
 
     start = time.perf_counter()
     start_temporary_server()
-    rlhf_sweep(grid=grid, config=cfg, best_of_n=DEFAULT_BEST_OF_N if ns is None else ns, seeds=args.seeds)
+    best_of_n = DEFAULT_BEST_OF_N if ns is None else ns
+    rlhf_sweep(grid=grid, config=stored_config(cfg), best_of_n=best_of_n, seeds=args.seeds)
     print(f"{'sweep wall time':44s} {time.perf_counter() - start:9.1f}s")
 
 

@@ -54,6 +54,17 @@ def tracking_uri(cfg: Config) -> str:
     return absolute_sqlite_uri(configured or environment or "sqlite:///mlflow.db")
 
 
+def stored_config(cfg: Config) -> Config:
+    """`cfg` as a Prefect flow run's parameters or a deployment's form may hold it (Prefect stores and shows both):
+    the tracking URI without its user info, which moves to this process's $MLFLOW_TRACKING_URI instead, where
+    tracking_uri() finds it for that store (the flow's stages and served runs inherit the environment)."""
+    uri = cfg.tracking.tracking_uri
+    if not uri or user_info_removed(uri) == uri:
+        return cfg
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    return cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"tracking_uri": user_info_removed(uri)})})
+
+
 def is_sqlite_uri(uri: str) -> bool:
     """Whether MLflow opens `uri` as a sqlite database: its database layer (SQLAlchemy) reads `sqlite:`, with any
     driver (`sqlite+pysqlite:`, `sqlite+aiosqlite:`) and in any case."""

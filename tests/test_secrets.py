@@ -146,6 +146,24 @@ def test_the_tracking_server_gets_mlflows_credentials_only_over_https_or_here(mo
     assert "SECRET" not in str(err.value)
 
 
+def test_a_params_file_password_is_no_prefect_parameter(monkeypatch):
+    """Prefect stores and shows a flow run's parameters and a deployment's form: the commands hand the flows the config
+    with the tracking URI's user info moved to the process's environment, where the run finds it again."""
+    import flows.pipeline
+    import flows.pipeline_flow
+    from rlhfops import tracking
+
+    uri = "http://bob:pw-SECRET@127.0.0.1:5000"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    given = {}
+    monkeypatch.setattr(flows.pipeline_flow, "rlhf_pipeline", lambda config, **kwargs: given.update(config=config))
+    monkeypatch.setattr(flows.pipeline, "start_temporary_server", lambda: None)
+    flows.pipeline.main(["--set", f"tracking.tracking_uri={uri}"])
+    assert given["config"].tracking.tracking_uri == "http://127.0.0.1:5000"
+    assert "SECRET" not in given["config"].model_dump_json()
+    assert tracking.tracking_uri(given["config"]) == uri  # the run's own store, with its credentials
+
+
 @pytest.mark.parametrize(
     ("uri", "refused"),
     [
