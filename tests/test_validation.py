@@ -225,7 +225,7 @@ def test_rows_are_named_by_their_line_in_the_input_file(tokenizer, tmp_path):
     good = [json.dumps({"prompt": f"Question {i}?", "chosen": f"Answer {i}.", "rejected": "No."}) for i in range(6)]
     bad = json.dumps({"prompt": "Question 9?", "chosen": "Same.", "rejected": "Same."})
     path = tmp_path / "prefs.jsonl"
-    path.write_text("\n".join(good[:3] + ["", bad] + good[3:]) + "\n")  # the bad pair is on line 5
+    path.write_text("\n".join(good[:4] + [bad] + good[4:]) + "\n")  # the bad pair is on line 5
     df = load_preferences(path)
     train, test = df[df["prompt"] != "Question 0?"], df[df["prompt"] == "Question 0?"]
     err = failure(train, test, tokenizer, tmp_path / "report")

@@ -62,12 +62,18 @@ def json_record(text: str, where: str) -> Any:
     except json.JSONDecodeError:
         raise
     except ValueError as err:  # an integer past Python's digit limit (sys.get_int_max_str_digits)
-        raise json.JSONDecodeError(f"a number past Python's limit ({str(err).split(';')[0]})", text, 0) from None
+        raise json.JSONDecodeError(_past_limit(err), text, 0) from None
     if too_deep:
         raise DataFormatError(
             f"{where}: nested deeper than {MAX_NESTING} levels of lists and objects (rlhflow.data.readers.MAX_NESTING)"
         )
     return value
+
+
+def _past_limit(err: ValueError, item: int | None = None) -> str:
+    """What a ValueError of Python's JSON decoder says of a number it will not read, without its advice."""
+    where = f" (item {item})" if item is not None else ""
+    return f"a number past Python's limit ({str(err).split(';')[0]}){where}"
 
 
 def nesting(value: Any) -> int:
@@ -365,10 +371,9 @@ def _iter_json_array(path: Path, max_rows: int | None) -> Iterator[tuple[int, An
                 except json.JSONDecodeError as err:
                     if eof:
                         raise fail(f"{err.msg} (item {item})", err.pos) from None
-                except RecursionError:  # deeper than Python reads
-                    raise fail(_item_problem(None, item, too_deep=True), pos) from None
-                except ValueError as err:  # an integer past Python's digit limit
-                    raise fail(f"a number past Python's limit ({str(err).split(';')[0]}) (item {item})", pos) from None
+                except (RecursionError, ValueError) as err:  # deeper than Python reads; a number past its digit limit
+                    deep = _item_problem(None, item, too_deep=True)
+                    raise fail(deep if isinstance(err, RecursionError) else _past_limit(err, item), pos) from None
                 if len(buf) - pos > MAX_LINE_BYTES:  # characters: at least as many bytes
                     raise fail(f"item {item} is longer than MAX_LINE_BYTES={MAX_LINE_BYTES} bytes", pos)
                 refill(max(_CHUNK, len(buf)))
