@@ -264,11 +264,11 @@ def _run_stages(
     slots = ensure_training_limit() if any(get_stage(n).accelerator for n in names) else 0
     results: dict[str, float] = {}
     outcomes: list[report.StageOutcome] = []
-    run_url, error = None, None
+    run_url, error, parent_id = None, None, None
     run_name = "pipeline" if names == selected_stages(cfg, None) else "stages: " + ",".join(names)
     try:
         with tracking.pipeline_run(cfg, run_name=run_name, parent_run_id=parent_run) as parent:
-            uri = tracking.tracking_uri(cfg)
+            uri, parent_id = tracking.tracking_uri(cfg), parent.info.run_id
             run_url = report.mlflow_run_url(uri, parent.info.experiment_id, parent.info.run_id)
             print(
                 f"MLflow parent run {parent.info.run_id} in experiment {cfg.tracking.experiment!r} at "
@@ -297,6 +297,9 @@ def _run_stages(
         if run_url or error:
             try:
                 publish_report(report.report_markdown(cfg, outcomes, results, run_url, error), run_url)
+                if parent_id:  # the run's page in MLflow opens on its description
+                    description = report.run_description(outcomes, results, error)
+                    tracking.client().set_tag(parent_id, tracking.RUN_DESCRIPTION_TAG, description)
             except Exception as err:  # never hide the pipeline's own error behind a reporting one
                 if error is None:
                     raise

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import textwrap
 from dataclasses import dataclass
 
 from rlhflow.config.params import Config
@@ -81,20 +82,37 @@ def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
     return f"{mlflow_ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}{MODEL_TRAINING_VIEW}"
 
 
-def summary_table(results: dict[str, float]) -> str:
-    """The plain-text summary printed at the end of a run."""
-    lines = ["", "RLHF pipeline summary", "-" * 60]
-    low = results.get("judge/accuracy_minus_length_baseline_ci_low")
-    if low is not None and not low > 0:
-        lines.append("NOTE: the judge does not beat the length rule on held-out pairs (interval of the difference")
-        lines.append("      reaches 0): its win rates may track answer length as much as quality.")
+JUDGE_TRACKS_LENGTH = (
+    "the judge does not beat the length rule on held-out pairs (interval of the difference reaches 0): its win rates "
+    "may track answer length as much as quality"
+)
+
+
+def summary_rows(results: dict[str, float]) -> list[tuple[str, float, str]]:
+    """(label, value, its 95% interval as text or "") of each SUMMARY_METRICS figure the run has."""
+    rows = []
     for key, label in SUMMARY_METRICS:
         if key in results:
             interval = (results.get(f"{key}_ci_low"), results.get(f"{key}_ci_high"))
             if key.endswith("_vs_sft"):  # the win rates' intervals are named without the suffix
                 interval = (results.get(f"{key[:-7]}_ci_low"), results.get(f"{key[:-7]}_ci_high"))
-            shown = f" ({interval[0]:.3f} to {interval[1]:.3f})" if None not in interval else ""
-            lines.append(f"{label:44s} {results[key]:10.4f}{shown}")
+            shown = f"{interval[0]:.3f} to {interval[1]:.3f}" if None not in interval else ""
+            rows.append((label, results[key], shown))
+    return rows
+
+
+def judge_tracks_length(results: dict[str, float]) -> bool:
+    low = results.get("judge/accuracy_minus_length_baseline_ci_low")
+    return low is not None and not low > 0
+
+
+def summary_table(results: dict[str, float]) -> str:
+    """The plain-text summary printed at the end of a run."""
+    lines = ["", "RLHF pipeline summary", "-" * 60]
+    if judge_tracks_length(results):
+        lines.append(textwrap.fill(f"NOTE: {JUDGE_TRACKS_LENGTH}.", width=96, subsequent_indent=" " * 6))
+    for label, value, interval in summary_rows(results):
+        lines.append(f"{label:44s} {value:10.4f}{f' ({interval})' if interval else ''}")
     lines.append("-" * 60)
     for key, value in results.items():
         if key.startswith("time/"):
@@ -119,6 +137,26 @@ def validation_section(cfg: Config) -> list[str]:
 def evaluation_section(cfg: Config) -> list[str]:
     path = cfg.path(cfg.evaluate.report_dir) / "report.md"
     return [_demote_headings(path.read_text()), ""] if path.exists() else []
+
+
+def run_description(outcomes: list[StageOutcome], results: dict[str, float], error: str | None = None) -> str:
+    """The parent run's description in MLflow (its Markdown note): what the run showed, with intervals, and its
+    stages; within MLflow's bound on a tag's value."""
+    lines = [f"**Failed:** {error}", ""] if error else []
+    if judge_tracks_length(results):
+        lines += [f"Note: {JUDGE_TRACKS_LENGTH}.", ""]
+    rows = summary_rows(results)
+    if rows:
+        lines += ["| figure | value | 95% interval |", "|---|---:|---|"]
+        lines += [f"| {label} | {value:.4f} | {interval} |" for label, value, interval in rows]
+    lines += ["", "| stage | outcome | wall time |", "|---|---|---:|"]
+    for o in outcomes:
+        seconds = f"{o.seconds:.1f} s" if o.seconds is not None else "-"
+        lines.append(f"| {o.name} | {'ran' if o.ran else 'skipped'}{f': {o.reason}' if o.reason else ''} | {seconds} |")
+    return "\n".join(lines)[:MAX_DESCRIPTION_CHARS]
+
+
+MAX_DESCRIPTION_CHARS = 8000  # MLflow's bound on a tag's value
 
 
 def report_markdown(

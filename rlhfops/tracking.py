@@ -151,6 +151,7 @@ EXPERIMENT_TAGS = {
     ),
 }
 GIT_COMMIT_TAG = "mlflow.source.git.commit"
+RUN_DESCRIPTION_TAG = "mlflow.note.content"  # a run's description in MLflow's UI (Markdown)
 
 
 # ---- preflight: fail in seconds, before any stage runs, when the tracking store cannot be used -----------

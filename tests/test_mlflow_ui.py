@@ -92,6 +92,10 @@ def test_flow_runs_every_stage_and_tracks_them(finished_pipeline):
     assert {"preferences-train", "preferences-test"} <= {d.dataset.name for d in parent.inputs.dataset_inputs}
     stage_models = {m.model_id for c in children.values() for m in c.outputs.model_outputs}
     assert stage_models and {m.model_id for m in parent.outputs.model_outputs} == stage_models
+    # its description (the run page's Markdown note): the figures with their intervals, then every stage and its time
+    description = parent.data.tags["mlflow.note.content"]
+    assert "| judge win rate vs SFT | " in description and " to " in description, description
+    assert all(f"| {s.name} | ran | " in description for s in STAGES), description
     registered = parent.data.tags["registered_models"].split(", ")
     assert {"rlhf-reward-model/1", "rlhf-policy/1"} <= set(registered)
 
