@@ -251,6 +251,22 @@ def run_pipeline(
         return _run_stages(cfg, names, force, push, remote, parent_run)
 
 
+# the Prefect flow run an MLflow parent run belongs to: its id, its name (as Prefect's UI shows it) and its page
+PREFECT_RUN_TAGS = ("prefect.flow_run_id", "prefect.flow_run_name", "prefect.flow_run_url")
+
+
+def prefect_run_tags() -> dict[str, str]:
+    """The tags that name, on the MLflow parent run, the Prefect flow run making it (none outside a flow run)."""
+    from prefect.utilities.urls import url_for
+
+    run_id = flow_run.get_id()
+    if not run_id:
+        return {}
+    url = url_for("flow-run", obj_id=run_id)  # None where no Prefect UI is configured
+    values = (str(run_id), flow_run.get_name(), tracking.redact(url) if url else None)
+    return {key: value for key, value in zip(PREFECT_RUN_TAGS, values) if value}
+
+
 def this_run_name() -> str:
     """How other runs waiting for the workspace name this one: the Prefect flow run, else the command."""
 
@@ -264,10 +280,10 @@ def _run_stages(
     slots = ensure_training_limit() if any(get_stage(n).accelerator for n in names) else 0
     results: dict[str, float] = {}
     outcomes: list[report.StageOutcome] = []
-    run_url, error, parent_id = None, None, None
+    run_url, error, parent_id, prefect = None, None, None, prefect_run_tags()
     run_name = "pipeline" if names == selected_stages(cfg, None) else "stages: " + ",".join(names)
     try:
-        with tracking.pipeline_run(cfg, run_name=run_name, parent_run_id=parent_run) as parent:
+        with tracking.pipeline_run(cfg, run_name=run_name, parent_run_id=parent_run, tags=prefect) as parent:
             uri, parent_id = tracking.tracking_uri(cfg), parent.info.run_id
             run_url = report.mlflow_run_url(uri, parent.info.experiment_id, parent.info.run_id)
             print(
@@ -298,7 +314,8 @@ def _run_stages(
             try:
                 publish_report(report.report_markdown(cfg, outcomes, results, run_url, error), run_url)
                 if parent_id:  # the run's page in MLflow opens on its description
-                    description = report.run_description(outcomes, results, error)
+                    made_by = (prefect.get("prefect.flow_run_name"), prefect.get("prefect.flow_run_url"))
+                    description = report.run_description(outcomes, results, error, made_by)
                     tracking.client().set_tag(parent_id, tracking.RUN_DESCRIPTION_TAG, description)
             except Exception as err:  # never hide the pipeline's own error behind a reporting one
                 if error is None:

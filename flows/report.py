@@ -139,10 +139,17 @@ def evaluation_section(cfg: Config) -> list[str]:
     return [_demote_headings(path.read_text()), ""] if path.exists() else []
 
 
-def run_description(outcomes: list[StageOutcome], results: dict[str, float], error: str | None = None) -> str:
-    """The parent run's description in MLflow (its Markdown note): what the run showed, with intervals, and its
-    stages; within MLflow's bound on a tag's value."""
-    lines = [f"**Failed:** {error}", ""] if error else []
+def run_description(
+    outcomes: list[StageOutcome],
+    results: dict[str, float],
+    error: str | None = None,
+    flow_run: tuple[str | None, str | None] = (None, None),
+) -> str:
+    """The parent run's description in MLflow (its Markdown note): the Prefect flow run that made it (name, page),
+    what the run showed, with intervals, and its stages; within MLflow's bound on a tag's value."""
+    name, url = flow_run
+    lines = [f"Prefect flow run {f'[{name}]({url})' if url else f'`{name}`'}", ""] if name else []
+    lines += [f"**Failed:** {error}", ""] if error else []
     if judge_tracks_length(results):
         lines += [f"Note: {JUDGE_TRACKS_LENGTH}.", ""]
     rows = summary_rows(results)

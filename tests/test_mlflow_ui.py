@@ -95,6 +95,11 @@ def test_flow_runs_every_stage_and_tracks_them(finished_pipeline):
     # its description (the run page's Markdown note): the figures with their intervals, then every stage and its time
     description = parent.data.tags["mlflow.note.content"]
     assert "| judge win rate vs SFT | " in description and " to " in description, description
+    # the Prefect flow run that made it, named as Prefect's UI names it, in its tags and its description
+    flow_run_name = parent.data.tags["prefect.flow_run_name"]
+    assert parent.data.tags["prefect.flow_run_id"] and description.startswith(f"Prefect flow run [{flow_run_name}]("), (
+        description
+    )
     assert all(f"| {s.name} | ran | " in description for s in STAGES), description
     registered = parent.data.tags["registered_models"].split(", ")
     assert {"rlhf-reward-model/1", "rlhf-policy/1"} <= set(registered)
