@@ -6,10 +6,13 @@ it shows exactly what the DVC outputs and the MLflow run hold."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import re
 import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 
 from rlhflow.config.params import Config
 from rlhflow.redaction import redact_url
@@ -135,8 +138,22 @@ def validation_section(cfg: Config) -> list[str]:
 
 
 def evaluation_section(cfg: Config) -> list[str]:
+    """The evaluation's report.md, its plots embedded: the Prefect UI cannot load an image by a path of this disk."""
     path = cfg.path(cfg.evaluate.report_dir) / "report.md"
-    return [_demote_headings(path.read_text()), ""] if path.exists() else []
+    return [_demote_headings(embed_images(path.read_text(), path.parent)), ""] if path.exists() else []
+
+
+def embed_images(markdown: str, root: Path) -> str:
+    """`markdown` with each image it names by a relative .png path under `root` as a data URI; one that is not
+    there (or lies outside `root`) is left as it is."""
+
+    def embedded(match: re.Match) -> str:
+        path = root / match[2]
+        if not path.is_file() or not path.resolve().is_relative_to(root.resolve()):
+            return match[0]
+        return f"![{match[1]}](data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()})"
+
+    return re.sub(r"!\[([^\]]*)\]\(([\w./-]+\.png)\)", embedded, markdown)
 
 
 def run_description(

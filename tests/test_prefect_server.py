@@ -8,6 +8,7 @@ it keeps in $PREFECT_HOME/ui.env (mode 0600), and a Ctrl-C stops it without a tr
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import re
@@ -192,6 +193,11 @@ def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_
     assert report.type == "markdown"
     for expected in ("## Stages", "| ppo | ran", "eval/win_rate_vs_sft", "## Validation", "**Prompt:**"):
         assert expected in report.data, report.data[:3000]
+    # its plots travel inside it (the UI cannot load a path of the run's disk), and no figure is shown without data
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report.data)
+    assert len(images) >= 2 and all(i.startswith("data:image/png;base64,") for i in images), [i[:60] for i in images]
+    assert all(base64.b64decode(i.split(",", 1)[1]).startswith(b"\x89PNG\r\n\x1a\n") for i in images)
+    assert "over 0 prompts" not in report.data
     link = re.fullmatch(r"\[MLflow run\]\((http[^)]+)\)", by_key[LINK_KEY].data)  # Prefect 3 stores links as markdown
     assert link, by_key[LINK_KEY].data
     url = link.group(1)

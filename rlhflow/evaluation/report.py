@@ -105,6 +105,15 @@ def report_markdown(
     return "\n".join(lines)
 
 
+def _kendall_clause(fmt: Figures) -> str:
+    """Kendall's tau against the human ranking, where some prompt ranks more than two responses (else nothing)."""
+    ranked = int(fmt.metrics.get("rm/ranked_prompts", 0))
+    if not ranked:
+        return ""
+    tau = fmt("rm/kendall_tau")
+    return f"; Kendall's tau against the human ranking {tau} over {ranked} prompts that rank more than two responses"
+
+
 def _overview_lines(fmt: Figures, settings: str) -> list[str]:
     """How many prompts and answers, the half-width that many conversations give, and where choices are made."""
     m = fmt.metrics
@@ -257,9 +266,7 @@ def _reward_model_lines(fmt: Figures, buckets) -> list[str]:
         f"({fmt.interval('rm/accuracy_lc')}). On the soft scale (the mean Bradley-Terry probability of the chosen "
         f"answer) {fmt('rm/soft_accuracy')}, length-controlled {fmt('rm/soft_accuracy_lc')} "
         f"({fmt.interval('rm/soft_accuracy_lc')})."
-        f" Expected calibration error {fmt('rm/ece')}; Kendall's tau against the human ranking "
-        f"{fmt('rm/kendall_tau')} over {int(fmt.metrics.get('rm/ranked_prompts', 0))} prompts that rank more than "
-        "two responses.",
+        f" Expected calibration error {fmt('rm/ece')}{_kendall_clause(fmt)}.",
         "",
         "| confidence bucket | pairs | mean confidence | accuracy |",
         "|---|---|---|---|",
