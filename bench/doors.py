@@ -47,7 +47,15 @@ STAGE_DOORS = (
     "tasks.evaluate",
     "tasks.feedback",
 )
-FLOW_DOORS = ("flows.pipeline", "flows.feedback", "flows.restore", "flows.serve", "flows.sweep", "flows.team")
+FLOW_DOORS = (
+    "flows.pipeline",
+    "flows.compare",
+    "flows.feedback",
+    "flows.restore",
+    "flows.serve",
+    "flows.sweep",
+    "flows.team",
+)
 OPS_DOORS = ("rlhfops.launch", "rlhfops.labeling", "rlhfops.stack", "rlhfops.dvc_yaml", "rlhflow.data.demo")
 BENCH_DOORS = (
     "bench.doors",

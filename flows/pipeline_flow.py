@@ -23,6 +23,7 @@ from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
+from prefect.utilities.urls import url_for
 
 from flows import report
 from rlhflow.config.params import Config, apply_overrides, config_from_dict, load_config
@@ -257,8 +258,6 @@ PREFECT_RUN_TAGS = ("prefect.flow_run_id", "prefect.flow_run_name", "prefect.flo
 
 def prefect_run_tags() -> dict[str, str]:
     """The tags that name, on the MLflow parent run, the Prefect flow run making it (none outside a flow run)."""
-    from prefect.utilities.urls import url_for
-
     run_id = flow_run.get_id()
     if not run_id:
         return {}

@@ -48,9 +48,11 @@ def with_form_defaults(flow, params):
 
 
 def deployments() -> list:
-    """The served deployments: the pipeline, the sweep, the feedback round, the restore and one per stage."""
+    """The served deployments: the pipeline, the sweep, the feedback round, the restore, the head to head of two runs
+    and one per stage."""
     from prefect.types.entrypoint import EntrypointType
 
+    from flows.compare_flow import compare_runs
     from flows.feedback_flow import feedback_round
     from flows.pipeline_flow import rlhf_pipeline
     from flows.restore_flow import restore_run
@@ -84,6 +86,13 @@ def deployments() -> list:
     served.append(
         restore_run.to_deployment(
             name="restore", **common, description="Put a pipeline run's data, models and metrics back (DVC cache)."
+        )
+    )
+    served.append(
+        with_form_defaults(compare_runs, params).to_deployment(
+            name="compare",
+            **common,
+            description="Two finished pipeline runs' policies head to head on the test prompts, by the same judge.",
         )
     )
     for stage, stage_flow in STAGE_FLOWS.items():

@@ -17,10 +17,10 @@ import tempfile
 from typing import TYPE_CHECKING
 
 from rlhflow.config.params import Config
-from rlhfops.hashing import dir_md5, file_md5
 from rlhfops.stage_runner import StageContext, cli, stage_task
 from tasks.evaluation_setup import (
     EvaluationInputs,
+    evaluation_basis,
     evaluation_inputs,
     load_evaluation_judge,
     sft_answers_key,
@@ -77,18 +77,6 @@ def read_held_out_data(inputs: EvaluationInputs) -> HeldOutData:
         ),
         test_pair_scores=saved_pair_scores(inputs.proxy_dir, data_file=test_file),
     )
-
-
-def evaluation_basis(inputs: EvaluationInputs) -> dict[str, str]:
-    """What a registered model's figures were measured on: the split files and the judge
-    (rlhflow/evaluation/champion.py)."""
-    basis = {
-        f"{split}_split_md5": file_md5(path) if path.exists() else "none"
-        for split in ("train", "dev", "test")
-        for path in [inputs.validated_dir / f"{split}.jsonl"]
-    }
-    basis["judge_md5"] = dir_md5(inputs.judge_dir)
-    return basis
 
 
 def registered_head_to_head(client, name: str, has_dev: bool, compare):

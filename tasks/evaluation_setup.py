@@ -102,6 +102,18 @@ def load_evaluation_judge(inputs: EvaluationInputs, device):
     return load_judge(inputs.judge, inputs.judge_dir, batch_size=inputs.judge.eval_batch_size, device=device)
 
 
+def evaluation_basis(inputs: EvaluationInputs) -> dict[str, str]:
+    """What a registered model's figures were measured on: the split files and the judge
+    (rlhflow/evaluation/champion.py)."""
+    basis = {
+        f"{split}_split_md5": file_md5(path) if path.exists() else "none"
+        for split in ("train", "dev", "test")
+        for path in [inputs.validated_dir / f"{split}.jsonl"]
+    }
+    basis["judge_md5"] = dir_md5(inputs.judge_dir)
+    return basis
+
+
 def sft_answers_key(
     settings: EvaluationSettings, held_out: HeldOutPrompts, files: dict[str, Path], sft_dir: Path
 ) -> dict:

@@ -1,6 +1,6 @@
 """Runs side by side: two pipeline runs started together in one workspace never read or overwrite each other's
 outputs (the second waits for the whole first run, rlhfops/workspace.py), and each MLflow parent run's evaluation
-read the policy its own PPO stage wrote, as its recorded lineage shows."""
+read the policy its own PPO stage wrote, as its recorded lineage shows; the two policies then meet head to head."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO, stage_env, tiny_pipeline_overrides
+
+from rlhflow.config.params import load_config
 
 
 def _entry_md5(entry: dict, kind: str, path: str) -> str:
@@ -66,6 +68,32 @@ def test_two_flow_runs_started_together_each_evaluate_their_own_policy(tmp_path,
     assert set(policies) == {0.01, 0.5} and policies[0.01] != policies[0.5]
     versions = client.search_model_versions("name = 'rlhf-policy'")
     assert len(versions) == 2  # each run registered its own policy
+    check_head_to_head(client, experiment, base, {float(p.data.params["ppo.kl_coef"]): p.info.run_id for p in parents})
+
+
+def check_head_to_head(client, experiment: str, overrides: list[str], runs: dict[float, str]) -> None:
+    """The two runs' policies head to head on the test prompts (tasks/head_to_head.py, `python -m flows.compare`):
+    A's win rates with intervals, logged as a run both link to; refused for a run that is no pipeline run or for
+    policies measured by another judge."""
+    from tasks import head_to_head
+
+    cfg, (a, b) = load_config(overrides=overrides), (runs[0.01], runs[0.5])
+    figures = head_to_head.compare_runs(cfg, a, b)
+    rate = figures["compare/judge_win_rate_a_over_b"]
+    assert 0 <= figures["compare/judge_win_rate_ci_low"] <= rate <= figures["compare/judge_win_rate_ci_high"] <= 1
+    assert figures["compare/prompts"] > 0 and "compare/judge_win_rate_lc" in figures, figures
+    (compared,) = client.search_runs([experiment], "tags.compare = 'rlhf'")
+    assert (compared.data.params["run_a"], compared.data.params["run_b"]) == (a, b)
+    assert compared.data.metrics["compare/judge_win_rate_a_over_b"] == rate
+    assert "A's win rate over B" in compared.data.tags["mlflow.note.content"]
+    assert client.get_run(a).data.tags[f"compare.with.{b}"] == compared.info.run_id
+    assert client.get_run(b).data.tags[f"compare.with.{a}"] == compared.info.run_id
+    with pytest.raises(head_to_head.ComparisonError, match="is not a finished pipeline run"):
+        head_to_head.compare_runs(cfg, a, compared.info.run_id)
+    version = head_to_head.policy_version(client, b)
+    client.set_model_version_tag("rlhf-policy", version, "basis.judge_md5", "another judge")
+    with pytest.raises(head_to_head.ComparisonError, match="measured on different judge_md5"):
+        head_to_head.compare_runs(cfg, a, b)
 
 
 FLOW = """

@@ -127,6 +127,46 @@ def win_metrics(keys: WinKeys, verdicts, both_ended: np.ndarray, char_difference
     return metrics
 
 
+HEAD_TO_HEAD_KEYS = WinKeys(
+    "compare/judge_win_rate_a_over_b",
+    "compare/judge_win_rate",
+    "compare/judge_win_rate_both_ended",
+    "compare/judge_win_rate_lc",
+    "compare/judge_win_rate_lc_supported",
+    "compare/judge_soft_preference",
+    "compare/judge_soft_preference_lc",
+)
+
+
+def head_to_head_metrics(a: Answers, b: Answers, judged, conversations: list[str]) -> dict[str, float]:
+    """Policy A against policy B on the same prompts (row i of each: the same prompt and random stream), by the
+    judge: A's win rate overall, where both answers ended and length-controlled, each with its 95% interval from
+    resamples of the conversations (the figures the evaluation gives a policy against the SFT model), and each
+    side's answer classes and lengths."""
+    weights = stats.resample_weights(len(a), clusters=conversations, seed=BOOTSTRAP_SEED)
+    both_ended = a.is_class("ended") & b.is_class("ended")
+    char_difference = np.array([len(x) - len(y) for x, y in zip(a.texts, b.texts)], dtype=float)
+    sides = {
+        f"compare/{side}_{key.removeprefix('eval/')}": value
+        for side, answers in (("a", a), ("b", b))
+        for key, value in text_metrics(answers).items()
+    }
+    return {
+        "compare/prompts": float(len(set(conversations))),
+        "compare/answers": float(len(a)),
+        "compare/both_ended_prompts": float(both_ended.sum()),
+        **win_metrics(HEAD_TO_HEAD_KEYS, judged, both_ended, char_difference, weights, conversations),
+        **sides,
+    }
+
+
+def judge_verdicts(judge, prompts, texts: list[str], other_texts: list[str]):
+    """The judge's verdicts of `texts` against `other_texts`, row by row (a pointwise judge scores each side)."""
+    if judge.pointwise:
+        return verdicts_from_scores(judge.score(prompts, texts), judge.score(prompts, other_texts))
+    return judge.compare(prompts, texts, other_texts)
+
+
 def comparison_metrics(
     policy: Answers,
     sft: Answers,
@@ -448,10 +488,7 @@ class PolicyEvaluator:
         both = np.flatnonzero(mine.is_class("ended") & other_answers.is_class("ended"))
         prompts = [dev.prompts[i] for i in both]
         texts, other_texts = [mine.texts[i] for i in both], [other_answers.texts[i] for i in both]
-        if judge.pointwise:
-            verdicts = verdicts_from_scores(judge.score(prompts, texts), judge.score(prompts, other_texts))
-        else:
-            verdicts = judge.compare(prompts, texts, other_texts)
+        verdicts = judge_verdicts(judge, prompts, texts, other_texts)
         rule = settings.champion
         guards = guard_failures(
             rule,
