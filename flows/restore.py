@@ -38,10 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg, _ = parse_config_args(rest, "Restore a pipeline run's outputs (the tracking store is read from params).")
     from flows.restore_flow import restore_run
     from rlhfops.restore import RestoreError
+    from rlhfops.tracking import stored_config
 
     try:
         start_temporary_server()
-        restore_run(argv[0], known.remote, cfg)
+        restore_run(argv[0], known.remote, stored_config(cfg))
     except RestoreError as err:
         print(f"restore failed: {err}", file=sys.stderr)
         return 1
