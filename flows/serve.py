@@ -29,6 +29,7 @@ from rlhfops.stack_access import new_auth_string, prefect_server_security, write
 DEFAULT_HOST = "127.0.0.1"
 UI_ENV_FILE = "ui.env"  # in $PREFECT_HOME: what a client of `make ui`'s Prefect server needs
 PIPELINE_DEPLOYMENT = "rlhf-pipeline/pipeline"
+PREFECT_UI_PATH = "/v2"  # Prefect 3.8's default UI (its "/" opens it; links to its pages without this open the old one)
 
 
 def with_form_defaults(flow, params):
@@ -189,7 +190,13 @@ def start_servers_and_serve(host: str, prefect_port: int, mlflow_port: int) -> i
     uri = tracking.tracking_uri(cfg)
     prefect_url, mlflow_url = f"http://{host}:{prefect_port}", f"http://{host}:{mlflow_port}"
     client_env, env_file = ui_client_env(prefect_url)
-    env = {**os.environ, **client_env, "PREFECT_UI_URL": prefect_url, "RLHF_MLFLOW_UI_URL": mlflow_url}
+    # links to runs ("View at" in the log, the MLflow run's prefect.flow_run_url) open the UI Prefect shows at "/"
+    env = {
+        **os.environ,
+        **client_env,
+        "PREFECT_UI_URL": f"{prefect_url}{PREFECT_UI_PATH}",
+        "RLHF_MLFLOW_UI_URL": mlflow_url,
+    }
     bin_dir = Path(sys.executable).parent
     mlflow_cmd = [
         str(bin_dir / "mlflow"),
@@ -224,7 +231,11 @@ def start_servers_and_serve(host: str, prefect_port: int, mlflow_port: int) -> i
         procs.append(launch([sys.executable, "-m", "flows.serve"], env))
         mlflow_link = mlflow_ui_link(mlflow_url, uri, cfg.tracking.experiment)
         print(f"\nPrefect UI: {prefect_url}   MLflow UI: {mlflow_link}   (Ctrl-C stops both)", flush=True)
-        print(f"The Prefect UI asks for the auth string in {env_file} (other clients: source it)\n", flush=True)
+        print(
+            f"The Prefect UI asks for a password: paste the value of PREFECT_API_AUTH_STRING in {env_file} (rlhf:..., "
+            "without `export` and the name; other clients: source the file)\n",
+            flush=True,
+        )
         while all(p.poll() is None for p in procs):
             time.sleep(1)
         return next(p.returncode for p in procs if p.returncode is not None)
