@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 import time
-from typing import Literal
+from typing import Any, Literal
 
 import mlflow
 from prefect import flow, task
@@ -130,6 +130,23 @@ def selected_stages(cfg: Config, stages: list[str] | None) -> list[str]:
     # demo_data runs even when another file is the input, as under `dvc repro`: every stage of dvc.yaml then has
     # its dvc.lock entry after a flow run (it writes a small deterministic file in well under a second)
     return [n for n in STAGE_NAMES if n in names]  # pipeline order, whatever order they were given in
+
+
+# The settings a person changes most, each a field of the deployments' short form: (parameter, params.yaml key, title)
+FORM_SETTINGS = (
+    ("seed", "seed", "Seed"),
+    ("ppo_steps", "ppo.steps", "PPO steps"),
+    ("kl_coef", "ppo.kl_coef", "PPO KL weight"),
+    ("algorithm", "align.algorithm", "Algorithm"),
+    ("judge_kind", "judge.kind", "Judge"),
+    ("preferences", "data.preferences", "Preference data"),
+)
+
+
+def form_overrides(form: dict[str, Any], overrides: list[str] | None) -> list[str]:
+    """The short form's filled-in fields as overrides, then `overrides` (the later of two for one key wins)."""
+    filled = [f"{key}={form[name]}" for name, key, _ in FORM_SETTINGS if form.get(name) is not None]
+    return filled + [*(overrides or [])]
 
 
 def with_overrides(cfg: Config | None, overrides: list[str] | None) -> Config:
@@ -333,6 +350,12 @@ def rlhf_pipeline(
     push: bool = False,
     remote: str | None = None,
     parent_run: str | None = None,
+    seed: int | None = None,
+    ppo_steps: int | None = None,
+    kl_coef: float | None = None,
+    algorithm: str | None = None,
+    judge_kind: str | None = None,
+    preferences: str | None = None,
 ) -> dict[str, float]:
     """The RLHF pipeline: demo_data -> validate -> sft -> reward_model -> judge -> ppo -> evaluate.
 
@@ -340,9 +363,17 @@ def rlhf_pipeline(
         config: every hyperparameter (params.yaml; its values are the defaults)
         stages: run only these stages (in pipeline order), reading earlier outputs from disk; empty: all
         force: run every stage even when it is up to date
-        overrides: params.yaml overrides applied on top of `config`, e.g. ["ppo.kl_coef=0.1"]
+        overrides: any params.yaml value, as `section.key=value` (checked as `--set` is), e.g. ["ppo.kl_coef=0.1"]
         push: after the run, push its data and models to a DVC remote (restorable on another machine)
         remote: the DVC remote to push to (`dvc remote list`); empty: DVC's default remote
         parent_run: the MLflow run to nest this run's parent run under (a sweep's run); empty: none
+        seed: the training seed (seed); empty: params.yaml's
+        ppo_steps: PPO updates (ppo.steps); empty: params.yaml's
+        kl_coef: the KL penalty's weight (ppo.kl_coef); empty: params.yaml's
+        algorithm: ppo, grpo, rloo or dpo (align.algorithm); empty: params.yaml's
+        judge_kind: trained, reward_model or llm (judge.kind); empty: params.yaml's
+        preferences: the preference data, a file in the project or a Hub id (data.preferences); empty: params.yaml's
     """
+    form = dict(seed=seed, ppo_steps=ppo_steps, kl_coef=kl_coef, algorithm=algorithm, judge_kind=judge_kind)
+    overrides = form_overrides(form | {"preferences": preferences}, overrides)
     return run_pipeline(with_overrides(config, overrides), stages, force, push, remote, parent_run)

@@ -21,6 +21,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Annotated
 
 from flows.report import MODEL_TRAINING_VIEW
 from rlhflow.config.params import REPO_ROOT, Config, load_config
@@ -48,6 +49,39 @@ def with_form_defaults(flow, params):
     return form
 
 
+def short_form(flow, **deployment):
+    """The deployment of `flow` (the pipeline) with the form a person fills in: the settings of FORM_SETTINGS, each
+    typed as params.yaml types it and titled by its section ("PPO steps (ppo.steps)"), then `overrides` for any
+    other value; no `config` (the run reads params.yaml as it starts) and no `parent_run`."""
+    from flows.pipeline_flow import FORM_SETTINGS
+
+    types = {name: setting_type(key) | None for name, key, _ in FORM_SETTINGS}
+    order = [*types, "overrides"]  # the form's fields first, then any other value, then how the run goes
+    signature = inspect.signature(flow.fn, eval_str=True)
+    kept = [p for p in signature.parameters.values() if p.name not in ("config", "parent_run")]
+    kept.sort(key=lambda p: order.index(p.name) if p.name in order else len(order))
+    form = flow.with_options()
+    form.__signature__ = signature.replace(
+        parameters=[p.replace(annotation=types.get(p.name, p.annotation)) for p in kept]
+    )
+    served = form.to_deployment(**deployment)
+    fields = served._parameter_openapi_schema.properties  # Prefect titles a field by its name: "ppo_steps"
+    for name, key, title in FORM_SETTINGS:
+        fields[name]["title"] = f"{title} ({key})"
+    fields["overrides"]["title"] = "Other settings (section.key=value)"
+    return served
+
+
+def setting_type(key: str):
+    """The type params.yaml's model gives `key`, with its bounds (a Literal of its choices, a number >= 1)."""
+    model = Config
+    *sections, name = key.split(".")
+    for section in sections:
+        model = model.model_fields[section].annotation
+    field = model.model_fields[name]
+    return Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+
+
 def deployments() -> list:
     """The served deployments: the pipeline, the sweep, the feedback round, the restore, the head to head of two runs
     and one per stage."""
@@ -65,8 +99,12 @@ def deployments() -> list:
     # flow runs import the flows by module (flows.pipeline_flow.rlhf_pipeline), whatever the current directory
     common = dict(tags=["rlhf"], entrypoint_type=EntrypointType.MODULE_PATH)
     served = [
-        with_form_defaults(rlhf_pipeline, params).to_deployment(
-            name="pipeline", **common, description="The whole RLHF pipeline; up-to-date stages are skipped."
+        short_form(
+            rlhf_pipeline,
+            name="pipeline",
+            **common,
+            description="The whole RLHF pipeline on params.yaml, with the settings of this form and `overrides` "
+            "changed; up-to-date stages are skipped.",
         )
     ]
     served.append(
@@ -198,18 +236,8 @@ def start_servers_and_serve(host: str, prefect_port: int, mlflow_port: int) -> i
         "RLHF_MLFLOW_UI_URL": mlflow_url,
     }
     bin_dir = Path(sys.executable).parent
-    mlflow_cmd = [
-        str(bin_dir / "mlflow"),
-        "server",
-        "--host",
-        host,
-        "--port",
-        str(mlflow_port),
-        "--workers",
-        "1",
-        "--backend-store-uri",
-        uri,
-    ]
+    mlflow_cmd = [str(bin_dir / "mlflow"), "server", "--host", host, "--port", str(mlflow_port), "--workers", "1"]
+    mlflow_cmd += ["--backend-store-uri", uri]
     if tracking.is_sqlite_uri(uri):
         artifacts = tracking.sqlite_artifact_root(uri)
         mlflow_cmd += ["--default-artifact-root", artifacts.as_uri(), "--artifacts-destination", artifacts.as_uri()]

@@ -27,7 +27,6 @@ from conftest import REPO, free_port, tiny_pipeline_overrides
 from flows.pipeline import TRAINING_LIMIT
 from flows.report import LINK_KEY, MLFLOW_UI_URL_ENV, REPORT_KEY
 from flows.serve import stop, wait_for
-from rlhflow.config.params import load_config
 from rlhfops.stack_access import new_auth_string, prefect_server_security
 from rlhfops.stages import STAGES
 
@@ -135,11 +134,15 @@ def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_
         assert {"run_id", "remote"} <= set(restore.parameter_openapi_schema["properties"])
         sweep = _wait_for_deployment(client, "rlhf-sweep/sweep", home / "serve.log")
         assert {"grid", "overrides", "best_of_n", "config"} <= set(sweep.parameter_openapi_schema["properties"])
-        # the UI's parameter form: the typed config, params.yaml's values as defaults
-        schema = deployment.parameter_openapi_schema
-        assert schema["properties"]["config"]["default"]["ppo"]["kl_coef"] == load_config().ppo.kl_coef
-        assert schema["definitions"]["PPOConfig"]["properties"]["kl_estimator"]["enum"] == ["k1", "k3"]
-        assert {"config", "stages", "force", "overrides"} <= set(schema["properties"])
+        # the UI's parameter form: the settings people change, typed and titled as params.yaml's, then any other
+        # value as an override; not the whole config (the run reads params.yaml as it starts)
+        fields = deployment.parameter_openapi_schema["properties"]
+        short = ["seed", "ppo_steps", "kl_coef", "algorithm", "judge_kind", "preferences", "overrides"]
+        assert list(fields)[:7] == short, list(fields)
+        assert "config" not in fields and {"stages", "force"} <= set(fields)
+        assert fields["ppo_steps"]["title"] == "PPO steps (ppo.steps)"
+        assert fields["ppo_steps"]["anyOf"][0] == {"minimum": 1, "type": "integer"}
+        assert fields["algorithm"]["anyOf"][0]["enum"] == ["ppo", "grpo", "rloo", "dpo"]
         assert client.read_global_concurrency_limit_by_name(TRAINING_LIMIT).limit == 1
 
     # two runs at once, in separate output roots (the second would otherwise find everything up to date)
@@ -150,7 +153,7 @@ def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_
             run_deployment(
                 "rlhf-pipeline/pipeline",
                 timeout=0,
-                parameters={"overrides": tiny_pipeline_overrides(root, tiny_model_dir), "stages": only},
+                parameters={"overrides": tiny_pipeline_overrides(root, tiny_model_dir), "stages": only, "kl_coef": 0.2},
             )
             for root, only in zip(roots, stages)
         ]
@@ -206,6 +209,7 @@ def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_
     parent = mlflow.MlflowClient(f"sqlite:///{roots[0]}/mlflow.db").get_run(run_id)
     assert parent.info.status == "FINISHED" and "mlflow.parentRunId" not in parent.data.tags
     assert parent.data.tags["pipeline"] == "rlhf" and "eval/win_rate_vs_sft" in parent.data.metrics
+    assert parent.data.params["ppo.kl_coef"] == "0.2"  # the form's field, applied as --set is
 
 
 def test_a_server_slot_left_taken_is_announced_and_can_be_freed(served):
