@@ -27,11 +27,22 @@ TRACKING_CREDENTIALS = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 ENCRYPTED_SSLMODES = {"require", "verify-ca", "verify-full"}
 # where boto3 and MLflow's S3 artifact store read an S3-compatible endpoint (the first set wins)
 S3_ENDPOINTS = ("MLFLOW_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+# Host names (comma-separated) that the machine's owner says are reached over a network of this machine's own (a
+# compose network's services: mlflow, s3): plain http to them passes as it does to 127.0.0.1. The environment's
+# alone, never params': a params file or a Prefect parameter cannot widen it.
+PRIVATE_HOSTS = "RLHFLOW_PRIVATE_HOSTS"
 
 
 def http_store_problem(uri: str) -> str | None:
-    """An http(s) tracking URI: read alike by every client, and https or on this machine."""
+    """An http(s) tracking URI: read alike by every client, and https, on this machine or on a private host."""
+    if _on_private_host(uri):
+        return credentials.reading_problem("the tracking URI", uri)
     return credentials.transport_problem("the tracking URI", uri, " and ".join(credentials_found(uri)))
+
+
+def _on_private_host(url: str) -> bool:
+    listed = {h.strip().lower() for h in os.environ.get(PRIVATE_HOSTS, "").split(",") if h.strip()}
+    return credentials.scheme_and_host(url)[1] in listed
 
 
 def credentials_found(uri: str) -> list[str]:
@@ -127,6 +138,8 @@ def s3_endpoint_problem() -> str | None:
     """The S3-compatible endpoint boto3 would use (AWS's own, https, when none is set) follows the rule."""
     for name in S3_ENDPOINTS:
         endpoint = os.environ.get(name)
+        if endpoint and _on_private_host(endpoint):
+            return credentials.reading_problem(f"${name}", endpoint)
         if endpoint:
             return credentials.transport_problem(
                 f"${name}", endpoint, "requests signed with the AWS key and the artifacts"

@@ -192,6 +192,23 @@ def test_the_work_pools_job_template_lets_no_flow_run_choose_its_command_or_envi
     validate({"stream_output": False}, template["variables"], raise_on_error=True, preprocess=True)  # the rest stays
 
 
+def test_the_workers_reach_mlflow_and_s3_over_the_compose_network_by_its_own_names(monkeypatch):
+    """Plain http goes to this machine only, but a compose network's services are reached by name: the workers'
+    environment names them (RLHFLOW_PRIVATE_HOSTS), which no params file can; without it the rule refuses them."""
+    from rlhfops.tracking import TrackingUnavailableError, check_artifact_location, check_transport
+
+    env = _env("worker-1")
+    for name in ("MLFLOW_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", env["AWS_ENDPOINT_URL_S3"])
+    monkeypatch.setenv("RLHFLOW_PRIVATE_HOSTS", env["RLHFLOW_PRIVATE_HOSTS"])
+    check_transport(env["MLFLOW_TRACKING_URI"])
+    check_artifact_location("s3://mlflow/artifacts/1/abc", env["MLFLOW_TRACKING_URI"])
+    monkeypatch.delenv("RLHFLOW_PRIVATE_HOSTS")
+    with pytest.raises(TrackingUnavailableError, match="http://mlflow:5000 is not https"):
+        check_transport(env["MLFLOW_TRACKING_URI"])
+
+
 def test_where_compose_and_make_stack_differ():
     """What differs by design, each checked so that a change to either side shows here:
     - inside its container a service listens on every interface (the compose network is how the services reach
