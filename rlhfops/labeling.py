@@ -123,12 +123,9 @@ class LabelStudio:
 
     def __post_init__(self):
         """Built only for a URL the token may go to (rlhflow/config/credentials.py), whoever builds it."""
-        lift = "feedback.allow_plain_http"
-        what = "the API token and every pair"
-        problem = (
-            credentials.reading_problem("feedback.label_studio_url", self.url)
-            if self.allow_plain_http
-            else credentials.transport_problem("feedback.label_studio_url", self.url, what, lift)
+        what, lift = "the API token and every pair", "feedback.allow_plain_http"
+        problem = credentials.transport_problem(
+            "feedback.label_studio_url", self.url, what, lift, lifted=self.allow_plain_http
         )
         if not problem and credentials.scheme_and_host(self.url)[0] not in ("http", "https"):
             problem = f"feedback.label_studio_url {redact_url(self.url)!r} is not an http(s) URL"

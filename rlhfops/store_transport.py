@@ -35,9 +35,8 @@ PRIVATE_HOSTS = "RLHFLOW_PRIVATE_HOSTS"
 
 def http_store_problem(uri: str) -> str | None:
     """An http(s) tracking URI: read alike by every client, and https, on this machine or on a private host."""
-    if _on_private_host(uri):
-        return credentials.reading_problem("the tracking URI", uri)
-    return credentials.transport_problem("the tracking URI", uri, " and ".join(credentials_found(uri)))
+    what = " and ".join(credentials_found(uri))
+    return credentials.transport_problem("the tracking URI", uri, what, lifted=_on_private_host(uri))
 
 
 def _on_private_host(url: str) -> bool:
@@ -138,10 +137,7 @@ def s3_endpoint_problem() -> str | None:
     """The S3-compatible endpoint boto3 would use (AWS's own, https, when none is set) follows the rule."""
     for name in S3_ENDPOINTS:
         endpoint = os.environ.get(name)
-        if endpoint and _on_private_host(endpoint):
-            return credentials.reading_problem(f"${name}", endpoint)
         if endpoint:
-            return credentials.transport_problem(
-                f"${name}", endpoint, "requests signed with the AWS key and the artifacts"
-            )
+            what = "requests signed with the AWS key and the artifacts"
+            return credentials.transport_problem(f"${name}", endpoint, what, lifted=_on_private_host(endpoint))
     return None

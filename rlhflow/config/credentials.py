@@ -137,12 +137,14 @@ def is_loopback(host: str) -> bool:
     return address.is_loopback or bool(mapped and mapped.is_loopback)
 
 
-def transport_problem(setting: str, url: str, what: str, allow_plain_http: str | None = None) -> str | None:
+def transport_problem(
+    setting: str, url: str, what: str, allow_plain_http: str | None = None, *, lifted: bool = False
+) -> str | None:
     """Why `what` (a key, answers) may not go to `url`, the value of `setting` (None: it may): https, or http on this
     machine, in a URL every client reads alike (`reading_problem`). `allow_plain_http`: the setting that lifts the
-    https rule, named in the message (None: nothing lifts it)."""
+    https rule, named in the message (None: nothing lifts it); `lifted`: it is lifted (the reading rule alone holds)."""
     problem = reading_problem(setting, url)
-    if problem:
+    if problem or lifted:
         return problem
     scheme, host = scheme_and_host(url)
     if scheme == "https" or (scheme == "http" and is_loopback(host)):

@@ -49,12 +49,14 @@ class FeedbackConfig(Section):
     @model_validator(mode="after")
     def _the_token_goes_only_where_it_belongs(self) -> FeedbackConfig:
         problem = credentials.variable_problem("feedback.token_env", self.token_env, credentials.LABEL_STUDIO)
-        if not problem and self.allow_plain_http:
-            problem = credentials.reading_problem("feedback.label_studio_url", self.label_studio_url)
-        elif not problem:
+        if not problem:
             what = f"the API token (${self.token_env}), the pairs and the labels"
             problem = credentials.transport_problem(
-                "feedback.label_studio_url", self.label_studio_url, what, "feedback.allow_plain_http"
+                "feedback.label_studio_url",
+                self.label_studio_url,
+                what,
+                "feedback.allow_plain_http",
+                lifted=self.allow_plain_http,
             )
         if problem:
             raise ValueError(problem)

@@ -320,11 +320,10 @@ class JudgeConfig(RewardModelConfig):
         key, and the key must not cross the network in clear text unless the user says so
         (rlhflow/config/credentials.py)."""
         problem = credentials.variable_problem("judge.api_key_env", self.api_key_env, credentials.JUDGE)
-        if not problem and self.kind == "llm" and self.endpoint and self.allow_plain_http:
-            problem = credentials.reading_problem("judge.endpoint", self.endpoint)
-        elif not problem and self.kind == "llm" and self.endpoint:
+        if not problem and self.kind == "llm" and self.endpoint:
             what = f"the API key (${self.api_key_env}) and every answer"
-            problem = credentials.transport_problem("judge.endpoint", self.endpoint, what, "judge.allow_plain_http")
+            lift, lifted = "judge.allow_plain_http", self.allow_plain_http
+            problem = credentials.transport_problem("judge.endpoint", self.endpoint, what, lift, lifted=lifted)
         if problem:
             raise ValueError(problem)
         return self

@@ -302,12 +302,10 @@ class LLMJudge(Judge):
         self.endpoint, self.model = settings.endpoint, settings.model
         self.api_key_env = settings.api_key_env
         # the rule params.yaml was loaded under, again: built from settings made any other way, it holds too
-        problem = credentials.variable_problem("judge.api_key_env", self.api_key_env, credentials.JUDGE) or (
-            credentials.reading_problem("judge.endpoint", self.endpoint)
-            if settings.allow_plain_http
-            else credentials.transport_problem(
-                "judge.endpoint", self.endpoint, f"the API key (${self.api_key_env})", "judge.allow_plain_http"
-            )
+        what, lift = f"the API key (${self.api_key_env})", "judge.allow_plain_http"
+        problem = credentials.variable_problem("judge.api_key_env", self.api_key_env, credentials.JUDGE)
+        problem = problem or credentials.transport_problem(
+            "judge.endpoint", self.endpoint, what, lift, lifted=settings.allow_plain_http
         )
         if problem:
             raise JudgeUnavailableError(problem)
