@@ -3,12 +3,14 @@ command line and hands the rest of its names on from its flow module (`flows/<na
 
 import importlib
 import os
+import sys
 
 # before any flow module imports prefect: the ephemeral server it starts reads these once
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 import rlhfops  # noqa: E402, F401  (a flow started by a Python without the project's stack stops here, in one line)
+from rlhfops.temporary_server import start_temporary_server  # noqa: E402
 
 
 def handed_on(command: str, flow_module: str):
@@ -22,3 +24,16 @@ def handed_on(command: str, flow_module: str):
         return getattr(importlib.import_module(flow_module), name)
 
     return __getattr__
+
+
+def flow_exit_status(call, refused: type[Exception], failed: str) -> int:
+    """A command's exit status for `call()` (its flow, on a temporary Prefect server unless one is configured): 0, or
+    1 with "<failed>: <why>" on stderr when the flow raises `refused`, the error its command names without a
+    traceback."""
+    try:
+        start_temporary_server()
+        call()
+    except refused as err:
+        print(f"{failed}: {err}", file=sys.stderr)
+        return 1
+    return 0

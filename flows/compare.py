@@ -15,9 +15,8 @@ from __future__ import annotations
 # A light door: prefect, mlflow and torch load with the flow (flows/compare_flow.py), after --help has answered.
 import sys
 
-from flows import handed_on
+from flows import flow_exit_status, handed_on
 from rlhflow.config.params import parse_config_args
-from rlhfops.temporary_server import start_temporary_server
 
 __getattr__ = handed_on(__name__, "flows.compare_flow")
 
@@ -36,13 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     from rlhfops.tracking import stored_config
     from tasks.head_to_head import ComparisonError
 
-    try:
-        start_temporary_server()
-        compare_runs(argv[0], argv[1], stored_config(cfg))
-    except ComparisonError as err:
-        print(f"head to head refused: {err}", file=sys.stderr)
-        return 1
-    return 0
+    return flow_exit_status(
+        lambda: compare_runs(argv[0], argv[1], stored_config(cfg)), ComparisonError, "head to head refused"
+    )
 
 
 if __name__ == "__main__":

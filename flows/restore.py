@@ -15,9 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flows import handed_on
+from flows import flow_exit_status, handed_on
 from rlhflow.config.params import parse_config_args
-from rlhfops.temporary_server import start_temporary_server
 
 __getattr__ = handed_on(__name__, "flows.restore_flow")
 
@@ -40,13 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     from rlhfops.restore import RestoreError
     from rlhfops.tracking import stored_config
 
-    try:
-        start_temporary_server()
-        restore_run(argv[0], known.remote, stored_config(cfg))
-    except RestoreError as err:
-        print(f"restore failed: {err}", file=sys.stderr)
-        return 1
-    return 0
+    return flow_exit_status(
+        lambda: restore_run(argv[0], known.remote, stored_config(cfg)), RestoreError, "restore failed"
+    )
 
 
 if __name__ == "__main__":
