@@ -374,6 +374,13 @@ def rlhf_pipeline(
         judge_kind: trained, reward_model or llm (judge.kind); empty: params.yaml's
         preferences: the preference data, a file in the project or a Hub id (data.preferences); empty: params.yaml's
     """
-    form = dict(seed=seed, ppo_steps=ppo_steps, kl_coef=kl_coef, algorithm=algorithm, judge_kind=judge_kind)
-    overrides = form_overrides(form | {"preferences": preferences}, overrides)
+    form = dict(
+        seed=seed,
+        ppo_steps=ppo_steps,
+        kl_coef=kl_coef,
+        algorithm=algorithm,
+        judge_kind=judge_kind,
+        preferences=preferences,
+    )
+    overrides = form_overrides(form, overrides)
     return run_pipeline(with_overrides(config, overrides), stages, force, push, remote, parent_run)
