@@ -40,8 +40,11 @@ from rlhflow.config import credentials
 from rlhflow.config.params import REPO_ROOT, Config, project_root
 from rlhflow.fsutil import write_json_atomic
 from rlhflow.redaction import REDACTED, redact_url, redact_urls, user_info_removed
-from rlhfops import store_transport
+from rlhfops import store_replies, store_transport
 from rlhfops.hashing import file_md5
+
+# a tracking server's every reply read within bounds of size and time (rlhfops/store_replies.py)
+store_replies.bound_mlflow_replies()
 
 
 def tracking_uri(cfg: Config) -> str:

@@ -95,6 +95,17 @@ def local_server(answer):
         httpd.server_close()
 
 
+def trickle(handler):
+    """A reply of a byte every 0.1 s for 4 s: each read within any timeout, the whole past a second's bound."""
+    handler.send_response(200)
+    handler.end_headers()
+    with contextlib.suppress(OSError):
+        for _ in range(40):
+            handler.wfile.write(b" ")
+            handler.wfile.flush()
+            time.sleep(0.1)
+
+
 def redirect_to(location: str):
     def answer(handler):
         handler.send_response(302)
@@ -348,15 +359,6 @@ def test_a_label_studio_reply_past_its_bounds_fails_naming_the_request(monkeypat
         with contextlib.suppress(OSError):
             handler.wfile.write(b"[" + b" " * (2**20 - 2) + b"]")
 
-    def trickle(handler):
-        handler.send_response(200)
-        handler.end_headers()
-        with contextlib.suppress(OSError):
-            for _ in range(40):
-                handler.wfile.write(b" ")
-                handler.wfile.flush()
-                time.sleep(0.1)
-
     with local_server(flood) as url:
         with pytest.raises(labeling.LabelingError, match=r"GET /api/projects/1/export.*passed 65,536 bytes; not read"):
             labeling.LabelStudio(url, "token", timeout=5).tasks(1)
@@ -370,3 +372,44 @@ def test_a_label_studio_reply_past_its_bounds_fails_naming_the_request(monkeypat
         with pytest.raises(labeling.LabelingError, match="is not reachable") as err:
             down.tasks(1)
         assert SECRET not in str(err.value)
+
+
+def test_a_tracking_servers_reply_past_its_bounds_fails_naming_the_store(mlflow_gives_up_at_once, monkeypatch):
+    """MLflow's client reads each reply through rlhfops/store_replies.py: past the byte bound (declared, compressed
+    or not) or trickling past the whole-reply time bound though each read comes within MLflow's timeout, the call
+    fails naming the store's URL, at once; a reply within the bounds reads as before."""
+    import gzip
+
+    from mlflow.exceptions import MlflowException
+
+    from rlhfops import store_replies, tracking
+
+    monkeypatch.setattr(store_replies, "MAX_REPLY_BYTES", 2**16)
+    monkeypatch.setattr(store_replies, "MAX_REPLY_SECONDS", 1.0)
+    bomb = gzip.compress(b" " * 2**22)  # 4 MiB of spaces in about 4 kB
+
+    def reply(body: bytes, encoding: str | None = None):
+        def answer(handler):
+            handler.send_response(200)
+            handler.send_header("Content-Type", "application/json")
+            if encoding:
+                handler.send_header("Content-Encoding", encoding)
+            handler.send_header("Content-Length", str(len(body)))
+            handler.end_headers()
+            with contextlib.suppress(OSError):
+                handler.wfile.write(body)
+
+        return answer
+
+    for answer, past in [
+        (reply(b"{" + b" " * 2**20 + b"}"), "passed 65,536 bytes"),
+        (reply(bomb, "gzip"), "passed 65,536 bytes"),
+        (trickle, "took over 1 s"),
+    ]:
+        with local_server(answer) as url:
+            started = time.monotonic()
+            with pytest.raises(MlflowException, match=rf"{url}/api/2.0/mlflow/experiments/search.* {past}; not read"):
+                tracking.client(url).search_experiments()
+            assert time.monotonic() - started < 3
+    with local_server(reply(b'{"experiments": [{"experiment_id": "7", "name": "rlhf"}]}')) as url:
+        assert [e.name for e in tracking.client(url).search_experiments()] == ["rlhf"]
