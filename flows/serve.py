@@ -25,7 +25,7 @@ from typing import Annotated
 
 from flows.report import MODEL_TRAINING_VIEW
 from rlhflow.config.params import REPO_ROOT, Config, load_config
-from rlhfops.stack_access import new_auth_string, prefect_server_security, write_private
+from rlhfops.stack_access import MLFLOW_SERVER_ENV, new_auth_string, prefect_server_security, write_private
 
 DEFAULT_HOST = "127.0.0.1"
 UI_ENV_FILE = "ui.env"  # in $PREFECT_HOME: what a client of `make ui`'s Prefect server needs
@@ -253,7 +253,7 @@ def start_servers_and_serve(host: str, prefect_port: int, mlflow_port: int) -> i
                 [str(bin_dir / "prefect"), "server", "start", "--host", host, "--port", str(prefect_port)], server_env
             )
         )
-        procs.append(launch(mlflow_cmd, env))
+        procs.append(launch(mlflow_cmd, {**MLFLOW_SERVER_ENV, **env}))
         wait_for(f"{prefect_url}/api/health", procs[0], "the Prefect server")
         wait_for(f"{mlflow_url}/health", procs[1], "the MLflow server")
         procs.append(launch([sys.executable, "-m", "flows.serve"], env))

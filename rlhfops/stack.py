@@ -34,6 +34,7 @@ from pathlib import Path
 
 from rlhflow.config.params import REPO_ROOT
 from rlhfops.stack_access import (
+    MLFLOW_SERVER_ENV,
     PRIVATE_UMASK,
     hba_trust_lines,
     new_auth_string,
@@ -363,9 +364,11 @@ class Stack:
         return True
 
     def start_mlflow(self) -> None:
-        env = self._env({"MLFLOW_S3_ENDPOINT_URL": self.s3_url, "PGPASSWORD": self.pg_password})
-        log = self._spawn("mlflow", self.mlflow_command(), env)
+        log = self._spawn("mlflow", self.mlflow_command(), self.mlflow_env())
         wait_until("MLflow server", lambda: http_ok(self.mlflow_url + "/health"), 180, self.procs["mlflow"], log)
+
+    def mlflow_env(self) -> dict[str, str]:
+        return self._env({"MLFLOW_S3_ENDPOINT_URL": self.s3_url, "PGPASSWORD": self.pg_password, **MLFLOW_SERVER_ENV})
 
     def mlflow_command(self) -> list[str]:
         return [

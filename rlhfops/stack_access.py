@@ -18,6 +18,12 @@ PREFECT_USER = "rlhf"  # the user part of the Prefect API auth string (`user:pas
 LOCKED_JOB_VARIABLES = ("command", "env", "working_dir")
 
 
+# MLflow 3's server starts a job runner beside itself for GenAI jobs (trace roll-ups, prompt optimisation) that the
+# pipeline never submits: six huey consumers, each a Python process with MLflow loaded. Without them a server answers
+# in less than half the time and holds about 2 GB less (docs/testing.md). A user's own value of the variable wins.
+MLFLOW_SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
 # The umask of a service that keeps secrets or people's data in the files it makes (SeaweedFS, Label Studio):
 # each file and directory is its owner's alone from the moment it exists.
 PRIVATE_UMASK = 0o077

@@ -398,12 +398,13 @@ def free_port() -> int:
 def mlflow_server(root: Path) -> Iterator[str]:
     """`mlflow server` on 127.0.0.1 over the store <root>/mlflow.db (artifacts in <root>/mlartifacts), as `make ui`
     starts it, without authentication: it ignores the credentials a client sends. Yields its URL; stopped after."""
+    from rlhfops.stack_access import MLFLOW_SERVER_ENV
     from rlhfops.tracking import sqlite_artifact_root
 
     uri = f"sqlite:///{root}/mlflow.db"
     artifacts = sqlite_artifact_root(uri).as_uri()
     port = free_port()
-    env = {**os.environ}
+    env = {**MLFLOW_SERVER_ENV, **os.environ}
     env.pop("MLFLOW_TRACKING_URI", None)  # mlflow.set_tracking_uri in the pipeline exports it
     log_path = root / "mlflow-server.log"
     server = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", uri]

@@ -132,6 +132,15 @@ def test_mlflow_answers_the_host_names_its_clients_use():
     assert not is_allowed_host_header(stack_allowed, "evil.example:5000")
 
 
+def test_mlflow_runs_without_its_job_runner_in_both():
+    """The GenAI job runner (six processes with MLflow loaded) is off wherever the project starts MLflow's server."""
+    from rlhfops.stack_access import MLFLOW_SERVER_ENV
+
+    assert MLFLOW_SERVER_ENV == {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    assert MLFLOW_SERVER_ENV.items() <= _env("mlflow").items()
+    assert MLFLOW_SERVER_ENV.items() <= _stack().mlflow_env().items()
+
+
 def test_postgresql_wants_a_password_in_both():
     env = _env("postgres")
     assert "POSTGRES_HOST_AUTH_METHOD" not in env and "trust" not in yaml.safe_dump(SERVICES["postgres"])
