@@ -69,7 +69,19 @@ def short_form(flow, **deployment):
     for name, key, title in FORM_SETTINGS:
         fields[name]["title"] = f"{title} ({key})"
     fields["overrides"]["title"] = "Other settings (section.key=value)"
+    for name in [*types, "overrides"]:
+        fields[name] = fillable(fields[name])
     return served
+
+
+def fillable(field: dict) -> dict:
+    """An optional field (`anyOf` its type or null, default null) as its type alone, without a default: Prefect's UI
+    shows it as an empty box of that type, where it showed a type menu set to "None" that a person had to switch
+    before typing; left empty, the parameter is not sent and the run takes params.yaml's value."""
+    types = [t for t in field.get("anyOf", []) if t.get("type") != "null"]
+    if len(types) != 1 or field.get("default", None) is not None:
+        return field
+    return {**{k: v for k, v in field.items() if k not in ("anyOf", "default")}, **types[0]}
 
 
 def setting_type(key: str):

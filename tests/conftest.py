@@ -387,6 +387,28 @@ def flow_run_logs(flow_run_id) -> list[str]:
     return asyncio.run(read())
 
 
+# Debian's chromium, as every browser test drives it through Playwright (whose own browser is never fetched)
+BROWSER_ARGS = ["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"]
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    """Debian's chromium, checked before a browser test's servers start. Missing, it fails the test: CI must check
+    the UIs."""
+    path = shutil.which("chromium")
+    if path is None:
+        pytest.fail(
+            "Debian's chromium is not installed: `make browser` (as root) installs it "
+            "(apt-get install -y --no-install-recommends chromium)"
+        )
+    return path
+
+
+def launch_chromium(playwright, chromium: str):
+    """A headless Chromium browser (Playwright's `Browser`)."""
+    return playwright.chromium.launch(executable_path=chromium, headless=True, args=BROWSER_ARGS)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now (for the servers the tests start)."""
     with socket.socket() as s:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CHECKOUT, REPO, copy_repo, free_port, starts_a_flow, with_prefect_api
+from conftest import CHECKOUT, REPO, copy_repo, free_port, launch_chromium, starts_a_flow, with_prefect_api
 from test_lineage import succeeding
 from test_mlflow_ui import TIMEOUT_MS
 
@@ -53,9 +53,7 @@ def lock_md5(repo: Path, stage: str, path: str) -> str:
 
 def browser_page(playwright, chromium: str, url: str, password: str):
     """A logged-in Label Studio page."""
-    browser = playwright.chromium.launch(
-        executable_path=chromium, headless=True, args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"]
-    )
+    browser = launch_chromium(playwright, chromium)
     page = browser.new_page(viewport={"width": 1400, "height": 900})
     page.set_default_timeout(TIMEOUT_MS)
     page.goto(f"{url}/user/login/")
@@ -91,14 +89,6 @@ def forge_label(server, project: int) -> int:
     choice = {"from_name": "preference", "to_name": "prompt", "type": "choices", "value": {"choices": ["A is better"]}}
     server.request("POST", f"/api/tasks/{task['id']}/annotations/", {"result": [choice]})
     return task["id"]
-
-
-@pytest.fixture(scope="module")
-def chromium() -> str:
-    path = shutil.which("chromium")
-    if path is None:
-        pytest.fail("Debian's chromium is not installed: `make browser` (as root) installs it")
-    return path
 
 
 def test_labels_clicked_in_label_studio_retrain_the_reward_model(tmp_path, reproduced_baseline, chromium, monkeypatch):

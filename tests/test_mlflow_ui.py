@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-from conftest import CHECKOUT, mlflow_server, tiny_pipeline_overrides
+from conftest import CHECKOUT, launch_chromium, mlflow_server, tiny_pipeline_overrides
 
 from flows.report import mlflow_experiment_url, mlflow_run_url
 from rlhfops.hashing import file_md5
@@ -122,27 +121,13 @@ def mlflow_ui(finished_run):
 
 
 @pytest.fixture(scope="module")
-def chromium() -> str:
-    """Debian's chromium, checked before the pipeline runs. Missing, it fails the test: CI must check the UI."""
-    path = shutil.which("chromium")
-    if path is None:
-        pytest.fail(
-            "Debian's chromium is not installed: `make browser` (as root) installs it "
-            "(apt-get install -y --no-install-recommends chromium)"
-        )
-    return path
-
-
-@pytest.fixture(scope="module")
 def page(chromium):
     """A page of headless Chromium, driven by Playwright (the system browser: Playwright's own is never fetched)."""
     from playwright.sync_api import expect, sync_playwright
 
     expect.set_options(timeout=TIMEOUT_MS)
     with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=chromium, headless=True, args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"]
-        )
+        browser = launch_chromium(p, chromium)
         try:
             pg = browser.new_page(viewport={"width": 1600, "height": 1000})
             pg.set_default_timeout(TIMEOUT_MS)

@@ -3,7 +3,8 @@ PREFECT_HOME and database in a temp dir), `python -m flows.serve` in a subproces
 triggered at once through the API on tiny models. They complete, leave their report and MLflow link as
 artifacts, and never hold the accelerator at the same time (the global concurrency limit). The server wants an
 auth string and CSRF tokens, as `make ui`'s does, so the deployments and flow runs show Prefect's clients send
-both. And `make ui` itself (`flows.serve --start-servers`): its server refuses a request without the auth string
+both. The UI a person opens (headless Chromium) shows the report's plots, loaded, and the short custom-run form. And
+`make ui` itself (`flows.serve --start-servers`): its server refuses a request without the auth string
 it keeps in $PREFECT_HOME/ui.env (mode 0600), and a Ctrl-C stops it without a traceback."""
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, tiny_pipeline_overrides
+from conftest import CHECKOUT, REPO, free_port, launch_chromium, tiny_pipeline_overrides
 
 from flows.pipeline import TRAINING_LIMIT
 from flows.report import LINK_KEY, MLFLOW_UI_URL_ENV, REPORT_KEY
-from flows.serve import stop, wait_for
+from flows.serve import PREFECT_UI_PATH, stop, wait_for
 from rlhfops.stack_access import new_auth_string, prefect_server_security
 from rlhfops.stages import STAGES
 
@@ -35,6 +36,7 @@ pytestmark = pytest.mark.system  # a real Prefect server and served deployments
 MLFLOW_UI = "http://127.0.0.1:5999"
 ACCELERATOR = {s.name for s in STAGES if s.accelerator}
 AUTH_STRING = new_auth_string()  # the served server's, as `make ui` makes one
+ARTIFACTS = CHECKOUT / "test-artifacts"
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,6 @@ def served(tmp_path_factory):
         "PREFECT_HOME": str(home),
         "PREFECT_API_URL": api,
         "PREFECT_API_AUTH_STRING": AUTH_STRING,
-        "PREFECT_SERVER_UI_ENABLED": "false",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",
         MLFLOW_UI_URL_ENV: MLFLOW_UI,
@@ -110,43 +111,18 @@ def _overlaps(a, b) -> bool:
     return a.start_time < b.end_time and b.start_time < a.end_time
 
 
-def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_together(
-    served, tmp_path, tiny_model_dir
-):
-    import mlflow
-    from prefect.client.schemas.filters import (
-        ArtifactFilter,
-        ArtifactFilterFlowRunId,
-        FlowRunFilter,
-        FlowRunFilterId,
-        TaskRunFilter,
-    )
-    from prefect.client.schemas.sorting import ArtifactSort, TaskRunSort
+@pytest.fixture(scope="module")
+def api_runs(served, tmp_path_factory, tiny_model_dir):
+    """Two pipeline runs started at once through the API, as the UI's form starts them, in separate output roots
+    (the second would otherwise find everything up to date), the second with three stages; both final. Returns
+    (runs, roots)."""
     from prefect.deployments import run_deployment
     from prefect.settings import temporary_settings
 
     api, home = served
     with _client(api) as client:
-        deployment = _wait_for_deployment(client, "rlhf-pipeline/pipeline", home / "serve.log")
-        for stage in ("validate", "ppo", "evaluate"):
-            _wait_for_deployment(client, f"rlhf-{stage.replace('_', '-')}/{stage}", home / "serve.log")
-        restore = _wait_for_deployment(client, "restore-run/restore", home / "serve.log")
-        assert {"run_id", "remote"} <= set(restore.parameter_openapi_schema["properties"])
-        sweep = _wait_for_deployment(client, "rlhf-sweep/sweep", home / "serve.log")
-        assert {"grid", "overrides", "best_of_n", "config"} <= set(sweep.parameter_openapi_schema["properties"])
-        # the UI's parameter form: the settings people change, typed and titled as params.yaml's, then any other
-        # value as an override; not the whole config (the run reads params.yaml as it starts)
-        fields = deployment.parameter_openapi_schema["properties"]
-        short = ["seed", "ppo_steps", "kl_coef", "algorithm", "judge_kind", "preferences", "overrides"]
-        assert list(fields)[:7] == short, list(fields)
-        assert "config" not in fields and {"stages", "force"} <= set(fields)
-        assert fields["ppo_steps"]["title"] == "PPO steps (ppo.steps)"
-        assert fields["ppo_steps"]["anyOf"][0] == {"minimum": 1, "type": "integer"}
-        assert fields["algorithm"]["anyOf"][0]["enum"] == ["ppo", "grpo", "rloo", "dpo"]
-        assert client.read_global_concurrency_limit_by_name(TRAINING_LIMIT).limit == 1
-
-    # two runs at once, in separate output roots (the second would otherwise find everything up to date)
-    roots = [tmp_path / "a", tmp_path / "b"]
+        _wait_for_deployment(client, "rlhf-pipeline/pipeline", home / "serve.log")
+    roots = [tmp_path_factory.mktemp("a"), tmp_path_factory.mktemp("b")]
     stages = [None, ["demo_data", "validate", "sft"]]
     with temporary_settings(_settings(api)):
         runs = [
@@ -164,6 +140,52 @@ def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_
             if all(r.state.is_final() for r in runs):
                 break
             time.sleep(2)
+    return runs, roots
+
+
+def _report_artifacts(client, flow_run_id) -> dict:
+    """The flow run's artifacts by key."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, TaskRunFilter
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    artifacts = client.read_artifacts(  # the sync client sends no defaults: every argument is given
+        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])),
+        flow_run_filter=FlowRunFilter(),
+        task_run_filter=TaskRunFilter(),
+        sort=ArtifactSort.KEY_ASC,
+        limit=50,
+        offset=0,
+    )
+    return {a.key: a for a in artifacts}
+
+
+def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_together(served, api_runs):
+    import mlflow
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    api, home = served
+    runs, roots = api_runs
+    with _client(api) as client:
+        deployment = _wait_for_deployment(client, "rlhf-pipeline/pipeline", home / "serve.log")
+        for stage in ("validate", "ppo", "evaluate"):
+            _wait_for_deployment(client, f"rlhf-{stage.replace('_', '-')}/{stage}", home / "serve.log")
+        restore = _wait_for_deployment(client, "restore-run/restore", home / "serve.log")
+        assert {"run_id", "remote"} <= set(restore.parameter_openapi_schema["properties"])
+        sweep = _wait_for_deployment(client, "rlhf-sweep/sweep", home / "serve.log")
+        assert {"grid", "overrides", "best_of_n", "config"} <= set(sweep.parameter_openapi_schema["properties"])
+        # the UI's parameter form: the settings people change, typed and titled as params.yaml's, then any other
+        # value as an override; not the whole config (the run reads params.yaml as it starts)
+        fields = deployment.parameter_openapi_schema["properties"]
+        short = ["seed", "ppo_steps", "kl_coef", "algorithm", "judge_kind", "preferences", "overrides"]
+        assert list(fields)[:7] == short, list(fields)
+        assert "config" not in fields and {"stages", "force"} <= set(fields)
+        assert fields["ppo_steps"]["title"] == "PPO steps (ppo.steps)"
+        assert (fields["ppo_steps"]["type"], fields["ppo_steps"]["minimum"]) == ("integer", 1)  # a box, no null
+        assert fields["algorithm"]["enum"] == ["ppo", "grpo", "rloo", "dpo"]
+        assert not [name for name in short if "anyOf" in fields[name] or "default" in fields[name]]
+        assert client.read_global_concurrency_limit_by_name(TRAINING_LIMIT).limit == 1
+
         assert all(r.state.is_completed() for r in runs), (
             [r.state for r in runs],
             (home / "serve.log").read_text()[-5000:],
@@ -183,15 +205,7 @@ def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_
         clashes = [(a.name, b.name) for a in first for b in second if _overlaps(a, b)]
         assert not clashes, f"training stages of the two runs ran at the same time: {clashes}"
 
-        artifacts = client.read_artifacts(  # the sync client sends no defaults: every argument is given
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[runs[0].id])),
-            flow_run_filter=FlowRunFilter(),
-            task_run_filter=TaskRunFilter(),
-            sort=ArtifactSort.KEY_ASC,
-            limit=50,
-            offset=0,
-        )
-    by_key = {a.key: a for a in artifacts}
+        by_key = _report_artifacts(client, runs[0].id)
     report = by_key[REPORT_KEY]
     assert report.type == "markdown"
     for expected in ("## Stages", "| ppo | ran", "eval/win_rate_vs_sft", "## Validation", "**Prompt:**"):
@@ -210,6 +224,63 @@ def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_
     assert parent.info.status == "FINISHED" and "mlflow.parentRunId" not in parent.data.tags
     assert parent.data.tags["pipeline"] == "rlhf" and "eval/win_rate_vs_sft" in parent.data.metrics
     assert parent.data.params["ppo.kl_coef"] == "0.2"  # the form's field, applied as --set is
+
+
+def test_the_prefect_ui_shows_the_reports_plots_and_the_short_form(served, api_runs, chromium, capsys):
+    """What a person sees in the Prefect UI `make ui` serves (V2, which its "/" opens), logged in with the auth
+    string: the first run's report artifact with every plot loaded (embedded in it: the UI cannot read the run's
+    disk), and the pipeline deployment's custom-run form, the short form titled by each field's setting."""
+    from playwright.sync_api import expect, sync_playwright
+
+    expect.set_options(timeout=60_000)  # the UI's first load on a busy 2-core machine takes seconds
+    api, _ = served
+    ui = api.removesuffix("/api") + PREFECT_UI_PATH
+    with _client(api) as client:
+        report = _report_artifacts(client, api_runs[0][0].id)[REPORT_KEY]
+        deployment = client.read_deployment_by_name("rlhf-pipeline/pipeline")
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = launch_chromium(p, chromium)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(60_000)
+            page.goto(ui)
+            page.locator("input[type=password]").fill(AUTH_STRING)
+            page.keyboard.press("Enter")
+            expect(page.get_by_role("link", name="Deployments").first).to_be_visible()
+
+            page.goto(f"{ui}/artifacts/artifact/{report.id}")
+            expect(page.get_by_role("heading", name="Stages").first).to_be_visible()
+            plots = "Array.from(document.images).filter(i => i.src.startsWith('data:image/png'))"
+            page.wait_for_function(f"() => {plots}.length >= 2 && {plots}.every(i => i.complete)")
+            sizes = page.evaluate(f"() => {plots}.map(i => [i.naturalWidth, i.naturalHeight])")
+            page.screenshot(path=str(ARTIFACTS / "prefect-ui-report.png"), full_page=True)
+            assert sizes and all(w > 100 and h > 100 for w, h in sizes), sizes  # each plot decoded, none broken
+
+            page.goto(f"{ui}/deployments/deployment/{deployment.id}/run")
+            page.wait_for_load_state("networkidle")
+            page.screenshot(path=str(ARTIFACTS / "prefect-ui-custom-run.png"), full_page=True)
+            (ARTIFACTS / "prefect-ui-custom-run.txt").write_text(page.locator("body").inner_text())
+            for title in ("Seed (seed)", "PPO steps (ppo.steps)", "PPO KL weight (ppo.kl_coef)", "Other settings"):
+                expect(page.get_by_text(title).first).to_be_visible()  # the UI adds "(Optional)"
+            # each a box to type in, not a type menu set to "None" first; only the fields past the form have one
+            assert page.get_by_text('Property is type "None"').count() == 2, page.locator("body").inner_text()
+            # what Submit sends with PPO steps alone filled in (caught before it reaches the server: nothing runs)
+            sent = []
+            page.route("**/create_flow_run", lambda route: (sent.append(route.request.post_data_json), route.abort()))
+            page.get_by_role("spinbutton").nth(1).fill("3")  # seed, PPO steps, KL weight
+            page.get_by_role("button", name="Submit").click()
+            deadline = time.monotonic() + 60
+            while not sent and time.monotonic() < deadline:
+                page.wait_for_timeout(200)
+            short = ("seed", "ppo_steps", "kl_coef", "algorithm", "judge_kind", "preferences", "overrides")
+            parameters = sent[0]["parameters"]
+            assert {k: v for k, v in parameters.items() if k in short} == {"ppo_steps": 3}, parameters
+            expect(page.get_by_text("Reward Model", exact=False)).to_have_count(0)  # not the whole config
+        finally:
+            browser.close()
+    with capsys.disabled():
+        print(f"\nPrefect UI screenshots: {ARTIFACTS}/prefect-ui-report.png, prefect-ui-custom-run.png")
 
 
 def test_a_server_slot_left_taken_is_announced_and_can_be_freed(served):
