@@ -144,7 +144,8 @@ FORM_SETTINGS = (
 
 
 def form_overrides(form: dict[str, Any], overrides: list[str] | None) -> list[str]:
-    """The short form's filled-in fields as overrides, then `overrides` (the later of two for one key wins)."""
+    """The short form's filled-in fields (`form`: a flow's parameters by name) as overrides, then `overrides` (the
+    later of two for one key wins)."""
     filled = [f"{key}={form[name]}" for name, key, _ in FORM_SETTINGS if form.get(name) is not None]
     return filled + [*(overrides or [])]
 
@@ -374,13 +375,5 @@ def rlhf_pipeline(
         judge_kind: trained, reward_model or llm (judge.kind); empty: params.yaml's
         preferences: the preference data, a file in the project or a Hub id (data.preferences); empty: params.yaml's
     """
-    form = dict(
-        seed=seed,
-        ppo_steps=ppo_steps,
-        kl_coef=kl_coef,
-        algorithm=algorithm,
-        judge_kind=judge_kind,
-        preferences=preferences,
-    )
-    overrides = form_overrides(form, overrides)
+    overrides = form_overrides(locals(), overrides)  # the form's fields: the parameters of those names
     return run_pipeline(with_overrides(config, overrides), stages, force, push, remote, parent_run)

@@ -50,9 +50,9 @@ def with_form_defaults(flow, params):
 
 
 def short_form(flow, **deployment):
-    """The deployment of `flow` (the pipeline) with the form a person fills in: the settings of FORM_SETTINGS, each
-    typed as params.yaml types it and titled by its section ("PPO steps (ppo.steps)"), then `overrides` for any
-    other value; no `config` (the run reads params.yaml as it starts) and no `parent_run`."""
+    """The deployment of `flow` (the pipeline, a stage) with the form a person fills in: the settings of
+    FORM_SETTINGS, each typed as params.yaml types it and titled by its section ("PPO steps (ppo.steps)"), then
+    `overrides` for any other value; no `config` (the run reads params.yaml as it starts) and no `parent_run`."""
     from flows.pipeline_flow import FORM_SETTINGS
 
     types = {name: setting_type(key) | None for name, key, _ in FORM_SETTINGS}
@@ -148,8 +148,8 @@ def deployments() -> list:
     )
     for stage, stage_flow in STAGE_FLOWS.items():
         served.append(
-            with_form_defaults(stage_flow, params).to_deployment(
-                name=stage, **common, description=f"The {stage} stage alone, on earlier stages' outputs."
+            short_form(
+                stage_flow, name=stage, **common, description=f"The {stage} stage alone, on earlier stages' outputs."
             )
         )
     return served

@@ -5,21 +5,33 @@ list and bound as module attributes (`flows.stage_flows.ppo`, ...), so a deploym
 
 from __future__ import annotations
 
+import inspect
+
 from prefect import flow
 
-from flows.pipeline_flow import run_pipeline, with_overrides
+from flows.pipeline_flow import FORM_SETTINGS, form_overrides, rlhf_pipeline, run_pipeline, with_overrides
 from rlhflow.config.params import Config
 from rlhfops.stages import STAGES, Stage
 from rlhfops.tracking import flatten
+
+# the short form's fields: the pipeline's parameters of those names, described as its docstring describes them
+FORM_NAMES = {name for name, _, _ in FORM_SETTINGS}
+FORM_PARAMETERS = [p for p in inspect.signature(rlhf_pipeline.fn).parameters.values() if p.name in FORM_NAMES]
+FORM_DOC = "".join(
+    line + "\n" for line in rlhf_pipeline.fn.__doc__.splitlines() if line.split(":")[0].strip() in FORM_NAMES
+)
 
 
 def stage_flow(stage: Stage):
     """The flow `rlhf-<stage>`: run_pipeline on that one stage. Its docstring describes the parameter form."""
 
     def run_stage(
-        config: Config | None = None, force: bool = False, overrides: list[str] | None = None
+        config: Config | None = None, force: bool = False, overrides: list[str] | None = None, **form
     ) -> dict[str, float]:
-        return run_pipeline(with_overrides(config, overrides), [stage.name], force)
+        return run_pipeline(with_overrides(config, form_overrides(form, overrides)), [stage.name], force)
+
+    own = inspect.signature(run_stage)
+    run_stage.__signature__ = own.replace(parameters=[*list(own.parameters.values())[:3], *FORM_PARAMETERS])
 
     # the stage's own params section (or data's), else the section of its first param (sft_answers: evaluate's)
     own = (p for p in stage.params if p.split(".")[0] == stage.name or p.startswith("data."))
@@ -32,8 +44,8 @@ def stage_flow(stage: Stage):
     Args:
         config: every hyperparameter (params.yaml; its values are the defaults)
         force: run even when the stage is up to date
-        overrides: params.yaml overrides applied on top of `config`, e.g. ["{example}"]
-    """
+        overrides: any params.yaml value, as `section.key=value` (checked as `--set` is), e.g. ["{example}"]
+{FORM_DOC}    """
     return flow(name=f"rlhf-{stage.name.replace('_', '-')}", log_prints=True)(run_stage)
 
 

@@ -91,16 +91,17 @@ def test_importing_the_flows_reads_no_params_yaml():
 
 
 def test_the_served_parameter_form_has_the_params_as_defaults():
-    """The deployments' form (flows/serve.py): the typed config with params.yaml's values as `config`'s default;
-    the flows themselves default to None, which reads params.yaml as the run starts."""
+    """The sweep's and feedback round's forms (flows/serve.py): the typed config with params.yaml's values as
+    `config`'s default; the flows themselves default to None, which reads params.yaml as the run starts. (The
+    pipeline's and the stages' forms are the short one: tests/test_prefect_server.py.)"""
     from prefect.utilities.callables import parameter_schema
 
-    from flows.pipeline import rlhf_pipeline
+    from flows.feedback_flow import feedback_round
     from flows.serve import with_form_defaults
-    from flows.stage_flows import STAGE_FLOWS
+    from flows.sweep_flow import rlhf_sweep
 
     params = load_config(overrides=["ppo.kl_coef=0.123"])
-    for flow in [rlhf_pipeline, STAGE_FLOWS["ppo"]]:
+    for flow in [rlhf_sweep, feedback_round]:
         schema = parameter_schema(with_form_defaults(flow, params)).model_dump()
         assert schema["properties"]["config"]["$ref"] == "#/definitions/Config"
         assert schema["properties"]["config"]["default"]["ppo"]["kl_coef"] == 0.123

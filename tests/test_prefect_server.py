@@ -166,10 +166,12 @@ def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_
 
     api, home = served
     runs, roots = api_runs
+    short = ["seed", "ppo_steps", "kl_coef", "algorithm", "judge_kind", "preferences", "overrides"]
     with _client(api) as client:
         deployment = _wait_for_deployment(client, "rlhf-pipeline/pipeline", home / "serve.log")
-        for stage in ("validate", "ppo", "evaluate"):
-            _wait_for_deployment(client, f"rlhf-{stage.replace('_', '-')}/{stage}", home / "serve.log")
+        for stage in ("validate", "ppo", "evaluate"):  # a stage's form is the pipeline's short one, with force
+            served_stage = _wait_for_deployment(client, f"rlhf-{stage.replace('_', '-')}/{stage}", home / "serve.log")
+            assert list(served_stage.parameter_openapi_schema["properties"]) == [*short, "force"]
         restore = _wait_for_deployment(client, "restore-run/restore", home / "serve.log")
         assert {"run_id", "remote"} <= set(restore.parameter_openapi_schema["properties"])
         sweep = _wait_for_deployment(client, "rlhf-sweep/sweep", home / "serve.log")
@@ -177,7 +179,6 @@ def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_
         # the UI's parameter form: the settings people change, typed and titled as params.yaml's, then any other
         # value as an override; not the whole config (the run reads params.yaml as it starts)
         fields = deployment.parameter_openapi_schema["properties"]
-        short = ["seed", "ppo_steps", "kl_coef", "algorithm", "judge_kind", "preferences", "overrides"]
         assert list(fields)[:7] == short, list(fields)
         assert "config" not in fields and {"stages", "force"} <= set(fields)
         assert fields["ppo_steps"]["title"] == "PPO steps (ppo.steps)"
