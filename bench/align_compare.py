@@ -18,6 +18,7 @@ import math
 import sys
 from dataclasses import dataclass
 
+from flows.sweep import POINT_OVERRIDES
 from rlhflow.config.align import training_budget
 from rlhflow.config.params import Config, add_overrides_argument, load_config
 
@@ -60,8 +61,15 @@ class Point:
 
 
 def algorithm_overrides(algorithm: str, overrides: list[str], own: dict[str, list[str]] | None = None) -> list[str]:
-    """Every point's overrides, the algorithm and its equal budget, then the algorithm's own (`--set-for`)."""
-    return [*overrides, f"align.algorithm={algorithm}", *EQUAL_BUDGET[algorithm], *(own or {}).get(algorithm, [])]
+    """Every point's overrides (the sweep's own too), the algorithm and its equal budget, then the algorithm's own
+    (`--set-for`)."""
+    return [
+        *overrides,
+        *POINT_OVERRIDES,
+        f"align.algorithm={algorithm}",
+        *EQUAL_BUDGET[algorithm],
+        *(own or {}).get(algorithm, []),
+    ]
 
 
 def betas(algorithm: str, overrides: list[str], scales: list[float], own: dict[str, list[str]] | None = None):

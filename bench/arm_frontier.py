@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass
 
 from bench.align_compare import _pipeline_runs
+from flows.sweep import POINT_OVERRIDES
 from rlhflow.config.params import Config, add_overrides_argument, load_config
 from rlhflow.fsutil import write_text_atomic
 
@@ -66,7 +67,7 @@ def make_points(setting: str, arms: list[str], overrides: list[str], scales: lis
         for beta in betas:
             for seed in range(base.seed, base.seed + seeds):
                 extra = [f"{setting}={arm}", f"ppo.kl_coef={beta}", f"seed={seed}"]
-                points.append(Point(arm, beta, seed, load_config(overrides=[*overrides, *extra])))
+                points.append(Point(arm, beta, seed, load_config(overrides=[*overrides, *POINT_OVERRIDES, *extra])))
     return points
 
 

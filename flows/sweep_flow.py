@@ -21,6 +21,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows import report
 from flows.pipeline_flow import rlhf_pipeline, with_overrides
+from flows.sweep import POINT_OVERRIDES
 from rlhflow.config.params import Config
 from rlhflow.data.splits import conversation_key
 from rlhflow.evaluation import plots
@@ -431,6 +432,18 @@ def log_sweep_results(base: Config, sweep, outcomes: list[PointOutcome], baselin
     return markdown
 
 
+def sweep_points(config: Config | None, overrides: list[str] | None, grid: dict[str, list[str]], seeds: int):
+    """(the sweep's base config, its points as (grid values, seed or None), each point's config), seed by seed: the
+    stages a seed changes and a point does not (the reward model, the SFT samples) train once per seed and the
+    seed's other points find them up to date. A bad key or value fails here, before any work."""
+    base = with_overrides(config, [*(overrides or []), *POINT_OVERRIDES])
+    if seeds < 1:
+        raise ValueError(f"seeds must be at least 1, got {seeds}")
+    runs = [(point, None if seeds == 1 else base.seed + i) for i in range(seeds) for point in grid_points(grid)]
+    configs = [with_overrides(base, point + ([] if seed is None else [f"seed={seed}"])) for point, seed in runs]
+    return base, runs, configs
+
+
 @flow(name="rlhf-sweep", log_prints=True)
 def rlhf_sweep(
     grid: dict[str, list[str]],
@@ -449,15 +462,7 @@ def rlhf_sweep(
         seeds: training seeds per point (seed, seed + 1, ...); the splits and the judge stay fixed
     """
 
-    # the best point is chosen on the dev split: every point answers it up front (evaluate.dev_figures)
-    base = with_overrides(config, [*(overrides or []), "evaluate.dev_figures=true"])
-    if seeds < 1:
-        raise ValueError(f"seeds must be at least 1, got {seeds}")
-    # (grid point, its seed or None), seed by seed: the stages a seed changes and a point does not (the reward model,
-    # the SFT samples) train once per seed and the seed's other points find them up to date
-    runs = [(point, None if seeds == 1 else base.seed + i) for i in range(seeds) for point in grid_points(grid)]
-    # a bad key or value fails here, before any work
-    configs = [with_overrides(base, point + ([] if seed is None else [f"seed={seed}"])) for point, seed in runs]
+    base, runs, configs = sweep_points(config, overrides, grid, seeds)
     ns = DEFAULT_BEST_OF_N if best_of_n is None else sorted(set(best_of_n))
     tracking.preflight(base)  # and so does a tracking store that cannot be used or must not get the credentials
     with workspace.exclusive(f"sweep over {', '.join(grid)}"):

@@ -79,6 +79,23 @@ def test_betas_are_multiples_of_each_algorithms_default_and_seeds_follow_the_swe
     assert points[-1].cfg.align.grpo.beta == 0.04 and points[-1].cfg.align.steps_per_generation == 2
 
 
+def test_each_benchs_points_are_the_runs_its_sweep_makes_by_params_digest(store):
+    """The benches find the runs of the sweeps they start by params digest: a point's config is the one the sweep
+    runs for it (the sweep's own overrides included), or no run is ever found."""
+    from bench import arm_frontier
+    from flows.sweep_flow import sweep_points
+
+    def sweep_digests(overrides: list[str], grid: dict[str, list[str]]) -> list[str]:
+        return sorted(map(tracking.params_digest, sweep_points(load_config(), overrides, grid, 2)[2]))
+
+    points = arm_frontier.make_points("ppo.precision", ["fp32", "bf16"], store, [1.0, 0.5], 2)
+    grid = {"ppo.precision": ["fp32", "bf16"], "ppo.kl_coef": ["0.05", "0.025"]}
+    assert sorted(tracking.params_digest(p.cfg) for p in points) == sweep_digests(store, grid)
+    points = align_compare.make_points(["ppo"], store, [0.5, 1.0], seeds=2)
+    overrides, grid = align_compare.algorithm_overrides("ppo", store), {"ppo.kl_coef": ["0.025", "0.05"]}
+    assert sorted(tracking.params_digest(p.cfg) for p in points) == sweep_digests(overrides, grid)
+
+
 def test_the_table_aggregates_seeds_and_reads_each_points_newest_finished_run(store):
     points = align_compare.make_points(["ppo", "grpo", "rloo"], store, [1.0], seeds=2)
     ppo0, ppo1, grpo0, grpo1 = (p.cfg for p in points[:4])
