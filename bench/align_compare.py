@@ -18,7 +18,6 @@ import math
 import sys
 from dataclasses import dataclass
 
-from flows.sweep import POINT_OVERRIDES
 from rlhflow.config.align import training_budget
 from rlhflow.config.params import Config, add_overrides_argument, load_config
 
@@ -63,6 +62,8 @@ class Point:
 def algorithm_overrides(algorithm: str, overrides: list[str], own: dict[str, list[str]] | None = None) -> list[str]:
     """Every point's overrides (the sweep's own too), the algorithm and its equal budget, then the algorithm's own
     (`--set-for`)."""
+    from flows.sweep import POINT_OVERRIDES  # the sweep's own point settings (it loads the stack)
+
     return [
         *overrides,
         *POINT_OVERRIDES,

@@ -19,7 +19,6 @@ import sys
 from dataclasses import dataclass
 
 from bench.align_compare import _pipeline_runs
-from flows.sweep import POINT_OVERRIDES
 from rlhflow.config.params import Config, add_overrides_argument, load_config
 from rlhflow.fsutil import write_text_atomic
 
@@ -60,6 +59,8 @@ class Point:
 def make_points(setting: str, arms: list[str], overrides: list[str], scales: list[float], seeds: int) -> list[Point]:
     """Every (arm, beta, seed) as the sweep runs it: seeds seed, seed + 1, ...; beta: the default times each
     scale."""
+    from flows.sweep import POINT_OVERRIDES  # the sweep's own point settings (it loads the stack)
+
     base = load_config(overrides=overrides)
     betas = [f"{base.ppo.kl_coef * s:.4g}" for s in scales]
     points = []

@@ -22,10 +22,6 @@ from rlhfops.temporary_server import start_temporary_server
 
 __getattr__ = handed_on(__name__, "flows.sweep_flow")
 
-# what every point runs with besides the sweep's overrides and its grid values: the best point is chosen on the dev
-# split, so every point answers it up front. A bench that finds a sweep's runs by their params builds them alike.
-POINT_OVERRIDES = ("evaluate.dev_figures=true",)
-
 
 def parse_grid(specs: list[str]) -> dict[str, list[str]]:
     """`key=v1,v2` per spec, into {key: [v1, v2]}."""

@@ -21,7 +21,6 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows import report
 from flows.pipeline_flow import rlhf_pipeline, with_overrides
-from flows.sweep import POINT_OVERRIDES
 from rlhflow.config.params import Config
 from rlhflow.data.splits import conversation_key
 from rlhflow.evaluation import plots
@@ -430,6 +429,11 @@ def log_sweep_results(base: Config, sweep, outcomes: list[PointOutcome], baselin
     if best is not None:
         mlflow.set_tag("sweep.best_point", best.label)
     return markdown
+
+
+# what every point runs with besides the sweep's overrides and its grid values: the best point is chosen on the dev
+# split, so every point answers it up front. A bench that finds a sweep's runs by their params builds them alike.
+POINT_OVERRIDES = ("evaluate.dev_figures=true",)
 
 
 def sweep_points(config: Config | None, overrides: list[str] | None, grid: dict[str, list[str]], seeds: int):

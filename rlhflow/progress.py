@@ -4,10 +4,24 @@ these lines are what the Prefect UI shows of a stage between its start and its e
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
-PROGRESS_SECONDS = 30.0
+
+def _progress_seconds(name: str = "RLHFLOW_PROGRESS_SECONDS", default: float = 30.0) -> float:
+    """The interval: $RLHFLOW_PROGRESS_SECONDS (0: a line at every step) where set, else `default`."""
+    text = os.environ.get(name)
+    try:
+        seconds = default if text is None else float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:  # NaN and negative values too
+        raise ValueError(f"${name} must be a number of seconds >= 0, got {text!r}")
+    return seconds
+
+
+PROGRESS_SECONDS = _progress_seconds()
 
 
 class ProgressLines:

@@ -1,11 +1,13 @@
 """The deployments on a real Prefect server, as `make ui` serves them: a real `prefect server start` (its own
-PREFECT_HOME and database in a temp dir), `python -m flows.serve` in a subprocess, two pipeline runs
-triggered at once through the API on tiny models. They complete, leave their report and MLflow link as
-artifacts, and never hold the accelerator at the same time (the global concurrency limit). The server wants an
-auth string and CSRF tokens, as `make ui`'s does, so the deployments and flow runs show Prefect's clients send
-both. The UI a person opens (headless Chromium) shows the report's plots, loaded, and the short custom-run form. And
-`make ui` itself (`flows.serve --start-servers`): its server refuses a request without the auth string
-it keeps in $PREFECT_HOME/ui.env (mode 0600), and a Ctrl-C stops it without a traceback."""
+PREFECT_HOME and database in a temp dir) and `python -m flows.serve` in a subprocess, serving a git repo of the
+project whose params.yaml is the tiny pipeline. Two pipeline runs at once: one started by a person in the UI
+(headless Chromium, logged in with the auth string) through the short custom-run form with one setting changed, one
+through the API. They complete, leave their report and MLflow link as artifacts, and never hold the accelerator at
+the same time (the global concurrency limit); the UI run's report shows its plots, its log the stages' progress,
+and its MLflow parent run its Prefect name. The server wants an auth string and CSRF tokens, as `make ui`'s does,
+so the deployments and flow runs show Prefect's clients send both. And `make ui` itself
+(`flows.serve --start-servers`): its server refuses a request without the auth string it keeps in
+$PREFECT_HOME/ui.env (mode 0600), and a Ctrl-C stops it without a traceback."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import CHECKOUT, REPO, free_port, launch_chromium, tiny_pipeline_overrides
+from conftest import CHECKOUT, REPO, free_port, launch_chromium, make_dvc_repo, tiny_pipeline_overrides
 
 from flows.pipeline import TRAINING_LIMIT
 from flows.report import LINK_KEY, MLFLOW_UI_URL_ENV, REPORT_KEY
@@ -37,12 +39,17 @@ MLFLOW_UI = "http://127.0.0.1:5999"
 ACCELERATOR = {s.name for s in STAGES if s.accelerator}
 AUTH_STRING = new_auth_string()  # the served server's, as `make ui` makes one
 ARTIFACTS = CHECKOUT / "test-artifacts"
+STAGES_OF_SECOND = ["demo_data", "validate", "sft"]
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """A Prefect server and the served deployments; yields the API URL. Both are stopped at the end."""
+def served(tmp_path_factory, tiny_model_dir):
+    """A Prefect server and the deployments served from a git repo of the project whose params.yaml is the tiny
+    pipeline (a run started from the UI with nothing but a changed setting runs on tiny models there), progress
+    lines at every step; yields (API URL, Prefect home, repo). Both are stopped at the end."""
     home = tmp_path_factory.mktemp("prefect-home")
+    repo = home / "repo"
+    make_dvc_repo(repo, tiny_model_dir)
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {
@@ -52,6 +59,7 @@ def served(tmp_path_factory):
         "PREFECT_API_AUTH_STRING": AUTH_STRING,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",
+        "RLHFLOW_PROGRESS_SECONDS": "0",
         MLFLOW_UI_URL_ENV: MLFLOW_UI,
     }
     env.pop("MLFLOW_TRACKING_URI", None)  # exported by mlflow.set_tracking_uri in earlier tests
@@ -70,10 +78,14 @@ def served(tmp_path_factory):
         wait_for(f"{api}/health", procs[0], "the Prefect server")
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "flows.serve"], env=env, cwd=home, stdout=logs["serve"], stderr=subprocess.STDOUT
+                [sys.executable, "-m", "flows.serve"],
+                env={**env, "PYTHONPATH": str(repo)},
+                cwd=repo,
+                stdout=logs["serve"],
+                stderr=subprocess.STDOUT,
             )
         )
-        yield api, home
+        yield api, home, repo
     finally:
         stop(list(reversed(procs)))
         for f in logs.values():
@@ -112,35 +124,71 @@ def _overlaps(a, b) -> bool:
 
 
 @pytest.fixture(scope="module")
-def api_runs(served, tmp_path_factory, tiny_model_dir):
-    """Two pipeline runs started at once through the API, as the UI's form starts them, in separate output roots
-    (the second would otherwise find everything up to date), the second with three stages; both final. Returns
-    (runs, roots)."""
-    from prefect.deployments import run_deployment
-    from prefect.settings import temporary_settings
+def ui(served, chromium):
+    """Headless Chromium on the served Prefect UI (V2, which its "/" opens), logged in with the auth string as a
+    person logs in; yields (the UI's URL, the page)."""
+    from playwright.sync_api import expect, sync_playwright
 
-    api, home = served
+    expect.set_options(timeout=60_000)  # the UI's first load on a busy 2-core machine takes seconds
+    url = served[0].removesuffix("/api") + PREFECT_UI_PATH
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = launch_chromium(p, chromium)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(60_000)
+            page.goto(url)
+            page.locator("input[type=password]").fill(AUTH_STRING)
+            page.keyboard.press("Enter")
+            expect(page.get_by_role("link", name="Deployments").first).to_be_visible()
+            yield url, page
+        finally:
+            browser.close()
+
+
+def start_from_the_form(ui, deployment_id) -> str:
+    """Fill in the pipeline's custom-run form as a person does (PPO KL weight 0.2, nothing else) and submit it; the
+    flow run's id. The form is the short one, each field a box to type in, not a type menu set to "None" first."""
+    from playwright.sync_api import expect
+
+    url, page = ui
+    page.goto(f"{url}/deployments/deployment/{deployment_id}/run")
+    for title in ("Seed (seed)", "PPO steps (ppo.steps)", "PPO KL weight (ppo.kl_coef)", "Other settings"):
+        expect(page.get_by_text(title).first).to_be_visible()  # the UI adds "(Optional)"
+    page.screenshot(path=str(ARTIFACTS / "prefect-ui-custom-run.png"), full_page=True)
+    expect(page.get_by_text("Reward Model", exact=False)).to_have_count(0)  # not the whole config
+    # only the fields past the short form (stages, remote) have a type menu
+    assert page.get_by_text('Property is type "None"').count() == 2, page.locator("body").inner_text()
+    page.get_by_role("spinbutton").nth(2).fill("0.2")  # seed, PPO steps, PPO KL weight
+    with page.expect_response("**/create_flow_run") as created:
+        page.get_by_role("button", name="Submit").click()
+    return created.value.json()["id"]
+
+
+@pytest.fixture(scope="module")
+def started_runs(served, ui, tmp_path_factory, tiny_model_dir):
+    """Two pipeline runs at once: the first from the UI's form (the served repo's tiny pipeline, PPO KL weight 0.2),
+    the second through the API with three stages in an output root of its own (it would otherwise find everything
+    up to date); both final. Returns (runs, the roots whose mlflow.db holds each)."""
+    api, home, repo = served
     with _client(api) as client:
-        _wait_for_deployment(client, "rlhf-pipeline/pipeline", home / "serve.log")
-    roots = [tmp_path_factory.mktemp("a"), tmp_path_factory.mktemp("b")]
-    stages = [None, ["demo_data", "validate", "sft"]]
-    with temporary_settings(_settings(api)):
-        runs = [
-            run_deployment(
-                "rlhf-pipeline/pipeline",
-                timeout=0,
-                parameters={"overrides": tiny_pipeline_overrides(root, tiny_model_dir), "stages": only, "kl_coef": 0.2},
-            )
-            for root, only in zip(roots, stages)
-        ]
+        deployment = _wait_for_deployment(client, "rlhf-pipeline/pipeline", home / "serve.log")
+    from_ui = start_from_the_form(ui, deployment.id)
+    second = tmp_path_factory.mktemp("b")
+    # the sync client: Playwright's sync API keeps an event loop running here, where run_deployment would be async
     with _client(api) as client:
+        from_api = client.create_flow_run_from_deployment(
+            deployment.id,
+            parameters={"overrides": tiny_pipeline_overrides(second, tiny_model_dir), "stages": STAGES_OF_SECOND},
+        )
+        runs = [client.read_flow_run(from_ui), from_api]
         deadline = time.monotonic() + 480
         while time.monotonic() < deadline:
             runs = [client.read_flow_run(r.id) for r in runs]
             if all(r.state.is_final() for r in runs):
                 break
             time.sleep(2)
-    return runs, roots
+    return runs, [repo, second]
 
 
 def _report_artifacts(client, flow_run_id) -> dict:
@@ -159,13 +207,13 @@ def _report_artifacts(client, flow_run_id) -> dict:
     return {a.key: a for a in artifacts}
 
 
-def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_together(served, api_runs):
+def test_runs_started_from_the_ui_and_the_api_complete_with_artifacts_and_never_train_together(served, started_runs):
     import mlflow
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.client.schemas.sorting import TaskRunSort
 
-    api, home = served
-    runs, roots = api_runs
+    api, home, _ = served
+    runs, roots = started_runs
     short = ["seed", "ppo_steps", "kl_coef", "algorithm", "judge_kind", "preferences", "overrides"]
     with _client(api) as client:
         deployment = _wait_for_deployment(client, "rlhf-pipeline/pipeline", home / "serve.log")
@@ -227,61 +275,44 @@ def test_runs_triggered_through_the_api_complete_with_artifacts_and_never_train_
     assert parent.data.params["ppo.kl_coef"] == "0.2"  # the form's field, applied as --set is
 
 
-def test_the_prefect_ui_shows_the_reports_plots_and_the_short_form(served, api_runs, chromium, capsys):
-    """What a person sees in the Prefect UI `make ui` serves (V2, which its "/" opens), logged in with the auth
-    string: the first run's report artifact with every plot loaded (embedded in it: the UI cannot read the run's
-    disk), and the pipeline deployment's custom-run form, the short form titled by each field's setting."""
-    from playwright.sync_api import expect, sync_playwright
+def test_the_run_started_from_the_ui_shows_its_plots_progress_and_name(served, ui, started_runs, capsys):
+    """The run a person started from the form, followed in the UI: it ran with the one setting filled in (no other
+    field sent), its report's plots load in the artifact page (embedded: the UI cannot read the run's disk), its log
+    holds the stages' progress lines, and its MLflow parent run carries its Prefect name and id."""
+    import mlflow
+    from playwright.sync_api import expect
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
 
-    expect.set_options(timeout=60_000)  # the UI's first load on a busy 2-core machine takes seconds
-    api, _ = served
-    ui = api.removesuffix("/api") + PREFECT_UI_PATH
+    api, _, _ = served
+    (from_ui, _), (repo, _) = started_runs
+    short = {"seed", "ppo_steps", "kl_coef", "algorithm", "judge_kind", "preferences", "overrides"}
+    assert {k: v for k, v in from_ui.parameters.items() if k in short} == {"kl_coef": 0.2}, from_ui.parameters
     with _client(api) as client:
-        report = _report_artifacts(client, api_runs[0][0].id)[REPORT_KEY]
-        deployment = client.read_deployment_by_name("rlhf-pipeline/pipeline")
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        browser = launch_chromium(p, chromium)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(60_000)
-            page.goto(ui)
-            page.locator("input[type=password]").fill(AUTH_STRING)
-            page.keyboard.press("Enter")
-            expect(page.get_by_role("link", name="Deployments").first).to_be_visible()
+        report = _report_artifacts(client, from_ui.id)[REPORT_KEY]
+        of_the_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[from_ui.id]))
+        logs = client.read_logs(log_filter=of_the_run, limit=200, sort=LogSort.TIMESTAMP_ASC)
+    lines = [log.message for log in logs]
+    for progress in ("ppo: update 1 of 2: reward", "evaluate: answers: batch 1 of"):
+        assert any(line.startswith(progress) for line in lines), lines
 
-            page.goto(f"{ui}/artifacts/artifact/{report.id}")
-            expect(page.get_by_role("heading", name="Stages").first).to_be_visible()
-            plots = "Array.from(document.images).filter(i => i.src.startsWith('data:image/png'))"
-            page.wait_for_function(f"() => {plots}.length >= 2 && {plots}.every(i => i.complete)")
-            sizes = page.evaluate(f"() => {plots}.map(i => [i.naturalWidth, i.naturalHeight])")
-            page.screenshot(path=str(ARTIFACTS / "prefect-ui-report.png"), full_page=True)
-            assert sizes and all(w > 100 and h > 100 for w, h in sizes), sizes  # each plot decoded, none broken
-
-            page.goto(f"{ui}/deployments/deployment/{deployment.id}/run")
-            page.wait_for_load_state("networkidle")
-            page.screenshot(path=str(ARTIFACTS / "prefect-ui-custom-run.png"), full_page=True)
-            (ARTIFACTS / "prefect-ui-custom-run.txt").write_text(page.locator("body").inner_text())
-            for title in ("Seed (seed)", "PPO steps (ppo.steps)", "PPO KL weight (ppo.kl_coef)", "Other settings"):
-                expect(page.get_by_text(title).first).to_be_visible()  # the UI adds "(Optional)"
-            # each a box to type in, not a type menu set to "None" first; only the fields past the form have one
-            assert page.get_by_text('Property is type "None"').count() == 2, page.locator("body").inner_text()
-            # what Submit sends with PPO steps alone filled in (caught before it reaches the server: nothing runs)
-            sent = []
-            page.route("**/create_flow_run", lambda route: (sent.append(route.request.post_data_json), route.abort()))
-            page.get_by_role("spinbutton").nth(1).fill("3")  # seed, PPO steps, KL weight
-            page.get_by_role("button", name="Submit").click()
-            deadline = time.monotonic() + 60
-            while not sent and time.monotonic() < deadline:
-                page.wait_for_timeout(200)
-            short = ("seed", "ppo_steps", "kl_coef", "algorithm", "judge_kind", "preferences", "overrides")
-            parameters = sent[0]["parameters"]
-            assert {k: v for k, v in parameters.items() if k in short} == {"ppo_steps": 3}, parameters
-            expect(page.get_by_text("Reward Model", exact=False)).to_have_count(0)  # not the whole config
-        finally:
-            browser.close()
+    url, page = ui
+    page.goto(f"{url}/artifacts/artifact/{report.id}")
+    expect(page.get_by_role("heading", name="Stages").first).to_be_visible()
+    plots = "Array.from(document.images).filter(i => i.src.startsWith('data:image/png'))"
+    page.wait_for_function(f"() => {plots}.length >= 2 && {plots}.every(i => i.complete)")
+    sizes = page.evaluate(f"() => {plots}.map(i => [i.naturalWidth, i.naturalHeight])")
+    page.screenshot(path=str(ARTIFACTS / "prefect-ui-report.png"), full_page=True)
+    assert sizes and all(w > 100 and h > 100 for w, h in sizes), sizes  # each plot decoded, none broken
     with capsys.disabled():
-        print(f"\nPrefect UI screenshots: {ARTIFACTS}/prefect-ui-report.png, prefect-ui-custom-run.png")
+        print(f"\nPrefect UI screenshots: {ARTIFACTS}/prefect-ui-custom-run.png, prefect-ui-report.png")
+
+    client = mlflow.MlflowClient(f"sqlite:///{repo}/mlflow.db")
+    parent = client.search_runs(
+        [client.get_experiment_by_name("rlhf").experiment_id], f"tags.`prefect.flow_run_id` = '{from_ui.id}'"
+    )
+    assert len(parent) == 1 and parent[0].data.tags["prefect.flow_run_name"] == from_ui.name
+    assert parent[0].data.params["ppo.kl_coef"] == "0.2"
 
 
 def test_a_server_slot_left_taken_is_announced_and_can_be_freed(served):
@@ -293,7 +324,7 @@ def test_a_server_slot_left_taken_is_announced_and_can_be_freed(served):
 
     from rlhfops.training_slot import reset_server_limit
 
-    api, _ = served
+    api = served[0]
     with _client(api) as client:  # the leak: a slot taken, no run holding it
         client.update_global_concurrency_limit(TRAINING_LIMIT, GlobalConcurrencyLimitUpdate(active_slots=1))
     code = (

@@ -132,3 +132,18 @@ def test_progress_lines_come_at_most_every_so_many_seconds(capsys):
         f"ppo: at {2 * PROGRESS_SECONDS + 1:g} s",
     ]
     assert made == [PROGRESS_SECONDS, 2 * PROGRESS_SECONDS + 1]
+
+
+def test_the_progress_interval_is_30_s_unless_the_environment_names_another(monkeypatch):
+    """$RLHFLOW_PROGRESS_SECONDS (0: a line at every step, as the Prefect UI test runs); anything but a number of
+    seconds >= 0 fails naming the variable."""
+    from rlhflow.progress import _progress_seconds
+
+    monkeypatch.delenv("RLHFLOW_PROGRESS_SECONDS", raising=False)
+    assert _progress_seconds() == 30.0
+    monkeypatch.setenv("RLHFLOW_PROGRESS_SECONDS", "0")
+    assert _progress_seconds() == 0.0
+    for bad in ("-1", "nan", "soon"):
+        monkeypatch.setenv("RLHFLOW_PROGRESS_SECONDS", bad)
+        with pytest.raises(ValueError, match=r"\$RLHFLOW_PROGRESS_SECONDS must be a number of seconds >= 0"):
+            _progress_seconds()
