@@ -30,8 +30,9 @@ def stage_flow(stage: Stage):
     ) -> dict[str, float]:
         return run_pipeline(with_overrides(config, form_overrides(form, overrides)), [stage.name], force)
 
-    own = inspect.signature(run_stage)
-    run_stage.__signature__ = own.replace(parameters=[*list(own.parameters.values())[:3], *FORM_PARAMETERS])
+    # Prefect's form and its checks read the signature: config, force, overrides, then the pipeline's form fields
+    signature = inspect.signature(run_stage)
+    run_stage.__signature__ = signature.replace(parameters=[*list(signature.parameters.values())[:3], *FORM_PARAMETERS])
 
     # the stage's own params section (or data's), else the section of its first param (sft_answers: evaluate's)
     own = (p for p in stage.params if p.split(".")[0] == stage.name or p.startswith("data."))

@@ -35,17 +35,15 @@ def bounded_reply(response: requests.Response, *args, stream: bool = False, **kw
     deadline, chunks, size = time.monotonic() + MAX_REPLY_SECONDS, [], 0
     while chunk := response.raw.read1(READ_SIZE, decode_content=True):
         size += len(chunk)
-        past = (
-            f"passed {MAX_REPLY_BYTES:,} bytes"
-            if size > MAX_REPLY_BYTES
-            else f"took over {MAX_REPLY_SECONDS:.0f} s"
-            if time.monotonic() > deadline
-            else None
-        )
-        if past:
-            response.close()
-            raise ReplyPastBoundsError(f"the reply from {redact_url(response.url)} {past}; not read", response=response)
-        chunks.append(chunk)
+        if size > MAX_REPLY_BYTES:
+            past = f"passed {MAX_REPLY_BYTES:,} bytes"
+        elif time.monotonic() > deadline:
+            past = f"took over {MAX_REPLY_SECONDS:.0f} s"
+        else:
+            chunks.append(chunk)
+            continue
+        response.close()
+        raise ReplyPastBoundsError(f"the reply from {redact_url(response.url)} {past}; not read", response=response)
     response._content = b"".join(chunks)  # what response.content, .text and .json() read from now on
     return response
 
