@@ -28,6 +28,7 @@ from rlhflow.config import credentials
 from rlhflow.config.credentials import readings
 from rlhflow.config.params import REPO_ROOT
 from rlhflow.data.errors import excerpt
+from rlhflow.data.replies import PastBoundsError, read_within
 from rlhflow.redaction import redact_url, redact_urls
 from rlhfops.stack import http_ok, wait_until
 from rlhfops.stack_access import PRIVATE_UMASK, private_dir, private_opener, write_private
@@ -161,19 +162,10 @@ class LabelStudio:
     def _bounded_reply(self, response, what: str) -> bytes:
         """The reply's body, read as it arrives: at most MAX_REPLY_BYTES, within MAX_REPLY_SECONDS in all (a server
         that trickles a byte per read timeout is cut off too)."""
-        deadline, chunks, size = time.monotonic() + MAX_REPLY_SECONDS, [], 0
-        while chunk := response.read1(2**16):
-            size += len(chunk)
-            if size > MAX_REPLY_BYTES:
-                raise LabelingError(
-                    f"Label Studio at {self.shown}: {what}: the reply passed {MAX_REPLY_BYTES:,} bytes; not read"
-                )
-            if time.monotonic() > deadline:
-                raise LabelingError(
-                    f"Label Studio at {self.shown}: {what}: the reply took over {MAX_REPLY_SECONDS:.0f} s; not read"
-                )
-            chunks.append(chunk)
-        return b"".join(chunks)
+        try:
+            return read_within(iter(lambda: response.read1(2**16), b""), MAX_REPLY_BYTES, MAX_REPLY_SECONDS)
+        except PastBoundsError as err:
+            raise LabelingError(f"Label Studio at {self.shown}: {what}: the reply {err}; not read") from None
 
     def project(self, title: str) -> int:
         """The id of the project called `title`, made with the pairwise interface if there is none."""

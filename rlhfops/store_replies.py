@@ -9,11 +9,11 @@ what the run logged) are left to MLflow.
 from __future__ import annotations
 
 import functools
-import time
 
 import requests
 from mlflow.utils import request_utils
 
+from rlhflow.data.replies import PastBoundsError, read_within
 from rlhflow.redaction import redact_url
 
 # a search_runs page of 1,000 runs with their params, metrics and tags is a few MB; a model's metadata a few kB
@@ -32,19 +32,13 @@ def bounded_reply(response: requests.Response, *args, stream: bool = False, **kw
     and ReplyPastBoundsError raised. MLflow reports it as the request's failure, naming the URL."""
     if stream:
         return response
-    deadline, chunks, size = time.monotonic() + MAX_REPLY_SECONDS, [], 0
-    while chunk := response.raw.read1(READ_SIZE, decode_content=True):
-        size += len(chunk)
-        if size > MAX_REPLY_BYTES:
-            past = f"passed {MAX_REPLY_BYTES:,} bytes"
-        elif time.monotonic() > deadline:
-            past = f"took over {MAX_REPLY_SECONDS:.0f} s"
-        else:
-            chunks.append(chunk)
-            continue
+    chunks = iter(lambda: response.raw.read1(READ_SIZE, decode_content=True), b"")
+    try:
+        response._content = read_within(chunks, MAX_REPLY_BYTES, MAX_REPLY_SECONDS)  # what .content, .json() read
+    except PastBoundsError as err:
         response.close()
-        raise ReplyPastBoundsError(f"the reply from {redact_url(response.url)} {past}; not read", response=response)
-    response._content = b"".join(chunks)  # what response.content, .text and .json() read from now on
+        shown = redact_url(response.url)
+        raise ReplyPastBoundsError(f"the reply from {shown} {err}; not read", response=response) from None
     return response
 
 

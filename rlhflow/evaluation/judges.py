@@ -32,6 +32,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from rlhflow.config import credentials
 from rlhflow.config.params import REPO_ROOT, JudgeConfig
+from rlhflow.data.replies import PastBoundsError, read_within
 from rlhflow.data.sources import SourceNotFoundError, resolve_source
 from rlhflow.evaluation.pairs import accuracy_standard_error, evaluate_pairs, length_aware_pair_metrics
 from rlhflow.fsutil import dir_md5
@@ -60,16 +61,14 @@ def bounded_post(client: httpx.Client, url: str, payload: dict) -> tuple[httpx.R
     """The response (its status and headers) and body of one POST, the whole reply within the client's read timeout
     (httpx bounds each read only: a server that drips a byte at a time would hold it forever) and MAX_REPLY_BYTES.
     Past the time: httpx.ReadTimeout, past the size: ReplyTooLargeError; either stops reading at once."""
-    deadline = time.monotonic() + client.timeout.read
-    body = bytearray()
+    deadline = time.monotonic() + client.timeout.read  # from the request on, the wait for its headers included
     with client.stream("POST", url, json=payload) as response:
-        for chunk in response.iter_bytes():
-            body += chunk
-            if len(body) > MAX_REPLY_BYTES:
-                raise ReplyTooLargeError(f"its reply ran past {MAX_REPLY_BYTES} bytes")
-            if time.monotonic() > deadline:
-                raise httpx.ReadTimeout("the whole reply took longer", request=response.request)
-        return response, bytes(body)
+        try:
+            return response, read_within(response.iter_bytes(), MAX_REPLY_BYTES, deadline - time.monotonic())
+        except PastBoundsError as err:
+            if err.size:
+                raise ReplyTooLargeError(f"its reply ran past {MAX_REPLY_BYTES} bytes") from None
+            raise httpx.ReadTimeout("the whole reply took longer", request=response.request) from None
 
 
 class JudgeUnavailableError(ValueError):
