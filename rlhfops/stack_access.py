@@ -20,7 +20,8 @@ LOCKED_JOB_VARIABLES = ("command", "env", "working_dir")
 
 # MLflow 3's server starts a job runner beside itself for GenAI jobs (trace roll-ups, prompt optimisation) that the
 # pipeline never submits: six huey consumers, each a Python process with MLflow loaded. Without them a server answers
-# in less than half the time and holds about 2 GB less (docs/testing.md). A user's own value of the variable wins.
+# in less than half the time and holds about 2 GB less (docs/testing.md). Where a command passes the user's
+# environment on (`make ui`, the tests' servers), the user's own value wins; the stack sets its servers' environment.
 MLFLOW_SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
