@@ -9,7 +9,11 @@ from prefect import flow
 
 from rlhflow.config.params import Config, load_config
 from rlhflow.progress import ProgressLines
+from rlhfops import prefect_replies
 from tasks import head_to_head
+
+# every reply of the Prefect server read within bounds of size and time (rlhfops/prefect_replies.py)
+prefect_replies.bound_prefect_replies()
 
 
 @flow(name="compare-runs", log_prints=True)

@@ -28,9 +28,12 @@ from prefect.utilities.urls import url_for
 from flows import report
 from rlhflow.config.params import Config, apply_overrides, config_from_dict, load_config
 from rlhflow.evaluation import judges
-from rlhfops import launch, restore, run_record, stage_lock, tracking, workspace
+from rlhfops import launch, prefect_replies, restore, run_record, stage_lock, tracking, workspace
 from rlhfops.stages import STAGE_NAMES, STAGES, get_stage
 from rlhfops.training_slot import TRAINING_LIMIT, training_slot
+
+# every reply of the Prefect server read within bounds of size and time (rlhfops/prefect_replies.py)
+prefect_replies.bound_prefect_replies()
 
 StageName = Literal[tuple(STAGE_NAMES)]  # an enum in the parameter form
 

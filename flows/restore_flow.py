@@ -8,7 +8,10 @@ from __future__ import annotations
 from prefect import flow
 
 from rlhflow.config.params import Config, load_config
-from rlhfops import restore
+from rlhfops import prefect_replies, restore
+
+# every reply of the Prefect server read within bounds of size and time (rlhfops/prefect_replies.py)
+prefect_replies.bound_prefect_replies()
 
 
 @flow(name="restore-run", log_prints=True)

@@ -86,6 +86,9 @@ def server_slot(stage: str, limit: str, lease_s: float, log=print) -> Iterator[N
     free a slot that a killed run left taken before its lease expires."""
     from prefect.concurrency.sync import concurrency
 
+    from rlhfops.prefect_replies import bound_prefect_replies
+
+    bound_prefect_replies()  # a stage process talks to the server here alone
     waited = 0.0
     slot = contextlib.ExitStack()  # entered apart from the stage, so a TimeoutError from the stage is not caught
     while True:
@@ -124,6 +127,9 @@ def reset_server_limit(limit: str) -> tuple[int, int]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
 
+    from rlhfops.prefect_replies import bound_prefect_replies
+
+    bound_prefect_replies()
     with get_client(sync_client=True) as client:
         before = client.read_global_concurrency_limit_by_name(limit).active_slots
         client.update_global_concurrency_limit(limit, GlobalConcurrencyLimitUpdate(active_slots=0))

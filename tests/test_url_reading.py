@@ -7,6 +7,7 @@ machine), which reaches a listener on 127.0.0.1, so a test proves that nothing r
 from __future__ import annotations
 
 import contextlib
+import gzip
 import http.server
 import socket
 import threading
@@ -104,6 +105,32 @@ def trickle(handler):
             handler.wfile.write(b" ")
             handler.wfile.flush()
             time.sleep(0.1)
+
+
+def json_reply(body: bytes, encoding: str | None = None):
+    """An answer of `body` as JSON, its length declared, `encoding` its Content-Encoding."""
+
+    def answer(handler):
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        if encoding:
+            handler.send_header("Content-Encoding", encoding)
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        with contextlib.suppress(OSError):
+            handler.wfile.write(body)
+
+    return answer
+
+
+def past_the_bounds():
+    """(answer, what the error says) for a reply past 64 KiB plain, one past it once unpacked (4 MiB of spaces in a
+    gzip of about 4 kB) and one trickling past a second's bound."""
+    return [
+        (json_reply(b"{" + b" " * 2**20 + b"}"), "passed 65,536 bytes"),
+        (json_reply(gzip.compress(b" " * 2**22), "gzip"), "passed 65,536 bytes"),
+        (trickle, "took over 1 s"),
+    ]
 
 
 def redirect_to(location: str):
@@ -378,38 +405,55 @@ def test_a_tracking_servers_reply_past_its_bounds_fails_naming_the_store(mlflow_
     """MLflow's client reads each reply through rlhfops/store_replies.py: past the byte bound (declared, compressed
     or not) or trickling past the whole-reply time bound though each read comes within MLflow's timeout, the call
     fails naming the store's URL, at once; a reply within the bounds reads as before."""
-    import gzip
-
     from mlflow.exceptions import MlflowException
 
     from rlhfops import store_replies, tracking
 
     monkeypatch.setattr(store_replies, "MAX_REPLY_BYTES", 2**16)
     monkeypatch.setattr(store_replies, "MAX_REPLY_SECONDS", 1.0)
-    bomb = gzip.compress(b" " * 2**22)  # 4 MiB of spaces in about 4 kB
 
-    def reply(body: bytes, encoding: str | None = None):
-        def answer(handler):
-            handler.send_response(200)
-            handler.send_header("Content-Type", "application/json")
-            if encoding:
-                handler.send_header("Content-Encoding", encoding)
-            handler.send_header("Content-Length", str(len(body)))
-            handler.end_headers()
-            with contextlib.suppress(OSError):
-                handler.wfile.write(body)
-
-        return answer
-
-    for answer, past in [
-        (reply(b"{" + b" " * 2**20 + b"}"), "passed 65,536 bytes"),
-        (reply(bomb, "gzip"), "passed 65,536 bytes"),
-        (trickle, "took over 1 s"),
-    ]:
+    for answer, past in past_the_bounds():
         with local_server(answer) as url:
             started = time.monotonic()
             with pytest.raises(MlflowException, match=rf"{url}/api/2.0/mlflow/experiments/search.* {past}; not read"):
                 tracking.client(url).search_experiments()
             assert time.monotonic() - started < 3
-    with local_server(reply(b'{"experiments": [{"experiment_id": "7", "name": "rlhf"}]}')) as url:
+    with local_server(json_reply(b'{"experiments": [{"experiment_id": "7", "name": "rlhf"}]}')) as url:
         assert [e.name for e in tracking.client(url).search_experiments()] == ["rlhf"]
+
+
+def test_a_prefect_servers_reply_past_its_bounds_fails_naming_the_request(monkeypatch):
+    """Prefect's clients, async and sync, read each reply through rlhfops/prefect_replies.py (a flow module installs
+    it as it loads): past the byte bound (declared, compressed or not) or trickling past the whole-reply time bound,
+    the call fails naming the request's URL, at once and asked once; a reply within the bounds reads as before."""
+    import asyncio
+
+    from prefect.client.orchestration import PrefectClient, SyncPrefectClient
+
+    import flows.pipeline_flow  # noqa: F401  (what a flow run loads; it installs the bound)
+    from rlhfops import prefect_replies
+
+    monkeypatch.setattr(prefect_replies, "MAX_REPLY_BYTES", 2**16)
+    monkeypatch.setattr(prefect_replies, "MAX_REPLY_SECONDS", 1.0)
+
+    async def hello_async(api: str):
+        async with PrefectClient(api) as client:
+            return (await client.hello()).json()
+
+    def hello_sync(api: str):
+        with SyncPrefectClient(api) as client:
+            return client.hello().json()
+
+    def counted(answer, asked: list):
+        return lambda handler: (asked.append(handler.path), answer(handler))
+
+    for hello in (hello_sync, lambda api: asyncio.run(hello_async(api))):
+        for answer, past in past_the_bounds():
+            asked = []
+            with local_server(counted(answer, asked)) as url:
+                started = time.monotonic()
+                with pytest.raises(prefect_replies.ReplyPastBoundsError, match=rf"to {url}/api/hello {past}; not read"):
+                    hello(f"{url}/api")
+                assert time.monotonic() - started < 3 and asked == ["/api/hello"]
+        with local_server(json_reply(b'"hello"')) as url:
+            assert hello(f"{url}/api") == "hello"
