@@ -34,7 +34,7 @@ export GX_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-fast test-e2e test-stack stack lint format bench ui docs dvc-yaml clean label lock
+.PHONY: setup run test test-fast test-e2e test-stack stack lint format bench ui docs docs-images dvc-yaml clean label lock
 
 $(STAMP): $(LOCK) pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -162,6 +162,11 @@ lock: setup
 	{ echo "# The exact versions of the labeling tool's venv (.venv-label), $(LOCK_SAYS)"; \
 	  echo "# requirements-label.txt; do not edit by hand."; $(LOCK_COMPILE) requirements-label.txt; \
 	} > $(LABEL_LOCK).tmp && mv $(LABEL_LOCK).tmp $(LABEL_LOCK)
+
+# the MLflow UI's pictures in docs/img, from the project's newest finished pipeline run (`make run` first;
+# flows/docs_images.py); ARGS go to it (e.g. "--out /tmp/img")
+docs-images: setup browser
+	$(BIN)/python -m flows.docs_images $(ARGS)
 
 dvc-yaml: setup
 	$(BIN)/python -m rlhfops.dvc_yaml > dvc.yaml

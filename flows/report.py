@@ -91,8 +91,21 @@ JUDGE_TRACKS_LENGTH = (
 )
 
 
-def summary_rows(results: dict[str, float]) -> list[tuple[str, float, str]]:
-    """(label, value, its 95% interval as text or "") of each SUMMARY_METRICS figure the run has."""
+# figures that count (prompts, pairs) or flag: shown without decimals in the Markdown tables
+COUNT_METRICS = {"eval/prompts", "eval/both_ended_prompts", "dev/prompts", "eval/judge_win_rate_lc_supported"}
+
+
+def markdown_cell(text: str) -> str:
+    """`text` as one cell of a Markdown table: a `|` in it (KL(policy || SFT)) would end the cell."""
+    return str(text).replace("|", "\\|")
+
+
+def shown_value(key: str, value: float) -> str:
+    return f"{value:.0f}" if key in COUNT_METRICS else f"{value:.4f}"
+
+
+def summary_rows(results: dict[str, float]) -> list[tuple[str, float, str, str]]:
+    """(label, value, its 95% interval as text or "", key) of each SUMMARY_METRICS figure the run has."""
     rows = []
     for key, label in SUMMARY_METRICS:
         if key in results:
@@ -100,7 +113,7 @@ def summary_rows(results: dict[str, float]) -> list[tuple[str, float, str]]:
             if key.endswith("_vs_sft"):  # the win rates' intervals are named without the suffix
                 interval = (results.get(f"{key[:-7]}_ci_low"), results.get(f"{key[:-7]}_ci_high"))
             shown = f"{interval[0]:.3f} to {interval[1]:.3f}" if None not in interval else ""
-            rows.append((label, results[key], shown))
+            rows.append((label, results[key], shown, key))
     return rows
 
 
@@ -114,7 +127,7 @@ def summary_table(results: dict[str, float]) -> str:
     lines = ["", "RLHF pipeline summary", "-" * 60]
     if judge_tracks_length(results):
         lines.append(textwrap.fill(f"NOTE: {JUDGE_TRACKS_LENGTH}.", width=96, subsequent_indent=" " * 6))
-    for label, value, interval in summary_rows(results):
+    for label, value, interval, _ in summary_rows(results):
         lines.append(f"{label:44s} {value:10.4f}{f' ({interval})' if interval else ''}")
     lines.append("-" * 60)
     for key, value in results.items():
@@ -172,11 +185,13 @@ def run_description(
     rows = summary_rows(results)
     if rows:
         lines += ["| figure | value | 95% interval |", "|---|---:|---|"]
-        lines += [f"| {label} | {value:.4f} | {interval} |" for label, value, interval in rows]
+        for label, value, interval, key in rows:
+            lines.append(f"| {markdown_cell(label)} | {shown_value(key, value)} | {interval} |")
     lines += ["", "| stage | outcome | wall time |", "|---|---|---:|"]
     for o in outcomes:
         seconds = f"{o.seconds:.1f} s" if o.seconds is not None else "-"
-        lines.append(f"| {o.name} | {'ran' if o.ran else 'skipped'}{f': {o.reason}' if o.reason else ''} | {seconds} |")
+        outcome = markdown_cell(("ran" if o.ran else "skipped") + (f": {o.reason}" if o.reason else ""))
+        lines.append(f"| {o.name} | {outcome} | {seconds} |")
     return "\n".join(lines)[:MAX_DESCRIPTION_CHARS]
 
 
@@ -194,14 +209,14 @@ def report_markdown(
         lines += [f"**Failed:** {error}", ""]
     lines += ["## Stages", "", "| stage | outcome | wall time |", "|---|---|---|"]
     for o in outcomes:
-        outcome = ("ran" if o.ran else "skipped") + (f": {o.reason}" if o.reason else "")
+        outcome = markdown_cell(("ran" if o.ran else "skipped") + (f": {o.reason}" if o.reason else ""))
         lines.append(f"| {o.name} | {outcome} | {f'{o.seconds:.1f} s' if o.seconds is not None else '-'} |")
     labels = dict(SUMMARY_METRICS)
     shown = [k for k, _ in SUMMARY_METRICS if k in results]
     shown += sorted(k for k in results if k not in labels and not k.startswith("time/"))
     if shown:
         lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
-        lines += [f"| {labels.get(k, k)} (`{k}`) | {results[k]:.4f} |" for k in shown]
+        lines += [f"| {markdown_cell(labels.get(k, k))} (`{k}`) | {shown_value(k, results[k])} |" for k in shown]
     lines.append("")
     names = {o.name for o in outcomes}
     if "validate" in names:

@@ -25,7 +25,13 @@ from typing import Annotated
 
 from flows.report import MODEL_TRAINING_VIEW
 from rlhflow.config.params import REPO_ROOT, Config, load_config
-from rlhfops.stack_access import MLFLOW_SERVER_ENV, new_auth_string, prefect_server_security, write_private
+from rlhfops.stack_access import (
+    MLFLOW_SERVER_ENV,
+    mlflow_server_command,
+    new_auth_string,
+    prefect_server_security,
+    write_private,
+)
 
 DEFAULT_HOST = "127.0.0.1"
 UI_ENV_FILE = "ui.env"  # in $PREFECT_HOME: what a client of `make ui`'s Prefect server needs
@@ -248,11 +254,8 @@ def start_servers_and_serve(host: str, prefect_port: int, mlflow_port: int) -> i
         "RLHF_MLFLOW_UI_URL": mlflow_url,
     }
     bin_dir = Path(sys.executable).parent
-    mlflow_cmd = [str(bin_dir / "mlflow"), "server", "--host", host, "--port", str(mlflow_port), "--workers", "1"]
-    mlflow_cmd += ["--backend-store-uri", uri]
-    if tracking.is_sqlite_uri(uri):
-        artifacts = tracking.sqlite_artifact_root(uri)
-        mlflow_cmd += ["--default-artifact-root", artifacts.as_uri(), "--artifacts-destination", artifacts.as_uri()]
+    artifacts = tracking.sqlite_artifact_root(uri) if tracking.is_sqlite_uri(uri) else None
+    mlflow_cmd = mlflow_server_command(uri, host, mlflow_port, artifacts)
     # the children are in their own sessions (launch): a terminal that closes (SIGHUP) or a `kill` (SIGTERM)
     # reaches only this process, which then stops them as it does on Ctrl-C
     for sig in (signal.SIGTERM, signal.SIGHUP):

@@ -10,6 +10,7 @@ import re
 import secrets
 import shlex
 import stat
+import sys
 from pathlib import Path
 
 PREFECT_USER = "rlhf"  # the user part of the Prefect API auth string (`user:password`, HTTP basic auth)
@@ -23,6 +24,17 @@ LOCKED_JOB_VARIABLES = ("command", "env", "working_dir")
 # in less than half the time and holds about 2 GB less (docs/testing.md). Where a command passes the user's
 # environment on (`make ui`, the tests' servers), the user's own value wins; the stack sets its servers' environment.
 MLFLOW_SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
+def mlflow_server_command(store_uri: str, host: str, port: int, artifacts: Path | None = None) -> list[str]:
+    """`mlflow server` over the tracking store `store_uri` as `make ui` starts it: one worker, without
+    authentication, serving `artifacts` (a sqlite store's: rlhfops.tracking.sqlite_artifact_root) when given. Run it
+    with MLFLOW_SERVER_ENV."""
+    command = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", store_uri]
+    command += ["--host", host, "--port", str(port), "--workers", "1"]
+    if artifacts is not None:
+        command += ["--default-artifact-root", artifacts.as_uri(), "--artifacts-destination", artifacts.as_uri()]
+    return command
 
 
 # The umask of a service that keeps secrets or people's data in the files it makes (SeaweedFS, Label Studio):

@@ -387,26 +387,16 @@ def flow_run_logs(flow_run_id) -> list[str]:
     return asyncio.run(read())
 
 
-# Debian's chromium, as every browser test drives it through Playwright (whose own browser is never fetched)
-BROWSER_ARGS = ["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"]
-
-
 @pytest.fixture(scope="module")
 def chromium() -> str:
-    """Debian's chromium, checked before a browser test's servers start. Missing, it fails the test: CI must check
-    the UIs."""
-    path = shutil.which("chromium")
+    """Debian's chromium (rlhfops/browser.py), checked before a browser test's servers start. Missing, it fails the
+    test: CI must check the UIs."""
+    from rlhfops import browser
+
+    path = browser.chromium_path()
     if path is None:
-        pytest.fail(
-            "Debian's chromium is not installed: `make browser` (as root) installs it "
-            "(apt-get install -y --no-install-recommends chromium)"
-        )
+        pytest.fail(browser.MISSING_CHROMIUM)
     return path
-
-
-def launch_chromium(playwright, chromium: str):
-    """A headless Chromium browser (Playwright's `Browser`)."""
-    return playwright.chromium.launch(executable_path=chromium, headless=True, args=BROWSER_ARGS)
 
 
 def free_port() -> int:
@@ -420,18 +410,15 @@ def free_port() -> int:
 def mlflow_server(root: Path) -> Iterator[str]:
     """`mlflow server` on 127.0.0.1 over the store <root>/mlflow.db (artifacts in <root>/mlartifacts), as `make ui`
     starts it, without authentication: it ignores the credentials a client sends. Yields its URL; stopped after."""
-    from rlhfops.stack_access import MLFLOW_SERVER_ENV
+    from rlhfops.stack_access import MLFLOW_SERVER_ENV, mlflow_server_command
     from rlhfops.tracking import sqlite_artifact_root
 
     uri = f"sqlite:///{root}/mlflow.db"
-    artifacts = sqlite_artifact_root(uri).as_uri()
     port = free_port()
     env = {**MLFLOW_SERVER_ENV, **os.environ}
     env.pop("MLFLOW_TRACKING_URI", None)  # mlflow.set_tracking_uri in the pipeline exports it
     log_path = root / "mlflow-server.log"
-    server = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", uri]
-    server += ["--default-artifact-root", artifacts, "--artifacts-destination", artifacts]
-    server += ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    server = mlflow_server_command(uri, "127.0.0.1", port, sqlite_artifact_root(uri))
     with log_path.open("w") as log:
         # its own process group: uvicorn and the job runner with it
         proc = subprocess.Popen(server, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CHECKOUT, REPO, copy_repo, free_port, launch_chromium, starts_a_flow, with_prefect_api
+from conftest import CHECKOUT, REPO, copy_repo, free_port, starts_a_flow, with_prefect_api
 from test_lineage import succeeding
 from test_mlflow_ui import TIMEOUT_MS
 
@@ -26,6 +26,7 @@ from rlhflow.config.params import load_config, write_params
 from rlhflow.data.feedback import LABEL_FIELDS, PAIR_FIELDS, read_records
 from rlhflow.fsutil import file_md5
 from rlhfops import stage_lock
+from rlhfops.browser import launch_chromium
 from rlhfops.labeling import ADMIN, ANSWER_STATES, label_studio, load_secrets
 
 # the stages the labels change under dvc repro, Label Studio's start and Chromium: minutes on 2 cores

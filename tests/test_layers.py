@@ -143,6 +143,7 @@ DEFERRED_IMPORTS = {
     "httpx": "httpx",
     "matplotlib": "matplotlib",
     "peft": "peft",
+    "playwright": "playwright",  # a contributor's pictures (flows/docs_images.py); a dev dependency
     "prefect.server": "Prefect's server",
     "psutil": "psutil",
     "pyarrow": "pyarrow",

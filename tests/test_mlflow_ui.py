@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 
 import pytest
-from conftest import CHECKOUT, launch_chromium, mlflow_server, tiny_pipeline_overrides
+from conftest import CHECKOUT, mlflow_server, tiny_pipeline_overrides
 
 from flows.report import mlflow_experiment_url, mlflow_run_url
+from rlhfops.browser import close_mlflow_assistant, expand_mlflow_run, launch_chromium
 from rlhfops.hashing import file_md5
 from rlhfops.stages import STAGE_NAMES, STAGES
 
@@ -94,6 +96,10 @@ def test_flow_runs_every_stage_and_tracks_them(finished_pipeline):
     # its description (the run page's Markdown note): the figures with their intervals, then every stage and its time
     description = parent.data.tags["mlflow.note.content"]
     assert "| judge win rate vs SFT | " in description and " to " in description, description
+    table_rows = [line for line in description.splitlines() if line.startswith("|")]
+    cells = {line: len(re.split(r"(?<!\\)\|", line)) - 2 for line in table_rows}  # a `\|` inside a cell is text
+    assert set(cells.values()) == {3}, cells  # figure, value, interval; stage, outcome, time: KL(policy \|\| SFT)
+    assert f"| evaluation prompts (test conversations) | {results['eval/prompts']:.0f} |" in description  # a count
     # the Prefect flow run that made it, named as Prefect's UI names it, in its tags and its description
     flow_run_name = parent.data.tags["prefect.flow_run_name"]
     assert parent.data.tags["prefect.flow_run_id"] and description.startswith(f"Prefect flow run [{flow_run_name}]("), (
@@ -134,13 +140,6 @@ def page(chromium):
             yield pg
         finally:
             browser.close()
-
-
-def _close_assistant(pg) -> None:
-    """The MLflow Assistant side panel (open by default) hides half the runs table in screenshots."""
-    close = pg.get_by_role("button", name="Close", exact=True)
-    if close.count() == 1 and close.is_visible():
-        close.click()
 
 
 @contextlib.contextmanager
@@ -199,11 +198,10 @@ def test_mlflow_ui_shows_the_parent_run_its_stage_runs_and_the_eval_metrics(
         expect(parent_link).to_have_attribute("href", f"#/experiments/{exp.experiment_id}/runs/{parent.info.run_id}")
         expect(page.get_by_text(f"{len(runs)} matching runs", exact=True)).to_be_visible()
         _in_the_model_training_view(page)
-        _close_assistant(page)
+        close_mlflow_assistant(page)
         for stage in STAGE_NAMES:  # collapsed: the stage runs are hidden under the parent
             expect(page.get_by_role("link", name=stage, exact=True)).to_have_count(0)
-        parent_row = page.get_by_role("row").filter(has=parent_link)
-        parent_row.locator("button[data-component-id*=runnamecellrenderer]").click()  # the row's expand (+) button
+        expand_mlflow_run(page, parent_link, STAGE_NAMES)  # the row's expand (+) button
         for stage in STAGE_NAMES:
             link = page.get_by_role("link", name=stage, exact=True)
             expect(link).to_be_visible()
@@ -218,7 +216,7 @@ def test_mlflow_ui_shows_the_parent_run_its_stage_runs_and_the_eval_metrics(
         _in_the_model_training_view(page)
         expect(page.get_by_text(f"Metrics ({len(parent.data.metrics)})", exact=True)).to_be_visible()
         expect(page.get_by_text("Finished", exact=True)).to_be_visible()
-        _close_assistant(page)
+        close_mlflow_assistant(page)
         child_runs = page.get_by_test_id("key-value-Child runs")  # in "About this run"
         for stage in STAGE_NAMES:
             link = child_runs.get_by_role("link", name=stage, exact=True)
@@ -242,6 +240,25 @@ def test_mlflow_ui_shows_the_parent_run_its_stage_runs_and_the_eval_metrics(
         rows["rm/accuracy"].scroll_into_view_if_needed()  # the metrics table scrolls: show the RM accuracy too
         expect(rows["rm/accuracy"]).to_be_in_viewport()
         screenshot("parent-run-rm-accuracy")
+
+
+def test_docs_images_pictures_the_newest_pipeline_run(finished_run, mlflow_ui, page, tmp_path):
+    """`make docs-images` (flows/docs_images.py) finds the store's newest finished pipeline run and writes its two
+    pictures whole, each the browser's view of its page: the runs with the stage runs shown, the run's own page."""
+    import mlflow
+    from PIL import Image
+
+    from flows import docs_images
+
+    client = mlflow.MlflowClient(f"sqlite:///{finished_run}/mlflow.db")
+    experiment, run = docs_images.newest_pipeline_run(client, "rlhf")
+    assert run.info.run_name == "pipeline" and "mlflow.parentRunId" not in run.data.tags
+    written = docs_images.mlflow_pictures(page, mlflow_ui, experiment.experiment_id, run, STAGE_NAMES, tmp_path)
+    assert [p.name for p in written] == list(docs_images.PICTURES)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(docs_images.PICTURES)  # no temporary file left
+    for path in written:
+        with Image.open(path) as picture:
+            assert picture.format == "PNG" and picture.width == page.viewport_size["width"]
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +297,7 @@ def test_mlflow_compare_view_shows_the_sweep_points_params_and_eval_metrics(
         # the sweep run's page links its points (its child runs) and carries the frontier table as its description
         page.goto(f"{mlflow_ui}/#/experiments/{exp_id}/runs/{sweep.info.run_id}")
         expect(page.get_by_role("heading", name="sweep", exact=True)).to_be_visible()
-        _close_assistant(page)
+        close_mlflow_assistant(page)
         child_runs = page.get_by_test_id("key-value-Child runs")
         for point in points:
             expect(child_runs.get_by_role("link", name=point.info.run_name, exact=True).first).to_be_visible()
@@ -291,7 +308,7 @@ def test_mlflow_compare_view_shows_the_sweep_points_params_and_eval_metrics(
         runs, experiments = json.dumps([p.info.run_id for p in points]), json.dumps([exp_id])
         page.goto(f"{mlflow_ui}/#/compare-runs?runs={runs}&experiments={experiments}")
         expect(page.get_by_text("ppo.kl_coef", exact=True).first).to_be_visible()
-        _close_assistant(page)
+        close_mlflow_assistant(page)
         # the parameters table: one row per param, a cell per run
         kl_row = page.get_by_role("row", name=f"ppo.kl_coef {' '.join(p.data.params['ppo.kl_coef'] for p in points)}")
         expect(kl_row).to_be_visible()

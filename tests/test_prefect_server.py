@@ -25,11 +25,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import CHECKOUT, REPO, free_port, launch_chromium, make_dvc_repo, tiny_pipeline_overrides
+from conftest import CHECKOUT, REPO, free_port, make_dvc_repo, tiny_pipeline_overrides
 
 from flows.pipeline import TRAINING_LIMIT
 from flows.report import LINK_KEY, MLFLOW_UI_URL_ENV, REPORT_KEY
 from flows.serve import PREFECT_UI_PATH, stop, wait_for
+from rlhfops.browser import launch_chromium
 from rlhfops.stack_access import new_auth_string, prefect_server_security
 from rlhfops.stages import STAGES
 
