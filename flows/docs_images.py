@@ -77,14 +77,11 @@ def _write(path: Path, png: bytes) -> Path:
 @contextlib.contextmanager
 def mlflow_ui(store_uri: str):
     """`mlflow server` on `store_uri` as `make ui` starts it, on 127.0.0.1; yields its URL."""
-    from flows.serve import launch, stop, wait_for
-    from rlhfops import tracking
+    from flows.serve import launch_mlflow_server, stop, wait_for
     from rlhfops.stack import free_port  # on 127.0.0.1
-    from rlhfops.stack_access import MLFLOW_SERVER_ENV, mlflow_server_command
 
     port = free_port()
-    artifacts = tracking.sqlite_artifact_root(store_uri) if tracking.is_sqlite_uri(store_uri) else None
-    server = launch(mlflow_server_command(store_uri, "127.0.0.1", port, artifacts), {**MLFLOW_SERVER_ENV, **os.environ})
+    server = launch_mlflow_server(store_uri, "127.0.0.1", port, dict(os.environ))
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for(f"{url}/health", server, "the MLflow server", timeout=300)

@@ -194,6 +194,15 @@ def launch(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, start_new_session=True)
 
 
+def launch_mlflow_server(store_uri: str, host: str, port: int, env: dict[str, str]) -> subprocess.Popen:
+    """`mlflow server` over the tracking store `store_uri` (a sqlite store's artifacts served from beside it), with
+    `env` and MLflow's job runner off unless `env` says otherwise, in its own session (`launch`)."""
+    from rlhfops import tracking
+
+    artifacts = tracking.sqlite_artifact_root(store_uri) if tracking.is_sqlite_uri(store_uri) else None
+    return launch(mlflow_server_command(store_uri, host, port, artifacts), {**MLFLOW_SERVER_ENV, **env})
+
+
 def stop(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
     """Interrupt each process in turn (as Ctrl-C would) and wait for it to exit before the next, killing it if
     it has not exited within `timeout`. Only the process itself is interrupted: the MLflow server passes the
@@ -254,8 +263,6 @@ def start_servers_and_serve(host: str, prefect_port: int, mlflow_port: int) -> i
         "RLHF_MLFLOW_UI_URL": mlflow_url,
     }
     bin_dir = Path(sys.executable).parent
-    artifacts = tracking.sqlite_artifact_root(uri) if tracking.is_sqlite_uri(uri) else None
-    mlflow_cmd = mlflow_server_command(uri, host, mlflow_port, artifacts)
     # the children are in their own sessions (launch): a terminal that closes (SIGHUP) or a `kill` (SIGTERM)
     # reaches only this process, which then stops them as it does on Ctrl-C
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -268,7 +275,7 @@ def start_servers_and_serve(host: str, prefect_port: int, mlflow_port: int) -> i
                 [str(bin_dir / "prefect"), "server", "start", "--host", host, "--port", str(prefect_port)], server_env
             )
         )
-        procs.append(launch(mlflow_cmd, {**MLFLOW_SERVER_ENV, **env}))
+        procs.append(launch_mlflow_server(uri, host, mlflow_port, env))
         wait_for(f"{prefect_url}/api/health", procs[0], "the Prefect server")
         wait_for(f"{mlflow_url}/health", procs[1], "the MLflow server")
         procs.append(launch([sys.executable, "-m", "flows.serve"], env))
