@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlhflow.config.output_paths import ALLOW_PATHS
 from rlhflow.config.params import add_overrides_argument, set_args
 
 # A light door: Prefect, MLflow and the stages (flows.pipeline, rlhfops.tracking) are imported where they are used.
@@ -75,6 +76,12 @@ def root_overrides(root: Path, demo_data: bool = False) -> list[str]:
         f"metrics_dir={root}/metrics",
         f"tracking.tracking_uri=sqlite:///{root}/mlflow.db",
     ]
+
+
+def allow_root(root: Path) -> None:
+    """Let the runs' settings name `root`, the benchmark's own temporary directory outside the project: the path
+    check reads $RLHFLOW_ALLOW_PATHS, which the benchmark's child processes inherit from this one."""
+    os.environ[ALLOW_PATHS] = os.pathsep.join(filter(None, [os.environ.get(ALLOW_PATHS, ""), str(root)]))
 
 
 def run_direct(overrides: list[str], out: Path) -> None:
@@ -200,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     tmp = Path(tempfile.mkdtemp(prefix="rlhflow-orch-"))
+    allow_root(tmp)
     base = list(SHORTENED) if args.short else []
     if args.tiny:
         from tests.fixtures import write_tiny_model

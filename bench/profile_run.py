@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.orchestration import TINY, root_overrides
+from bench.orchestration import TINY, allow_root, root_overrides
 from rlhflow.config.params import add_overrides_argument, load_config, set_args
 
 # A light door: Prefect and the stages (flows.pipeline) are imported inside the function that runs them.
@@ -297,6 +297,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault(key, value)
 
     root = Path(tempfile.mkdtemp(prefix="rlhflow-profile-"))
+    allow_root(root)
     try:
         base: list[str] = []
         if args.tiny:

@@ -16,9 +16,12 @@ from conftest import REPO
 
 from bench.ppo_bench import roofline
 from bench.workloads import BENCH_EOS, WORKLOADS, prepare
+from rlhflow.config.output_paths import ALLOW_PATHS
 
 TRL_PYTHON = REPO / "bench" / ".venv-trl" / "bin" / "python"
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+# as a user starts a benchmark: no directory outside the project allowed (the suite allows its temporary one)
+USER_ENV = {key: value for key, value in ENV.items() if key != ALLOW_PATHS}
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +131,7 @@ def test_orchestration_overhead_on_tiny_models():
     proc = subprocess.run(
         [sys.executable, "-m", "bench.orchestration", "--tiny"],
         cwd=REPO,
-        env=ENV,
+        env=USER_ENV,
         check=True,
         capture_output=True,
         text=True,
@@ -164,7 +167,7 @@ def test_stage_profile_on_tiny_models(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "bench.profile_run", "--tiny", "--out", str(out)],
         cwd=REPO,
-        env=ENV,
+        env=USER_ENV,
         check=True,
         capture_output=True,
         text=True,
