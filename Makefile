@@ -163,9 +163,9 @@ lock: setup
 	  echo "# requirements-label.txt; do not edit by hand."; $(LOCK_COMPILE) requirements-label.txt; \
 	} > $(LABEL_LOCK).tmp && mv $(LABEL_LOCK).tmp $(LABEL_LOCK)
 
-# the MLflow UI's pictures in docs/img, from the project's newest finished pipeline run (`make run` first;
-# flows/docs_images.py); ARGS go to it (e.g. "--out /tmp/img")
-docs-images: setup browser
+# the MLflow UI's and Label Studio's pictures in docs/img, from the project's newest finished pipeline run and its
+# feedback pairs (`make run` first; flows/docs_images.py); ARGS go to it (e.g. "--out /tmp/img")
+docs-images: setup browser $(LABEL_STAMP)
 	$(BIN)/python -m flows.docs_images $(ARGS)
 
 dvc-yaml: setup

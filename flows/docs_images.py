@@ -1,14 +1,22 @@
-"""The pictures of the MLflow UI in docs/img, taken from this project's newest finished pipeline run (after `make run`:
-the default model's run) in the browser the tests drive (rlhfops/browser.py):
+"""The pictures of the MLflow UI and of Label Studio in docs/img, taken from this project's own runs (the default
+models' after `make run`) in the browser the tests drive (rlhfops/browser.py):
 
     make docs-images                                   # python -m flows.docs_images
     python -m flows.docs_images --out /tmp/img --set tracking.tracking_uri=sqlite:///other/mlflow.db
 
-It starts `mlflow server` on the tracking store as `make ui` does (127.0.0.1, a free port), opens the experiment's
-runs page as a run's link opens it (the model-training view) and the parent run's page, and writes, each whole or
-not at all: mlflow_runs.png (the parent run, expanded to its stage runs) and mlflow_parent_run.png (its
-description: what the run showed, each stage's outcome; its metrics). Exits 1 naming the store when it holds no
-finished pipeline run. The benchmark plots in docs/img are drawn by their benches (docs/benchmarks.md).
+MLflow: it starts `mlflow server` on the tracking store as `make ui` does (127.0.0.1, a free port), opens the
+experiment's runs page as a run's link opens it (the model-training view) and the newest finished pipeline run's page,
+and writes mlflow_runs.png (the parent run, expanded to its stage runs) and mlflow_parent_run.png (its description:
+what the run showed, each stage's outcome; its metrics).
+
+Label Studio: from the feedback round's pairs file (feedback.pairs_file, made by `python -m tasks.feedback sample`
+after a run with a feedback split; docs/feedback.md), it starts a Label Studio of its own (a temporary directory,
+127.0.0.1, a free port), sends it the pairs as `send` does, and writes feedback_labeling.png (the first pair's
+labeling page, the empty side column folded) and feedback_labelled.png (the project's pairs, the first three
+labelled, the others waiting).
+
+Each picture is written whole or not at all. Exits 1 naming what is missing (no finished pipeline run, no pairs)
+after making the pictures it can. The benchmark plots in docs/img are drawn by their benches (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import argparse
 import contextlib
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from rlhflow.config.params import REPO_ROOT, parse_config_args
@@ -25,6 +34,8 @@ from rlhflow.config.params import REPO_ROOT, parse_config_args
 VIEWPORT = {"width": 1600, "height": 1000}
 TIMEOUT_MS = 60_000  # the UI's first load on a busy 2-core machine takes ~10 s
 PICTURES = ("mlflow_runs.png", "mlflow_parent_run.png")
+FEEDBACK_PICTURES = ("feedback_labeling.png", "feedback_labelled.png")
+PICTURED_LABELS = ("A is better", "B is better", "Tie")  # the first pairs' labels in feedback_labelled.png
 
 
 def newest_pipeline_run(client, experiment_name: str):
@@ -50,7 +61,7 @@ def mlflow_pictures(page, ui_url: str, experiment_id: str, run, stages: list[str
 
     runs = f"{ui_url}/#/experiments/{experiment_id}/runs"  # as a run's printed link opens them
     page.goto(f"{runs}{MODEL_TRAINING_VIEW}")
-    parent = page.get_by_role("link", name="pipeline", exact=True).first
+    parent = page.locator(f'a[href$="/runs/{run.info.run_id}"]')  # this run's name: the store may hold others
     expect(parent).to_be_visible()
     close_mlflow_assistant(page)
     expand_mlflow_run(page, parent, stages)
@@ -90,6 +101,86 @@ def mlflow_ui(store_uri: str):
         stop([server])
 
 
+def feedback_pictures(page, server, project_title: str, pairs: list[dict], out: Path) -> list[Path]:
+    """The two pictures (FEEDBACK_PICTURES) of a feedback round of `pairs` in Label Studio `server` (a
+    rlhfops.labeling.LabelStudio that `page` is logged in to), the pairs sent to its project `project_title`, written
+    into `out`; their paths."""
+    from rlhfops.browser import fold_label_studio_side_column, label_next
+
+    project = server.project(project_title)
+    server.send(project, pairs)
+    page.goto(f"{server.url}/projects/{project}/data?labeling=1")
+    page.get_by_text("Which answer is better?").wait_for()
+    fold_label_studio_side_column(page)
+    labeling = _write(out / FEEDBACK_PICTURES[0], page.screenshot())
+    for choice in PICTURED_LABELS[: len(pairs) - 1]:  # a round under way: a pair at least still waits
+        label_next(page, choice)
+    page.goto(f"{server.url}/projects/{project}/data")
+    page.get_by_role("button", name="Label All Tasks").wait_for()
+    page.wait_for_load_state("networkidle")
+    return [labeling, _write(out / FEEDBACK_PICTURES[1], page.screenshot())]
+
+
+@contextlib.contextmanager
+def label_studio_session(playwright, chromium: str):
+    """A Label Studio of its own (a temporary directory, 127.0.0.1, a free port) and a browser page logged in to it:
+    (server, page)."""
+    from rlhfops.browser import label_studio_page
+    from rlhfops.labeling import ADMIN, label_studio, load_secrets
+    from rlhfops.stack import free_port
+
+    with tempfile.TemporaryDirectory(prefix="rlhflow-docs-label-studio-") as tmp:
+        root = Path(tmp) / "label-studio"
+        with label_studio(root, free_port()) as server:
+            password = load_secrets(root)["password"]
+            browser, page = label_studio_page(playwright, chromium, server.url, ADMIN, password, TIMEOUT_MS)
+            try:
+                yield server, page
+            finally:
+                browser.close()
+
+
+def mlflow_part(cfg, playwright, chromium: str, out: Path) -> list[Path] | str:
+    """The MLflow pictures of the store's newest finished pipeline run, or why there are none."""
+    from rlhfops import tracking
+    from rlhfops.browser import launch_chromium
+    from rlhfops.stages import STAGE_NAMES
+
+    store = tracking.tracking_uri(cfg)
+    experiment, run = newest_pipeline_run(tracking.client(store), cfg.tracking.experiment)
+    if run is None:
+        return f"no finished pipeline run in experiment {cfg.tracking.experiment!r} of {store}: `make run` first"
+    children = tracking.client(store).search_runs(
+        [experiment.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'"
+    )
+    stages = [
+        name for name in STAGE_NAMES if name in {c.info.run_name for c in children}
+    ]  # a stage up to date has none
+    with mlflow_ui(store) as url:
+        browser = launch_chromium(playwright, chromium)
+        try:
+            page = browser.new_page(viewport=VIEWPORT)
+            page.set_default_timeout(TIMEOUT_MS)
+            return mlflow_pictures(page, url, experiment.experiment_id, run, stages, out)
+        finally:
+            browser.close()
+
+
+def feedback_part(cfg, playwright, chromium: str, out: Path) -> list[Path] | str:
+    """Label Studio's pictures of the feedback pairs file, or why there are none."""
+    from rlhflow.data.feedback import PAIR_FIELDS, read_records
+
+    pairs_file = cfg.path(cfg.feedback.pairs_file)
+    pairs = read_records(pairs_file, PAIR_FIELDS)
+    if not pairs:
+        return (
+            f'no feedback pairs in {pairs_file}: `make run ARGS="--set validate.feedback_fraction=0.05"`, then '
+            "`python -m tasks.feedback sample --set validate.feedback_fraction=0.05` (docs/feedback.md)"
+        )
+    with label_studio_session(playwright, chromium) as (server, page):
+        return feedback_pictures(page, server, cfg.feedback.project, pairs, out)
+
+
 def main(argv: list[str] | None = None) -> int:
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--out", type=Path, default=REPO_ROOT / "docs/img", help="where the pictures go (docs/img)")
@@ -97,30 +188,24 @@ def main(argv: list[str] | None = None) -> int:
 
     from playwright.sync_api import expect, sync_playwright
 
-    from rlhfops import tracking
-    from rlhfops.browser import MISSING_CHROMIUM, chromium_path, launch_chromium
-    from rlhfops.stages import STAGE_NAMES
+    from rlhfops.browser import MISSING_CHROMIUM, chromium_path
 
-    store = tracking.tracking_uri(cfg)
-    experiment, run = newest_pipeline_run(tracking.client(store), cfg.tracking.experiment)
-    if run is None:
-        print(f"no finished pipeline run in experiment {cfg.tracking.experiment!r} of {store}: `make run` first")
-        return 1
     chromium = chromium_path()
     if chromium is None:
         print(MISSING_CHROMIUM)
         return 1
     expect.set_options(timeout=TIMEOUT_MS)
-    with mlflow_ui(store) as url, sync_playwright() as p:
-        browser = launch_chromium(p, chromium)
-        try:
-            page = browser.new_page(viewport=VIEWPORT)
-            page.set_default_timeout(TIMEOUT_MS)
-            written = mlflow_pictures(page, url, experiment.experiment_id, run, STAGE_NAMES, args.out)
-        finally:
-            browser.close()
-    print(f"run {run.info.run_id}: {', '.join(str(p) for p in written)}")
-    return 0
+    missing = []
+    with sync_playwright() as p:
+        for part in (mlflow_part, feedback_part):
+            made = part(cfg, p, chromium, args.out)
+            if isinstance(made, str):
+                missing.append(made)
+            else:
+                print(", ".join(str(path) for path in made))
+    for why in missing:
+        print(why)
+    return 1 if missing else 0
 
 
 if __name__ == "__main__":

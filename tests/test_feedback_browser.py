@@ -4,8 +4,8 @@ tiny models: the labels become a new version of feedback.labels_file in dvc.lock
 the reward model trains on them (MLflow records the dataset with its md5), and the human win rate is logged.
 Half-finished sessions, forged labels and a tool that is down are checked on the way.
 
-Screenshots land in test-artifacts/feedback/; with UPDATE_DOCS_SCREENSHOTS=1 the project's page also replaces
-docs/img/feedback_labelled.png.
+Screenshots land in test-artifacts/feedback/. The docs' pictures of Label Studio (`make docs-images`,
+flows/docs_images.py) are taken on the same server, in a project of their own.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from rlhflow.config.params import load_config, write_params
 from rlhflow.data.feedback import LABEL_FIELDS, PAIR_FIELDS, read_records
 from rlhflow.fsutil import file_md5
 from rlhfops import stage_lock
-from rlhfops.browser import launch_chromium
+from rlhfops.browser import label_next, label_studio_page
 from rlhfops.labeling import ADMIN, ANSWER_STATES, label_studio, load_secrets
 
 # the stages the labels change under dvc repro, Label Studio's start and Chromium: minutes on 2 cores
@@ -36,11 +35,9 @@ ARTIFACTS = CHECKOUT / "test-artifacts" / "feedback"
 EMPTY_MD5 = "d41d8cd98f00b204e9800998ecf8427e"
 
 
-def shoot(page, name: str, docs: bool = False) -> None:
+def shoot(page, name: str) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
-    if docs and os.environ.get("UPDATE_DOCS_SCREENSHOTS") == "1":
-        shutil.copy(ARTIFACTS / f"{name}.png", CHECKOUT / "docs" / "img" / f"feedback_{name}.png")
 
 
 def set_params(repo: Path, overrides: list[str]) -> None:
@@ -50,33 +47,6 @@ def set_params(repo: Path, overrides: list[str]) -> None:
 def lock_md5(repo: Path, stage: str, path: str) -> str:
     lock = stage_lock.load_lock((repo / "dvc.lock").read_text())
     return next(d["md5"] for d in lock["stages"][stage]["deps"] if d["path"] == path)
-
-
-def browser_page(playwright, chromium: str, url: str, password: str):
-    """A logged-in Label Studio page."""
-    browser = launch_chromium(playwright, chromium)
-    page = browser.new_page(viewport={"width": 1400, "height": 900})
-    page.set_default_timeout(TIMEOUT_MS)
-    page.goto(f"{url}/user/login/")
-    page.fill("input[name=email]", ADMIN)
-    page.fill("input[name=password]", password)
-    page.locator("button[type=submit]").first.click()
-    page.wait_for_load_state("networkidle")
-    return browser, page
-
-
-def label_next(page, choice: str | None, comment: str = "") -> None:
-    """Label the task on screen by clicking (`choice` None: Label Studio's Skip button)."""
-    page.get_by_text("Which answer is better?").wait_for()
-    if choice is None:
-        page.get_by_test_id("bottombar-skip-button").click()
-    else:
-        page.locator("label", has_text=choice).first.click()
-        if comment:
-            page.get_by_placeholder("Comment (optional)").fill(comment)
-            page.get_by_placeholder("Comment (optional)").press("Enter")
-        page.get_by_test_id("bottombar-submit-button").click()
-    page.wait_for_timeout(2000)  # the next task loads
 
 
 def forge_label(server, project: int) -> int:
@@ -118,7 +88,7 @@ def test_labels_clicked_in_label_studio_retrain_the_reward_model(tmp_path, repro
         assert "feedback/pairs_sent                      0.0000" in ok(sys.executable, "-m", "tasks.feedback", "send")
         clicks = ["A is better", "B is better", "Tie", None][: len(pairs)]
         with sync_playwright() as p:
-            browser, page = browser_page(p, chromium, server.url, made["password"])
+            browser, page = label_studio_page(p, chromium, server.url, ADMIN, made["password"], TIMEOUT_MS)
             page.goto(f"{server.url}/projects/{project}/data?labeling=1")
             page.get_by_text("Which answer is better?").wait_for()
             shoot(page, "labeling")
@@ -146,7 +116,8 @@ def test_labels_clicked_in_label_studio_retrain_the_reward_model(tmp_path, repro
             label_next(page, clicks[-1])
             page.goto(f"{server.url}/projects/{project}/data")
             page.wait_for_timeout(3000)
-            shoot(page, "labelled", docs=True)
+            shoot(page, "labelled")
+            check_docs_pictures(page, server, pairs, tmp_path / "img")
             browser.close()
         ok(sys.executable, "-m", "flows.feedback", "--no-sample", "--no-retrain")  # the round: every pair labelled
     down = run_module(repo, "tasks.feedback", "collect")  # the tool is down: a clear error, nothing written
@@ -181,6 +152,28 @@ def test_labels_clicked_in_label_studio_retrain_the_reward_model(tmp_path, repro
     ai = [x for x in read_records(repo / "data/feedback/labels.jsonl", LABEL_FIELDS) if x["source"] == "ai"]
     assert {x["pair_id"] for x in ai} == set(by_id) and len({x["annotator"] for x in ai}) == 1
     assert ai[0]["annotator"].startswith("judge:trained:")
+
+
+def check_docs_pictures(page, server, pairs: list[dict], out: Path) -> None:
+    """`make docs-images`' Label Studio pictures, taken of the round's pairs in a project of their own: both written
+    whole, the first pairs labelled and one at least waiting, the labeling page's empty side column folded as a
+    person folds it (Label Studio keeps it folded for the next pair)."""
+    from PIL import Image
+
+    from flows import docs_images
+
+    written = docs_images.feedback_pictures(page, server, "docs-pictures", pairs, out)
+    assert [p.name for p in written] == list(docs_images.FEEDBACK_PICTURES)
+    assert sorted(p.name for p in out.iterdir()) == sorted(docs_images.FEEDBACK_PICTURES)  # no temporary file left
+    for path in written:
+        with Image.open(path) as picture:
+            assert picture.format == "PNG" and picture.width == page.viewport_size["width"]
+    project = server.project("docs-pictures")
+    labelled = [t for t in server.tasks(project) if t.get("annotations")]
+    assert len(labelled) == min(len(pairs) - 1, len(docs_images.PICTURED_LABELS))
+    page.goto(f"{server.url}/projects/{project}/data?labeling=1")
+    page.get_by_text("Which answer is better?").wait_for()
+    assert not page.get_by_text("Labeled regions will appear here").is_visible()
 
 
 def run_module(repo: Path, module: str, *args: str):
