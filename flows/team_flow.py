@@ -21,10 +21,12 @@ import mlflow
 import yaml
 from prefect import flow
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.deployments import run_deployment
 from prefect.runtime import flow_run
 from prefect.states import Crashed
 from prefect.utilities.callables import parameter_schema
+from prefect.workers.process import ProcessWorker
 
 from flows.pipeline_flow import (
     check_up_to_date,
@@ -39,6 +41,7 @@ from rlhflow.evaluation import judges
 from rlhflow.redaction import user_info_removed
 from rlhfops import launch, restore, tracking, workspace
 from rlhfops.run_record import artifact_dir
+from rlhfops.stack_access import restricted_job_template
 from rlhfops.stage_lock import LOCK_FILE, PARAMS_FILE, lock_entry, uncached_outputs
 from rlhfops.stages import get_stage
 from rlhfops.training_slot import TRAINING_LIMIT, training_slot
@@ -274,11 +277,14 @@ def _stage_metrics(client: Any, run_id: str, cfg: Config, stage: str) -> dict[st
 
 
 def deploy(pool: str = POOL) -> list[str]:
-    """Create (or update) the dispatcher's and the stage flow's deployments in the work pool `pool` of the server
-    in $PREFECT_API_URL. Returns their names."""
+    """Create (or update) the process work pool `pool` on the server in $PREFECT_API_URL, its job template
+    restricted (rlhfops.stack_access.restricted_job_template: no flow run chooses a worker's command, environment
+    or directory), and in it the dispatcher's and the stage flow's deployments. Returns their names."""
 
     made = []
+    template = restricted_job_template(ProcessWorker.get_default_base_job_template())
     with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name=pool, type="process", base_job_template=template), overwrite=True)
         for fn, name, queue in (
             (team_pipeline, "team", LIGHT_QUEUE),
             (stage_on_worker, HEAVY_QUEUE, HEAVY_QUEUE),

@@ -26,7 +26,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -40,7 +39,6 @@ from rlhfops.stack_access import (
     new_auth_string,
     prefect_server_security,
     private_dir,
-    restricted_job_template,
     s3_identities,
     seaweedfs_security,
     write_private,
@@ -228,11 +226,9 @@ class Stack:
         try:
             self.start_postgres()
             self.start_s3()
-            self.start_mlflow()
-            self.start_prefect()
+            self.start_servers()
             self.create_pool()
-            for i in range(1, self.workers + 1):
-                self.start_worker(f"worker-{i}")
+            self.start_workers()
             self.write_env()
         except BaseException:
             self.stop()
@@ -363,9 +359,14 @@ class Stack:
                 client.create_bucket(Bucket=bucket)
         return True
 
-    def start_mlflow(self) -> None:
-        log = self._spawn("mlflow", self.mlflow_command(), self.mlflow_env())
-        wait_until("MLflow server", lambda: http_ok(self.mlflow_url + "/health"), 180, self.procs["mlflow"], log)
+    def start_servers(self) -> None:
+        """The MLflow and the Prefect server, started together (each spends its first seconds loading its
+        libraries), until both answer."""
+        mlflow_log, prefect_log = self._spawn("mlflow", self.mlflow_command(), self.mlflow_env()), self.spawn_prefect()
+        wait_until("MLflow server", lambda: http_ok(self.mlflow_url + "/health"), 180, self.procs["mlflow"], mlflow_log)
+        wait_until(
+            "Prefect server", lambda: self.prefect_get("/health") is not None, 180, self.procs["prefect"], prefect_log
+        )
 
     def mlflow_env(self) -> dict[str, str]:
         return self._env({"MLFLOW_S3_ENDPOINT_URL": self.s3_url, "PGPASSWORD": self.pg_password, **MLFLOW_SERVER_ENV})
@@ -378,7 +379,7 @@ class Stack:
             "--allowed-hosts", f"{HOST}:{self.ports['mlflow']},localhost:{self.ports['mlflow']}",
         ]  # fmt: skip
 
-    def start_prefect(self) -> None:
+    def spawn_prefect(self) -> Path:
         env = self._env(
             {
                 "PREFECT_API_DATABASE_CONNECTION_URL": self.database_url("prefect", "asyncpg"),
@@ -387,8 +388,7 @@ class Stack:
             }
         )
         env.pop("PREFECT_API_URL")  # the server's own process is no client (its services keep the auth string)
-        log = self._spawn("prefect", self.prefect_command(), env)
-        wait_until("Prefect server", lambda: self.prefect_get("/health") is not None, 180, self.procs["prefect"], log)
+        return self._spawn("prefect", self.prefect_command(), env)
 
     def prefect_command(self) -> list[str]:
         return [
@@ -413,10 +413,20 @@ class Stack:
     def worker_dir(self, name: str) -> Path:
         return self.root / "workers" / name
 
-    def start_worker(self, name: str) -> None:
+    def start_workers(self) -> None:
+        """The workers `worker-1` ... `worker-N`, all started before waiting for any (each loads Prefect for a
+        while), until every one is online."""
+        started = [p for i in range(1, self.workers + 1) for p in self.spawn_worker(f"worker-{i}")]
+        for process, log in started:
+            wait_until(
+                f"Prefect worker {process}", lambda p=process: self._worker_online(p), 180, self.procs[process], log
+            )
+
+    def spawn_worker(self, name: str) -> list[tuple[str, Path]]:
         """A worker: its own clone, served by two Prefect worker processes, `<name>` on the heavy queue with one
         flow run at a time (its training slot) and `<name>-light` on the light queue (dispatchers and light
-        stages, any number). Both export RLHF_WORKER=<name>, the name flows/team.py reports."""
+        stages, any number). Both export RLHF_WORKER=<name>, the name flows/team.py reports. The processes and
+        their logs."""
         clone = self.clone(self.worker_dir(name))
         env = self._env(
             {
@@ -428,11 +438,8 @@ class Stack:
                 **self.worker_env,
             }
         )
-        for process, queue in ((name, QUEUES[0]), (f"{name}-light", QUEUES[1])):
-            log = self._spawn(process, self.worker_command(process, queue), env, cwd=clone)
-            wait_until(
-                f"Prefect worker {process}", lambda p=process: self._worker_online(p), 180, self.procs[process], log
-            )
+        processes = ((name, QUEUES[0]), (f"{name}-light", QUEUES[1]))
+        return [(p, self._spawn(p, self.worker_command(p, queue), env, cwd=clone)) for p, queue in processes]
 
     def worker_command(self, name: str, queue: str) -> list[str]:
         limit = ["--limit", "1"] if queue == QUEUES[0] else []
@@ -477,9 +484,10 @@ class Stack:
     # ---- stopping ------------------------------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Workers first (and the flow runs they started), then the servers, then S3 and PostgreSQL."""
-        for name in reversed(list(self.procs)):
-            _stop_tree(self.procs.pop(name), timeout=15)
+        """The workers first (and the flow runs they started), then the servers and S3 together, then PostgreSQL."""
+        workers = [self.procs.pop(name) for name in list(self.procs) if name.startswith("worker-")]
+        _stop_trees(workers, timeout=15)
+        _stop_trees([self.procs.pop(name) for name in list(self.procs)], timeout=15)
         self.stop_postgres()
 
     def stop_postgres(self) -> None:
@@ -501,34 +509,24 @@ class Stack:
 
 def create_pool(env: dict[str, str], repo: Path) -> None:
     """The process work pool POOL, its job template restricted (restricted_job_template), and the deployments of
-    flows/team.py, on the Prefect server `env` points at (`make stack`, and compose's `pool` service)."""
-
-    def prefect(*args: str) -> str:
-        done = subprocess.run(
-            [sys.executable, "-m", *args], env=env, cwd=repo, capture_output=True, text=True, timeout=300
-        )
-        if done.returncode != 0:
-            raise StackError(f"{' '.join(args)} failed:\n{(done.stdout + done.stderr)[-3000:]}")
-        return done.stdout
-
-    default = json.loads(prefect("prefect", "work-pool", "get-default-base-job-template", "--type", "process"))
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as template:
-        template.write(json.dumps(restricted_job_template(default)))
-        template.flush()
-        prefect("prefect", "work-pool", "create", POOL, "--type", "process", "--base-job-template", template.name,
-                "--overwrite")  # fmt: skip
-    prefect("flows.team", "deploy")
+    flows/team.py, on the Prefect server `env` points at (`make stack`, and compose's `pool` service): one process
+    of the repository's code, `python -m flows.team deploy`."""
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.team", "deploy"], env=env, cwd=repo, capture_output=True, text=True, timeout=300
+    )
+    if done.returncode != 0:
+        raise StackError(f"flows.team deploy failed:\n{(done.stdout + done.stderr)[-3000:]}")
 
 
-def _stop_tree(proc: subprocess.Popen, timeout: float) -> None:
-    """SIGTERM to the process and everything it started, SIGKILL to what is left after `timeout` (SeaweedFS
-    lingers on SIGTERM; a worker's flow runs are its children)."""
+def _stop_trees(procs: list[subprocess.Popen], timeout: float) -> None:
+    """SIGTERM to the processes and everything they started, all at once; SIGKILL to what is left after `timeout`
+    (SeaweedFS lingers on SIGTERM; a worker's flow runs are its children)."""
     import psutil
 
-    try:
-        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
+    tree = []
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            tree += [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
     for p in tree:
         with contextlib.suppress(psutil.Error):
             p.send_signal(signal.SIGTERM)
@@ -537,8 +535,9 @@ def _stop_tree(proc: subprocess.Popen, timeout: float) -> None:
         with contextlib.suppress(psutil.Error):
             p.kill()
     psutil.wait_procs(alive, timeout=5)
-    with contextlib.suppress(Exception):
-        proc.wait(timeout=1)
+    for proc in procs:
+        with contextlib.suppress(Exception):
+            proc.wait(timeout=1)
 
 
 def main(argv: list[str] | None = None) -> int:
