@@ -27,7 +27,7 @@ from prefect.utilities.urls import url_for
 
 from flows import report
 from rlhflow.config.params import Config, apply_overrides, config_from_dict, load_config
-from rlhflow.evaluation import judges
+from rlhflow.evaluation import judging
 from rlhfops import launch, prefect_replies, restore, run_record, stage_lock, tracking, workspace
 from rlhfops.stages import STAGE_NAMES, STAGES, get_stage
 from rlhfops.training_slot import TRAINING_LIMIT, training_slot
@@ -265,7 +265,7 @@ def run_pipeline(
     (default: DVC's default remote)."""
     names = selected_stages(cfg, stages)
     tracking.preflight(cfg)  # an unreachable tracking server fails here, in seconds, not after training
-    judges.preflight(cfg.judge)  # so does a judge endpoint or model that cannot be used
+    judging.preflight(cfg.judge)  # so does a judge endpoint or model that cannot be used
     if push:
         restore.check_remote(remote)  # so does a push with no DVC remote to go to
     # one run at a time per workspace: a second run waits here for the whole first run (rlhfops/workspace.py)

@@ -37,7 +37,7 @@ from flows.pipeline_flow import (
     with_overrides,
 )
 from rlhflow.config.params import REPO_ROOT, Config
-from rlhflow.evaluation import judges
+from rlhflow.evaluation import judging
 from rlhflow.redaction import user_info_removed
 from rlhfops import launch, restore, tracking, workspace
 from rlhfops.run_record import artifact_dir
@@ -168,7 +168,7 @@ def team_pipeline(
     cfg, stage_cfg = with_tracking_uri(cfg, uri), with_tracking_uri(cfg, user_info_removed(uri))
     names = selected_stages(cfg, stages)
     tracking.preflight(cfg)
-    judges.preflight(cfg.judge)
+    judging.preflight(cfg.judge)
     remote = restore.check_remote(remote)  # unreachable store or wrong credentials: fails here, in seconds
     results: dict[str, float] = {}
     tags = {"dispatch": "work-pool", FLOW_RUN_TAG: str(flow_run.get_id())}

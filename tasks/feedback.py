@@ -107,7 +107,7 @@ def judge_pairs(judge, pairs: list[dict]):
 def load_feedback_judge(cfg: Config):
     """The judge section's judge on the configured device, loaded as the evaluation loads it, once it has passed
     its preflight (an LLM endpoint that cannot be used fails before any pair is sent)."""
-    from rlhflow.evaluation.judges import preflight
+    from rlhflow.evaluation.judging import preflight
     from rlhflow.models.loading import pick_device
 
     preflight(cfg.judge)

@@ -22,13 +22,13 @@ NAME = "judge"
 
 
 def run(cfg: Config, ctx: StageContext) -> dict[str, float]:
-    from rlhflow.evaluation import judges
+    from rlhflow.evaluation import judging
     from rlhflow.evaluation.pairs import LENGTH_AWARE_METRICS, SOFT_PAIR_METRICS
     from rlhfops import registry
 
     if cfg.judge.kind != "trained" and not ctx.main_process:
         return {}  # nothing to train: the main process measures the judge alone
-    judges.preflight(cfg.judge)  # an unreachable endpoint or a model that is no reward model fails in seconds
+    judging.preflight(cfg.judge)  # an unreachable endpoint or a model that is no reward model fails in seconds
     if cfg.judge.kind == "trained":
         # its own seed, not the training seed: runs of a seed sweep are judged by the same model
         metrics = train_pairwise_model(

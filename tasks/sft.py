@@ -70,7 +70,7 @@ def checkpoint_fingerprint(cfg: Config) -> str:
     settings = s.model_dump(
         exclude={"out_dir", "checkpoint_dir", "checkpoint_every", "n_samples", "max_new_tokens", "perplexity_rows"}
     )
-    model = resolve_source(s.model)  # as rlhflow.models.loading.resolve_model reads the spec
+    model = resolve_source(s.model)  # as rlhflow.data.sources.resolve_model reads the spec
     model_md5 = None
     if model.kind in ("dir", "file"):
         model_md5 = dir_md5(model.path) if model.kind == "dir" else file_md5(model.path)

@@ -60,3 +60,13 @@ def test_a_stage_loads_only_what_its_work_and_tracking_use(tmp_path):
     assert (tmp_path / "data/raw/demo/preferences.jsonl").is_file()
     assert "mlflow" in loaded
     assert not loaded & {"torch", "transformers", "great_expectations", "prefect", "dvc", "peft", "trl"}, loaded
+
+
+def test_a_team_stage_flow_starts_without_torch():
+    """Every stage of a team run starts as a flow run of flows.team_flow on a worker, the stages that turn out up to
+    date and the light ones included: it loads Prefect and MLflow, and checks the judge's settings without torch or
+    transformers, which only a stage's own work loads (rlhflow/evaluation/judging.py)."""
+    code, loaded = loaded_by("flows.team_flow")
+    assert code in (0, None)
+    assert {"prefect", "mlflow"} <= loaded
+    assert not loaded & {"torch", "transformers", "peft", "trl"}, loaded

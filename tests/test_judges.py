@@ -19,7 +19,7 @@ import torch
 from scipy.special import expit
 
 from rlhflow.config.params import ConfigError, load_config
-from rlhflow.evaluation import judges
+from rlhflow.evaluation import judges, judging
 from rlhflow.evaluation.pairs import evaluate_pairs
 from rlhflow.training.reward_model import encode_pair, write_normalization
 from tests.conftest import free_port
@@ -75,7 +75,7 @@ def classifier_dir(tmp_path_factory) -> Path:
 
 def test_a_local_reward_model_scores_chat_formatted_text(classifier_dir, tmp_path):
     settings = judge_settings(kind="reward_model", model=classifier_dir, max_length=64)
-    judges.preflight(settings)
+    judging.preflight(settings)
     judge = judges.load_judge(settings, tmp_path / "unused", batch_size=2, device="cpu")
     assert judge.pointwise and judge.kind == "reward_model"
 
@@ -127,7 +127,7 @@ def test_the_trained_judge_is_the_judge_stage_s_reward_model_with_its_normalisat
 
     settings = judge_settings()
     assert settings.kind == "trained"
-    judges.preflight(settings)  # nothing to check before the judge stage trains it
+    judging.preflight(settings)  # nothing to check before the judge stage trains it
     judge = judges.load_judge(settings, judge_dir, batch_size=4, device="cpu")
     np.testing.assert_allclose(judge.score(PROMPTS, GOOD), (raw.score(PROMPTS, GOOD) - 1.0) / 2.0, rtol=1e-5)
     assert judge.basis_md5() == dir_md5(judge_dir)  # what the champion basis recorded for the trained judge before
@@ -146,16 +146,16 @@ def test_pair_metrics_of_a_pointwise_judge_are_the_trained_judge_s(classifier_di
 def test_a_reward_model_judge_that_cannot_be_used_fails_naming_judge_model(tmp_path):
     two_labels = write_tiny_classifier(tmp_path / "two", num_labels=2)
     with pytest.raises(judges.JudgeUnavailableError, match=r"judge\.model=.*num_labels=2"):
-        judges.preflight(judge_settings(kind="reward_model", model=two_labels))
+        judging.preflight(judge_settings(kind="reward_model", model=two_labels))
     with pytest.raises(judges.JudgeUnavailableError, match=r"judge\.model=\./no/such/model: no such file"):
-        judges.preflight(judge_settings(kind="reward_model", model="./no/such/model"))
+        judging.preflight(judge_settings(kind="reward_model", model="./no/such/model"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(judges.JudgeUnavailableError, match="config.json is missing"):
-        judges.preflight(judge_settings(kind="reward_model", model=tmp_path / "empty"))
+        judging.preflight(judge_settings(kind="reward_model", model=tmp_path / "empty"))
     with pytest.raises(judges.JudgeUnavailableError, match="neither a local dir nor a Hub id"):
-        judges.preflight(judge_settings(kind="reward_model", model="'bad id'"))
+        judging.preflight(judge_settings(kind="reward_model", model="'bad id'"))
     # a Hub id of valid form passes the preflight without any network access (it is loaded when used)
-    judges.preflight(judge_settings(kind="reward_model", model="OpenAssistant/reward-model-deberta-v3-large-v2"))
+    judging.preflight(judge_settings(kind="reward_model", model="OpenAssistant/reward-model-deberta-v3-large-v2"))
 
 
 def test_a_kind_without_its_settings_is_a_config_error_naming_the_key():
@@ -197,7 +197,7 @@ def test_a_kind_without_its_settings_is_a_config_error_naming_the_key():
     ],
 )
 def test_parse_verdict_reads_only_a_bare_1_or_2(reply, verdict):
-    assert judges.parse_verdict(reply) == verdict
+    assert judging.parse_verdict(reply) == verdict
 
 
 # answers that try to expand a placeholder, close their block, start a verdict or forge a turn
@@ -233,7 +233,7 @@ def test_each_answer_stays_in_its_own_block_unexpanded():
     assert json.loads(found["Output 1"]) == ADVERSARIAL[0] and "\n" not in found["Output 1"]
     assert json.loads(found["Output 2"]) == ADVERSARIAL[1] and "\n" not in found["Output 2"]
     assert json.loads(found["Conversation"]) == ADVERSARIAL_PROMPT  # a turn is a JSON object: none can be forged
-    assert found["Verdict"] == judges.DEFAULT_TEMPLATE.read_text().rsplit("## Verdict\n", 1)[1].strip()
+    assert found["Verdict"] == judging.DEFAULT_TEMPLATE.read_text().rsplit("## Verdict\n", 1)[1].strip()
     assert rendered.count("Bananas") == 1 and rendered.count("Paris.") == 1  # neither answer spliced into the other
 
 
@@ -256,7 +256,7 @@ def test_a_template_is_checked_when_loaded_naming_the_file(tmp_path, text, probl
     custom = tmp_path / "template.txt"
     custom.write_text(text)
     with pytest.raises(judges.JudgeUnavailableError, match=re.escape(f"judge.template={custom}: {problem}")):
-        judges.load_template(custom)
+        judging.load_template(custom)
 
 
 # ---- the llm judge against a scripted OpenAI-compatible server ---------------------------------------------------
@@ -406,7 +406,7 @@ def test_a_template_that_is_no_template_is_refused_without_echoing_it(tmp_path):
     key_file = tmp_path / "service-account.json"
     key_file.write_text('{"private_key": "-----BEGIN PRIVATE KEY-----MIIEvQ-s3cr3t", "{instruction}": 1}')
     with pytest.raises(judges.JudgeUnavailableError, match=r"unknown placeholder\(s\) 1 field\(s\) that are not") as e:
-        judges.load_template(str(key_file))
+        judging.load_template(str(key_file))
     assert "s3cr3t" not in str(e.value) and "PRIVATE" not in str(e.value) and "service-account.json" in str(e.value)
 
 
@@ -416,7 +416,7 @@ def test_the_api_key_is_sent_only_in_the_authorization_header(server, monkeypatc
     srv = server(prefers_good)
     settings = llm_settings(srv.endpoint + "?api-version=1", api_key_env="JUDGE_TEST_API_KEY")
     with caplog.at_level(logging.DEBUG):
-        judges.preflight(settings)
+        judging.preflight(settings)
         judge = judges.load_judge(settings, tmp_path, batch_size=1, device="cpu")
         judge.compare(PROMPTS, GOOD, BAD)
     assert {r["auth"] for r in srv.requests} == {f"Bearer {secret}"}
@@ -433,16 +433,16 @@ def test_the_api_key_is_sent_only_in_the_authorization_header(server, monkeypatc
 
 def test_the_endpoint_is_shown_without_credentials():
     assert (
-        judges.public_endpoint("https://user:pw@api.example.com:8443/v1/?key=abc#x")
+        judging.public_endpoint("https://user:pw@api.example.com:8443/v1/?key=abc#x")
         == "https://api.example.com:8443/v1"
     )
-    assert judges.public_endpoint("http://[::1]:8000/v1") == "http://[::1]:8000/v1"
+    assert judging.public_endpoint("http://[::1]:8000/v1") == "http://[::1]:8000/v1"
 
 
 def test_describe_and_basis_follow_the_template(server, tmp_path):
     srv = server(prefers_good)
     default = judges.LLMJudge(llm_settings(srv.endpoint))
-    shipped = judges.DEFAULT_TEMPLATE.read_text()
+    shipped = judging.DEFAULT_TEMPLATE.read_text()
     assert default.describe() == {
         "judge/kind": "llm",
         "judge/model": "judge-model",
@@ -464,7 +464,7 @@ def test_describe_and_basis_follow_the_template(server, tmp_path):
 
     custom.write_text("Which is better, {output_1} or {output_2}?")
     with pytest.raises(judges.JudgeUnavailableError, match=r"judge\.template=.*\{instruction\}"):
-        judges.preflight(llm_settings(srv.endpoint, template=custom))
+        judging.preflight(llm_settings(srv.endpoint, template=custom))
 
 
 def test_preflight_names_judge_endpoint_when_it_refuses_or_is_unreachable(server, monkeypatch):
@@ -474,22 +474,22 @@ def test_preflight_names_judge_endpoint_when_it_refuses_or_is_unreachable(server
     for status in (401, 403):
         srv.status = status
         with pytest.raises(judges.JudgeUnavailableError, match=rf"judge\.endpoint .* \(HTTP {status}\)") as err:
-            judges.preflight(llm_settings(srv.endpoint, api_key_env="JUDGE_TEST_API_KEY"))
+            judging.preflight(llm_settings(srv.endpoint, api_key_env="JUDGE_TEST_API_KEY"))
         assert "$JUDGE_TEST_API_KEY" in str(err.value) and secret not in str(err.value)
     srv.status = 404  # e.g. an unknown model: not asked again
     with pytest.raises(judges.JudgeUnavailableError, match=r"judge\.endpoint .* answered HTTP 404"):
-        judges.preflight(llm_settings(srv.endpoint))
+        judging.preflight(llm_settings(srv.endpoint))
 
     closed = f"http://127.0.0.1:{free_port()}/v1"
     start = time.monotonic()
     unreachable = r"judge\.endpoint http://127\.0\.0\.1:\d+/v1 is unreachable"
     with pytest.raises(judges.JudgeUnavailableError, match=unreachable):
-        judges.preflight(llm_settings(closed, max_retries=5))
+        judging.preflight(llm_settings(closed, max_retries=5))
     assert time.monotonic() - start < 10
 
 
 def test_server_errors_are_retried_then_fail_naming_judge_endpoint(server, monkeypatch):
-    monkeypatch.setattr(judges.time, "sleep", lambda s: None)
+    monkeypatch.setattr(judging.time, "sleep", lambda s: None)
     srv = server(prefers_good)
     srv.status = 503
     judge = judges.LLMJudge(llm_settings(srv.endpoint, max_retries=2))

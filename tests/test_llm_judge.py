@@ -23,7 +23,7 @@ import httpx
 import numpy as np
 import pytest
 
-from rlhflow.evaluation import judges
+from rlhflow.evaluation import judges, judging
 from tests.conftest import free_port
 from tests.test_judges import (
     ADVERSARIAL,
@@ -106,7 +106,7 @@ def write_loose_replying_model(out_dir: Path, reply: str = LOOSE_REPLY, hidden: 
 
     tok = tiny_tokenizer()
     chain = tok.encode(reply, add_special_tokens=False)
-    assert len(set(chain)) == len(chain) < min(hidden, judges.MAX_TOKENS) and tok.decode(chain) == reply
+    assert len(set(chain)) == len(chain) < min(hidden, judging.MAX_TOKENS) and tok.decode(chain) == reply
     config = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=hidden,
@@ -204,7 +204,7 @@ def wait_for_log(server: Server, count: int, timeout: float = 5.0) -> int:
 def test_verdicts_from_a_real_server_two_requests_per_prompt_malformed_counted(tiny_server, monkeypatch, caplog):
     monkeypatch.setenv(KEY_ENV, SECRET)
     settings = tiny_server.settings(max_retries=1)
-    judges.preflight(settings)
+    judging.preflight(settings)
     judge = judges.load_judge(settings, "unused", batch_size=1, device="cpu")
     before = wait_for_log(tiny_server, 0)
     with caplog.at_level(logging.DEBUG):
@@ -278,7 +278,7 @@ def test_an_unreachable_endpoint_fails_the_preflight_in_seconds():
     closed = f"http://127.0.0.1:{free_port()}/v1"
     start = time.monotonic()
     with pytest.raises(judges.JudgeUnavailableError, match=rf"judge\.endpoint {re.escape(closed)} is unreachable"):
-        judges.preflight(judge_settings(kind="llm", model="m", endpoint=closed))
+        judging.preflight(judge_settings(kind="llm", model="m", endpoint=closed))
     assert time.monotonic() - start < 10
 
 
@@ -299,7 +299,7 @@ def test_a_real_chat_model_s_replies_are_verdicts_only_when_exactly_1_or_2(smoll
     # generous timeouts: a CPU shared with other work answers a 200-token prompt in seconds
     relay = relay_to(smollm2_server)
     settings = smollm2_server.settings(endpoint=relay.endpoint, max_retries=0, request_timeout=300)
-    judges.preflight(settings, timeout=settings.request_timeout)
+    judging.preflight(settings, timeout=settings.request_timeout)
     judge = judges.LLMJudge(settings, workers=1)  # one CPU server: requests in parallel only queue
     prompts = [[{"role": "user", "content": "What is the capital of France?"}], PROMPTS[2]]
     good = ["The capital of France is Paris.", "You are welcome! Happy to help."]

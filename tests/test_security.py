@@ -175,7 +175,7 @@ def test_every_torch_load_in_the_project_uses_weights_only():
 # The one place each client that carries a credential is built, and what builds it there: (file, function)
 CLIENT_BUILDERS = {
     "MlflowClient": ("rlhfops/tracking.py", "client"),  # and CheckedClient, its subclass
-    "httpx.Client": ("rlhflow/evaluation/judges.py", "client"),  # LLMJudge.client, built from a checked LLMJudge
+    "httpx.Client": ("rlhflow/evaluation/judging.py", "client"),  # LLMJudge.client, built from a checked LLMJudge
     "httpx.AsyncClient": None,
     "OpenAI": None,
 }

