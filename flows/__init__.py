@@ -1,6 +1,7 @@
 """Prefect flows: the pipeline, sweeps, serving and restore. Each command module (`flows/<name>.py`) parses its
 command line and hands the rest of its names on from its flow module (`flows/<name>_flow.py`, `handed_on`)."""
 
+import argparse
 import importlib
 import os
 import sys
@@ -10,6 +11,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 import rlhfops  # noqa: E402, F401  (a flow started by a Python without the project's stack stops here, in one line)
+from rlhfops.stages import STAGE_NAMES  # noqa: E402
 from rlhfops.temporary_server import start_temporary_server  # noqa: E402
 
 
@@ -24,6 +26,13 @@ def handed_on(command: str, flow_module: str):
         return getattr(importlib.import_module(flow_module), name)
 
     return __getattr__
+
+
+def add_stages_option(parser: argparse.ArgumentParser) -> None:
+    """`--stages a,b`: the subset of stages a pipeline command runs (flows.pipeline, flows.team run)."""
+    parser.add_argument(
+        "--stages", default=None, help=f"comma-separated subset of stages to run: {', '.join(STAGE_NAMES)}"
+    )
 
 
 def flow_exit_status(call, refused: type[Exception], failed: str) -> int:

@@ -15,7 +15,7 @@ import argparse
 import sys
 import time
 
-from flows import handed_on
+from flows import add_stages_option, handed_on
 from rlhflow.config.params import parse_config_args
 from rlhfops.stages import STAGE_NAMES
 from rlhfops.temporary_server import start_temporary_server
@@ -27,9 +27,7 @@ __getattr__ = handed_on(__name__, "flows.pipeline_flow")
 def main(argv: list[str] | None = None) -> None:
     """The command line; the flow, Prefect and MLflow are loaded once it is parsed."""
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument(
-        "--stages", default=None, help=f"comma-separated subset of stages to run: {', '.join(STAGE_NAMES)}"
-    )
+    add_stages_option(pre)
     pre.add_argument("--force", action="store_true", help="run every stage even when it is up to date")
     pre.add_argument("--push", action="store_true", help="push the run's data and models to a DVC remote after it")
     pre.add_argument("--remote", default=None, help="the DVC remote for --push (default: DVC's default remote)")

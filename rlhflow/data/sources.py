@@ -102,7 +102,7 @@ def _package_dir(package: str) -> Path:
 
 
 def resolve_model(spec: str) -> ModelSource:
-    """Turn a model spec from params.yaml into a `ModelSource` (what kind of spec it is: rlhflow/data/sources.py)."""
+    """Turn a model spec from params.yaml into a `ModelSource` (what kind of spec it is: `resolve_source`)."""
     try:
         source = resolve_source(spec)
     except SourceNotFoundError as err:

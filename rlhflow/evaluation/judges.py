@@ -19,7 +19,7 @@ from scipy.special import expit
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from rlhflow.config.params import JudgeConfig
-from rlhflow.data.sources import resolve_source
+from rlhflow.data.sources import resolve_model, resolve_source
 from rlhflow.evaluation.judging import (
     Judge,
     JudgeUnavailableError,
@@ -31,7 +31,7 @@ from rlhflow.evaluation.judging import (
 )
 from rlhflow.evaluation.pairs import accuracy_standard_error, evaluate_pairs, length_aware_pair_metrics
 from rlhflow.fsutil import dir_md5
-from rlhflow.models.loading import disable_dropout, resolve_model
+from rlhflow.models.loading import disable_dropout
 from rlhflow.training.reward_model import NORM_FILE, RewardModel, apply_pooling, prepare_reward_tokenizer
 
 JUDGE_FILE = "judge.json"  # what the judge stage writes for a judge it did not train

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
 
-from rlhflow.models.loading import disable_dropout, pick_device, resolve_model, trainer_bf16
+from rlhflow.data.sources import resolve_model
+from rlhflow.models.loading import disable_dropout, pick_device, trainer_bf16
 from rlhflow.training import distributed, length_heads
 from rlhflow.training.hf_trainer import checkpoint_args, log_callback, train_resuming
 
