@@ -25,8 +25,8 @@ UV := $(BIN)/uv
 LOCK := requirements.lock
 LABEL_LOCK := requirements-label.lock
 # --compile-bytecode: every installed module's .pyc written once here. uv leaves compiling to the first import, which
-# writes nothing where PYTHONDONTWRITEBYTECODE is set (containers, CI images): every stage process would compile
-# mlflow, peft and great_expectations again (4-8 s each; docs/testing.md)
+# writes nothing where PYTHONDONTWRITEBYTECODE is set (as many container images do): every process would compile
+# mlflow, prefect and great_expectations again (2-5 s each; docs/testing.md)
 UV_INSTALL := $(UV) pip install --quiet --compile-bytecode
 # pip's find-links notices are noise here; real errors still fail the pipe
 QUIET := 2>&1 | { grep -v "^WARNING: Location" || true; }
