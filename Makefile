@@ -26,7 +26,7 @@ LOCK := requirements.lock
 LABEL_LOCK := requirements-label.lock
 # --compile-bytecode: every installed module's .pyc written once here. uv leaves compiling to the first import, which
 # writes nothing where PYTHONDONTWRITEBYTECODE is set (as many container images do): every process would compile
-# mlflow, prefect and great_expectations again (2-5 s each; docs/testing.md)
+# mlflow, prefect and great_expectations again (1.9 to 5.5 s each; docs/testing.md)
 UV_INSTALL := $(UV) pip install --quiet --compile-bytecode
 # pip's find-links notices are noise here; real errors still fail the pipe
 QUIET := 2>&1 | { grep -v "^WARNING: Location" || true; }
