@@ -87,6 +87,35 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def fork_server_python() -> str:
+    """The `python` the stage and flow commands of this test process run as: tests/forkclient.py, whose fork server
+    (tests/forkserver.py) holds torch, transformers, MLflow and peft imported, so that each command skips about 5 s
+    of imports (docs/testing.md). A command keeps being a process of its own: its pid, process group, environment,
+    exit status and death by a signal. RLHFLOW_TEST_FORK_SERVER=0: the real interpreter."""
+    if os.environ.get("RLHFLOW_TEST_FORK_SERVER", "1") == "0":
+        return sys.executable
+    home = Path(tempfile.mkdtemp(prefix="rlhflow-tests-fork-"))
+    atexit.register(shutil.rmtree, home, ignore_errors=True)  # each server stops once its socket is gone
+    (home / "bin").mkdir()
+    shim = home / "bin" / "python"
+    here = Path(__file__).resolve().parent
+    shim.write_text(
+        f"#!{sys.executable} -IS\nimport sys\nsys.path.insert(0, {str(here)!r})\nfrom forkclient import main\nmain()\n"
+    )
+    shim.chmod(0o755)
+    os.environ.update(FORKSERVER_DIR=str(home), FORKSERVER_PYTHON=sys.executable, FORKSERVER_OWNER=str(os.getpid()))
+    return str(shim)
+
+
+PYTHON = fork_server_python()
+
+
+def forked(cmd) -> list[str]:
+    """`cmd` with the project's interpreter replaced by the fork server's `python` (PYTHON)."""
+    cmd = list(cmd)
+    return [PYTHON, *cmd[1:]] if cmd and cmd[0] == sys.executable else cmd
+
+
 _PREFECT_API: list[str] = []
 
 
@@ -227,12 +256,13 @@ def copy_project(dest: Path, *, untracked: bool = True) -> None:
 def repo_runner(repo: Path, timeout: float = 900) -> Callable[..., subprocess.CompletedProcess]:
     """`run(*cmd)`: a command run in `repo` with the project's venv first on PATH, its output captured as text; a flow
     command talks to the test process's Prefect server."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(repo)}
+    path = f"{Path(PYTHON).parent}:{Path(sys.executable).parent}:{os.environ['PATH']}"  # dvc.yaml's `python` too
+    env = {**os.environ, "PATH": path, "PYTHONPATH": str(repo)}
     env.pop("MLFLOW_TRACKING_URI", None)  # mlflow.set_tracking_uri in earlier tests exports it
 
     def run(*cmd: str) -> subprocess.CompletedProcess:
         run_env = with_prefect_api(env) if starts_a_flow(cmd) else env
-        return subprocess.run(cmd, cwd=repo, env=run_env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(forked(cmd), cwd=repo, env=run_env, capture_output=True, text=True, timeout=timeout)
 
     return run
 
@@ -312,7 +342,7 @@ def copy_repo(src: Path, dst: Path, timeout: float = 900) -> Callable[..., subpr
 
 def stage_command(module: str, overrides: list[str]) -> list[str]:
     """`python -m <module> --set ...`: a stage's CLI, as dvc.yaml runs it."""
-    return [sys.executable, "-m", module] + [arg for o in overrides for arg in ("--set", o)]
+    return [PYTHON, "-m", module] + [arg for o in overrides for arg in ("--set", o)]
 
 
 def stage_env() -> dict[str, str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, stage_env, tiny_pipeline_overrides
+from conftest import PYTHON, REPO, stage_env, tiny_pipeline_overrides
 
 from rlhflow.config.params import load_config
 
@@ -31,7 +31,7 @@ def test_two_flow_runs_started_together_each_evaluate_their_own_policy(tmp_path,
     def start(kl_coef: float) -> subprocess.Popen:
         args = [a for o in [*base, f"ppo.kl_coef={kl_coef}"] for a in ("--set", o)]
         return subprocess.Popen(
-            [sys.executable, "-m", "flows.pipeline", *args],
+            [PYTHON, "-m", "flows.pipeline", *args],
             cwd=REPO,
             env=env,
             stdout=subprocess.PIPE,

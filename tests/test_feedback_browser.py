@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CHECKOUT, REPO, copy_repo, free_port, starts_a_flow, with_prefect_api
+from conftest import CHECKOUT, PYTHON, REPO, copy_repo, free_port, starts_a_flow, with_prefect_api
 from test_lineage import succeeding
 from test_mlflow_ui import TIMEOUT_MS
 
@@ -182,7 +182,7 @@ def run_module(repo: Path, module: str, *args: str):
 
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(repo)}
     env.pop("MLFLOW_TRACKING_URI", None)
-    cmd = [sys.executable, "-m", module, *args]
+    cmd = [PYTHON, "-m", module, *args]
     env = with_prefect_api(env) if starts_a_flow(cmd) else env
     return subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
 

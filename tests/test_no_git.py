@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import copy_project, tiny_pipeline_overrides, with_prefect_api
+from conftest import PYTHON, copy_project, tiny_pipeline_overrides, with_prefect_api
 
 
 def _export(dest: Path, model_dir: Path) -> dict[str, str]:
@@ -36,7 +36,7 @@ def test_the_pipeline_runs_and_skips_without_git(tmp_path, tiny_model_dir):
 
     def flow() -> str:
         done = subprocess.run(
-            [sys.executable, "-m", "flows.pipeline", "--stages", "demo_data,validate"],
+            [PYTHON, "-m", "flows.pipeline", "--stages", "demo_data,validate"],
             cwd=export,
             env=env,
             capture_output=True,
