@@ -89,9 +89,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 def fork_server_python() -> str:
     """The `python` the stage and flow commands of this test process run as: tests/forkclient.py, whose fork server
-    (tests/forkserver.py) holds torch, transformers, MLflow and peft imported, so that each command skips about 5 s
-    of imports (docs/testing.md). A command keeps being a process of its own: its pid, process group, environment,
-    exit status and death by a signal. RLHFLOW_TEST_FORK_SERVER=0: the real interpreter."""
+    (tests/forkserver.py: PRELOAD) holds torch, transformers, MLflow, Great Expectations and the rest imported, so
+    that a command skips their imports (docs/testing.md). A command keeps being a process of its own: its pid,
+    process group, environment, exit status and death by a signal. RLHFLOW_TEST_FORK_SERVER=0: the real
+    interpreter."""
     if os.environ.get("RLHFLOW_TEST_FORK_SERVER", "1") == "0":
         return sys.executable
     home = Path(tempfile.mkdtemp(prefix="rlhflow-tests-fork-"))

@@ -1,15 +1,15 @@
-"""A fork server for the Python processes the tests start: one process per pytest worker that has imported torch,
-transformers and MLflow once, and forks a child for each `python ...` command a test (or `dvc repro`, through the
-`python` on its PATH) starts, so that the child runs the command without importing them again.
+"""A fork server for the Python processes the tests start: a process that has imported torch, transformers, MLflow,
+Great Expectations and the rest (PRELOAD) once, and forks a child for each `python ...` command a test (or
+`dvc repro`, through the `python` on its PATH) starts, so that the child runs the command without importing them
+again. One server per kind of environment (tests/forkclient.py: IMPORT_ENV) and test process.
 
 The child is a process of its own, as a fresh interpreter's would be: its own pid and process group, the command's
 argv, cwd, environment, sys.path and standard streams; it imports the project's modules itself (none is loaded
-here). The command's side is `tests/forkclient/python`, a stdlib-only script that stands for the interpreter: it
-hands the server its argv, cwd, environment and standard streams, forwards SIGTERM, SIGINT and SIGHUP to the child's
-process group, and exits as the child did (with its code, or killed by its signal). When the client dies (SIGKILL
-included), the server SIGKILLs the child's group: a kill test still kills the stage. Commands the server cannot run
-as a fresh interpreter would (interpreter options, no server) run in the real interpreter instead.
-"""
+here). The command's side is tests/forkclient.py, run by the `python` conftest.PYTHON names, standard library only:
+it hands the server its argv, cwd, environment and standard streams, forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT to
+the child's process group, and exits as the child did (with its code, or killed by its signal). When the client dies
+(SIGKILL included), the server SIGKILLs the child's group: a kill test still kills the stage. Commands the server
+cannot run as a fresh interpreter would (interpreter options, no server of their kind) run in the real interpreter."""
 
 from __future__ import annotations
 
@@ -107,6 +107,10 @@ def serve(path: str) -> None:
                     with contextlib.suppress(OSError):
                         child["conn"].send(json.dumps({"status": status}).encode())
                     child["conn"].close()
+    for key in list(sel.get_map().values()):  # the test process is gone: so are the commands it started
+        if key.data[0] == "exit":
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(key.data[1]["pid"], signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
