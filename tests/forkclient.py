@@ -65,7 +65,7 @@ def real_interpreter(args: list[str]) -> None:
 
 def start_server(path: str) -> None:
     """A server for this environment's kind, started once, by its second command: a kind that comes once (a test's
-    own Prefect home, say) is not worth a server's imports."""
+    own HF_HOME, say) is not worth a server's imports."""
     for mark in (".seen", ".starting"):
         try:
             os.close(os.open(path + mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
