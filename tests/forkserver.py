@@ -171,18 +171,8 @@ def _child(request: dict, fds: list[int], base_path: list[str]) -> int:
     os.environ.update(request["env"])
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8", errors="strict")
-    sys.stdout = io.TextIOWrapper(
-        io.FileIO(1, "w", closefd=False) if unbuffered else io.BufferedWriter(io.FileIO(1, "w", closefd=False)),
-        encoding="utf-8",
-        write_through=unbuffered,
-        line_buffering=os.isatty(1),
-    )
-    sys.stderr = io.TextIOWrapper(
-        io.FileIO(2, "w", closefd=False) if unbuffered else io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
-        encoding="utf-8",
-        errors="backslashreplace",
-        line_buffering=True,
-    )
+    sys.stdout = _output(1, unbuffered, line_buffering=os.isatty(1), errors="strict")
+    sys.stderr = _output(2, unbuffered, line_buffering=True, errors="backslashreplace")
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
     kind, target, args = request["run"]
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -207,8 +197,15 @@ def _child(request: dict, fds: list[int], base_path: list[str]) -> int:
     except BaseException:
         traceback.print_exc()
         code = 1
-    code = _shutdown(code)
-    return code
+    return _shutdown(code)
+
+
+def _output(fd: int, unbuffered: bool, **text) -> io.TextIOWrapper:
+    """A standard output stream on `fd`, buffered as a fresh interpreter buffers it (PYTHONUNBUFFERED: not)."""
+    raw = io.FileIO(fd, "w", closefd=False)
+    return io.TextIOWrapper(
+        raw if unbuffered else io.BufferedWriter(raw), encoding="utf-8", write_through=unbuffered, **text
+    )
 
 
 def _exit_code(value) -> int:

@@ -30,10 +30,17 @@ def forked_run(code: str, *args: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([PYTHON, "-c", code, *args], capture_output=True, text=True, timeout=120, **kwargs)
 
 
+def sleeping_command() -> tuple[subprocess.Popen, int]:
+    """A forked command that sleeps, and its pid (which it prints first)."""
+    code = "import os, time; print(os.getpid(), flush=True); time.sleep(300)"
+    proc = subprocess.Popen([PYTHON, "-c", code], stdout=subprocess.PIPE, text=True)
+    return proc, int(proc.stdout.readline())
+
+
 @pytest.mark.skipif(PYTHON == sys.executable, reason="RLHFLOW_TEST_FORK_SERVER=0")
 def test_a_forked_command_is_a_process_of_its_own(tmp_path):
     env = {**os.environ, "FORK_TEST": "yes"}
-    forked_run("import torch")  # the first command of its kind starts the server
+    forked_run("import torch")  # the first command of its kind: the next one starts the server
     deadline = time.monotonic() + 120
     while True:  # until the server answers (it imports its libraries first)
         done = forked_run(REPORT, "3", "a b", cwd=tmp_path, env=env, input="in")
@@ -47,21 +54,11 @@ def test_a_forked_command_is_a_process_of_its_own(tmp_path):
     assert report["path0"] == "" and report["stdin"] == "in"
     assert report["pid"] == report["pgid"] != os.getpid()  # a process group of its own
 
-    proc = subprocess.Popen(
-        [PYTHON, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(300)"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    child = int(proc.stdout.readline())
+    proc, _ = sleeping_command()
     proc.send_signal(signal.SIGTERM)  # forwarded: the command dies of it, and so does its client
     assert proc.wait(timeout=60) == -signal.SIGTERM
 
-    proc = subprocess.Popen(
-        [PYTHON, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(300)"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    child = int(proc.stdout.readline())
+    proc, child = sleeping_command()
     proc.kill()  # the client dies without a word: the server kills the command
     assert proc.wait(timeout=60) == -signal.SIGKILL
     deadline = time.monotonic() + 10
